@@ -1,0 +1,1 @@
+"""Triton kernels and their launchers. Each module holds @triton.jit kernels plus one launcher."""

@@ -1,0 +1,275 @@
+"""FlashAttention forward: the Triton kernel and its launcher.
+
+One program computes one block of BLOCK_M query rows of one (batch, query head):
+
+    O[rows] = softmax(Q[rows] @ K^T * sm_scale) @ V          LSE[rows] = logsumexp(Q[rows] @ K^T * sm_scale)
+
+It walks over K/V in blocks of BLOCK_N keys and keeps the online-softmax state in fp32 registers:
+m_i (running row max), l_i (running row sum of exp(s - m_i)) and acc (running sum of exp(s - m_i) * v).
+When a new block raises the max, both l_i and acc are rescaled by alpha = exp(m_old - m_new).
+
+Scores are kept in base 2: qk_scale = sm_scale * log2(e) is folded into one multiply, so every exp is
+the hardware's exp2. The LSE written out is converted back to the natural log.
+
+The key range of a query block is split in two loops:
+
+* off-band: key blocks that every row of the query block may see in full. No mask at all.
+* on-band: the (at most a few) blocks that cross the causal diagonal or the end of the keys. These
+  get an element mask, and rows that see no key at all are handled explicitly (out = 0, lse = -inf).
+
+Key blocks above the diagonal are never visited. Causal masking is aligned bottom-right, as in
+FlashAttention: query i sees key j when j <= i + (Sk - Sq).
+
+Layout: every tensor is addressed as [batch, seq, heads, head_dim] through its strides (the last
+stride must be 1), so FlashAttention's layout, the seeds' [B, H, S, D] layout (as a transposed view)
+and q/k/v unbound from a packed qkv tensor are all read in place.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from . import configs
+from .configs import FwdConfig
+
+LOG2E = math.log2(math.e)
+
+
+@triton.jit
+def _fwd_inner(
+    acc, l_i, m_i, q,                        # running state [BM, BD], [BM], [BM]; q tile [BM, BD]
+    K, V, k_desc, v_desc,                    # base pointers of this (batch, kv head), or descriptors
+    stride_ks, stride_vs,
+    offs_m, offs_d,                          # [BM] query positions, [BD] head-dim lanes
+    lo, hi, seqlen_k, causal_offset, qk_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, USE_TMA: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Fold key blocks [lo, hi) into the online-softmax state. MASKED selects the on-band version."""
+    offs_n = tl.arange(0, BLOCK_N)
+    d_ok = offs_d < HEAD_DIM                                           # [BD]
+    for start_n in range(lo, hi, BLOCK_N):
+        start_n = tl.multiple_of(start_n, BLOCK_N)
+        cols = start_n + offs_n                                        # [BN] key positions
+        # -- K^T tile [BD, BN] --
+        if USE_TMA:
+            k = k_desc.load([start_n, 0]).T                            # OOB rows/cols read as 0
+        else:
+            # Read transposed through the strides: key position on the columns, head dim on the rows.
+            k_ptrs = K + cols[None, :] * stride_ks + offs_d[:, None]
+            if MASKED:
+                k = tl.load(k_ptrs, mask=d_ok[:, None] & (cols[None, :] < seqlen_k), other=0.0)
+            elif BLOCK_D != HEAD_DIM:
+                k = tl.load(k_ptrs, mask=d_ok[:, None], other=0.0)
+            else:
+                k = tl.load(k_ptrs)
+        qk = tl.dot(q, k, input_precision=DOT_PRECISION)               # [BM, BN] raw scores
+        if MASKED:
+            visible = cols[None, :] < seqlen_k                         # [1, BN]
+            if IS_CAUSAL:
+                visible = visible & (cols[None, :] <= offs_m[:, None] + causal_offset)  # [BM, BN]
+            qk = tl.where(visible, qk * qk_scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, 1))                     # [BM]
+            # A row that has seen no key yet keeps m = -inf; subtract 0 instead so that
+            # exp2(-inf - (-inf)) = NaN never happens: p and alpha both come out 0.
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.math.exp2(qk - m_use[:, None])                      # [BM, BN]
+            alpha = tl.math.exp2(m_i - m_use)                          # [BM]
+        else:
+            # Every score is real here: scale and subtract the max in one FMA.
+            m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+            p = tl.math.exp2(qk * qk_scale - m_new[:, None])
+            alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        # -- V tile [BN, BD] --
+        if USE_TMA:
+            v = v_desc.load([start_n, 0])
+        else:
+            v_ptrs = V + cols[:, None] * stride_vs + offs_d[None, :]
+            if MASKED:
+                v = tl.load(v_ptrs, mask=(cols[:, None] < seqlen_k) & d_ok[None, :], other=0.0)
+            elif BLOCK_D != HEAD_DIM:
+                v = tl.load(v_ptrs, mask=d_ok[None, :], other=0.0)
+            else:
+                v = tl.load(v_ptrs)
+        # p is in [0, 1]: cast to the input dtype for the tensor cores, accumulate in fp32.
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _attn_fwd_kernel(
+    Q, K, V, O, LSE,
+    stride_qb, stride_qs, stride_qh,
+    stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh,
+    stride_ob, stride_os, stride_oh,
+    num_heads_q, kv_group_size, seqlen_q, seqlen_k, num_m_blocks,
+    qk_scale,                                # sm_scale * log2(e)
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, USE_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    # -- which (batch, head, query block) this program owns --
+    # A 1-D grid: axis 0 allows 2^31 - 1 programs, so no B*H limit applies. Query blocks of one head
+    # are neighbours (they share K/V in L2). Causal blocks run heaviest (last) block first.
+    pid = tl.program_id(0)
+    pid_m = pid % num_m_blocks
+    if IS_CAUSAL:
+        pid_m = num_m_blocks - 1 - pid_m
+    pid_bh = pid // num_m_blocks
+    off_b = pid_bh // num_heads_q
+    off_h = pid_bh % num_heads_q
+    off_hk = off_h // kv_group_size          # GQA/MQA: the K/V head this query head reads
+
+    # int64 base offsets: B*S*H*D easily exceeds 2^31 elements.
+    q_base = off_b.to(tl.int64) * stride_qb + off_h.to(tl.int64) * stride_qh
+    k_base = off_b.to(tl.int64) * stride_kb + off_hk.to(tl.int64) * stride_kh
+    v_base = off_b.to(tl.int64) * stride_vb + off_hk.to(tl.int64) * stride_vh
+    o_base = off_b.to(tl.int64) * stride_ob + off_h.to(tl.int64) * stride_oh
+
+    start_m = pid_m * BLOCK_M
+    offs_m = start_m + tl.arange(0, BLOCK_M)  # [BM]
+    offs_d = tl.arange(0, BLOCK_D)            # [BD]
+    m_ok = offs_m < seqlen_q
+    d_ok = offs_d < HEAD_DIM
+
+    if USE_TMA:
+        # One 2-D descriptor per (batch, head): rows past seqlen and lanes past HEAD_DIM read as
+        # zeros and are never written, so tails need no masks on these loads and stores.
+        q_desc = tl.make_tensor_descriptor(Q + q_base, shape=[seqlen_q, HEAD_DIM], strides=[stride_qs, 1],
+                                           block_shape=[BLOCK_M, BLOCK_D])
+        k_desc = tl.make_tensor_descriptor(K + k_base, shape=[seqlen_k, HEAD_DIM], strides=[stride_ks, 1],
+                                           block_shape=[BLOCK_N, BLOCK_D])
+        v_desc = tl.make_tensor_descriptor(V + v_base, shape=[seqlen_k, HEAD_DIM], strides=[stride_vs, 1],
+                                           block_shape=[BLOCK_N, BLOCK_D])
+        o_desc = tl.make_tensor_descriptor(O + o_base, shape=[seqlen_q, HEAD_DIM], strides=[stride_os, 1],
+                                           block_shape=[BLOCK_M, BLOCK_D])
+        q = q_desc.load([start_m, 0])         # [BM, BD], loaded once, reused for every key block
+    else:
+        k_desc = None
+        v_desc = None
+        q = tl.load(Q + q_base + offs_m[:, None] * stride_qs + offs_d[None, :],
+                    mask=m_ok[:, None] & d_ok[None, :], other=0.0)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+
+    # -- key range of this query block --
+    # Bottom-right causal: row i sees keys j <= i + causal_offset.
+    causal_offset = seqlen_k - seqlen_q
+    full_blocks_end = (seqlen_k // BLOCK_N) * BLOCK_N       # keys in whole blocks
+    if IS_CAUSAL:
+        # Off-band: keys the first row of the block already sees, so every row sees them.
+        first_row_end = tl.maximum(start_m + causal_offset + 1, 0)
+        off_band_end = tl.minimum((first_row_end // BLOCK_N) * BLOCK_N, full_blocks_end)
+        # Nothing past the last row's diagonal is visited.
+        hi = tl.minimum(tl.maximum(start_m + BLOCK_M + causal_offset, 0), seqlen_k)
+    else:
+        off_band_end = full_blocks_end
+        hi = seqlen_k
+
+    acc, l_i, m_i = _fwd_inner(
+        acc, l_i, m_i, q, K + k_base, V + v_base, k_desc, v_desc, stride_ks, stride_vs,
+        offs_m, offs_d, 0, off_band_end, seqlen_k, causal_offset, qk_scale,
+        HEAD_DIM, BLOCK_D, BLOCK_N, False, IS_CAUSAL, USE_TMA, DOT_PRECISION)
+    acc, l_i, m_i = _fwd_inner(
+        acc, l_i, m_i, q, K + k_base, V + v_base, k_desc, v_desc, stride_ks, stride_vs,
+        offs_m, offs_d, off_band_end, hi, seqlen_k, causal_offset, qk_scale,
+        HEAD_DIM, BLOCK_D, BLOCK_N, True, IS_CAUSAL, USE_TMA, DOT_PRECISION)
+
+    # -- epilogue: normalise; a row that saw no key gets out = 0 and lse = -inf --
+    empty = l_i == 0.0
+    l_safe = tl.where(empty, 1.0, l_i)
+    out = acc / l_safe[:, None]
+    lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)  # to natural log
+    lse_ptrs = LSE + pid_bh.to(tl.int64) * seqlen_q + offs_m
+    tl.store(lse_ptrs, lse, mask=m_ok)
+    if USE_TMA:
+        o_desc.store([start_m, 0], out.to(O.dtype.element_ty))
+    else:
+        o_ptrs = O + o_base + offs_m[:, None] * stride_os + offs_d[None, :]
+        tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
+
+
+# --------------------------------------------------------------------------------------------------
+# Launcher
+# --------------------------------------------------------------------------------------------------
+
+def _tma_allocator(size: int, alignment: int, stream):
+    # Device-side descriptors need a small global scratch per program (128 bytes each).
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def _ensure_allocator():
+    from triton.runtime import _allocation
+
+    if isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
+        triton.set_allocator(_tma_allocator)
+
+
+def tma_compatible(*tensors: torch.Tensor) -> bool:
+    """TMA needs 16-byte aligned base addresses and 16-byte aligned strides on every dim but the last."""
+    for t in tensors:
+        size = t.element_size()
+        if t.data_ptr() % 16 or t.stride(-1) != 1:
+            return False
+        if any((s * size) % 16 for s in t.stride()[:-1]):
+            return False
+    return True
+
+
+def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float, causal: bool,
+            out: torch.Tensor | None = None, config: FwdConfig | None = None):
+    """Launch the forward kernel on validated [B, S, H, D] views (last stride 1).
+
+    Returns (out [B, Sq, Hq, D] in q's dtype, lse [B, Hq, Sq] float32 natural log). ``out`` may be a
+    preallocated [B, Sq, Hq, D] view with last stride 1 (the [B, H, S, D] API passes a transposed
+    view so its result comes back contiguous in its own layout).
+    """
+    batch, seqlen_q, heads_q, head_dim = q.shape
+    _, seqlen_k, heads_k, _ = k.shape
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty((batch, heads_q, seqlen_q), dtype=torch.float32, device=q.device)
+    if out.numel() == 0:
+        return out, lse
+    if seqlen_k == 0:
+        # No key at all: every row is empty by definition.
+        out.zero_()
+        lse.fill_(float("-inf"))
+        return out, lse
+
+    if config is None:
+        config = configs.forward_config(head_dim=head_dim, dtype=q.dtype, causal=causal,
+                                        batch_heads=batch * heads_q, seqlen_q=seqlen_q,
+                                        seqlen_k=seqlen_k, device=q.device)
+    use_tma = config.use_tma and tma_compatible(q, k, v, out)
+    if use_tma and not configs.INTERPRET:
+        _ensure_allocator()
+    num_m_blocks = triton.cdiv(seqlen_q, config.block_m)
+    grid = (num_m_blocks * batch * heads_q,)
+    _attn_fwd_kernel[grid](
+        q, k, v, out, lse,
+        q.stride(0), q.stride(1), q.stride(2),
+        k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2),
+        out.stride(0), out.stride(1), out.stride(2),
+        heads_q, heads_q // heads_k, seqlen_q, seqlen_k, num_m_blocks,
+        sm_scale * LOG2E,
+        HEAD_DIM=head_dim, BLOCK_D=configs.head_dim_block(head_dim),
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+        IS_CAUSAL=causal, USE_TMA=use_tma,
+        # fp32 inputs: full IEEE fp32 products (Triton's default would be tf32, ~1e-3 relative error).
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    return out, lse

@@ -1,0 +1,42 @@
+"""Tolerance rule and input makers shared by the test files.
+
+The rule (FlashAttention's test suite uses the same idea): against a float64 reference, triflash's max
+error may be at most twice the max error of PyTorch's own attention computed in the same dtype, plus a
+small floor. The floor only matters where PyTorch is exact (one key, say): a quarter of the dtype's
+epsilon for fp16/bf16 (below one rounding of an output near 1), and 2^-20 for fp32, where the GPU's
+exp2 (ex2.approx) alone is good to about 2^-22 relative.
+"""
+
+import torch
+
+FLOOR = {torch.float16: 2.0**-12, torch.bfloat16: 2.0**-9, torch.float32: 2.0**-20}
+LSE_FLOOR = {torch.float16: 2.0**-16, torch.bfloat16: 2.0**-16, torch.float32: 2.0**-20}
+
+
+def max_err(a, b):
+    """max |a - b| over finite entries of b; entries where b is +-inf must match exactly."""
+    a, b = a.double(), b.double()
+    inf = torch.isinf(b)
+    if inf.any():
+        assert torch.equal(a[inf], b[inf]), "infinite reference entries (empty rows) not reproduced"
+    if (~inf).sum() == 0:
+        return 0.0
+    return (a[~inf] - b[~inf]).abs().max().item()
+
+
+def assert_no_nan(name, t):
+    bad = torch.isnan(t)
+    assert not bad.any(), f"{name}: {bad.sum().item()} of {t.numel()} elements are NaN (unwritten or NaN math)"
+
+
+def assert_2x_rule(name, got, ref64, ref_same_dtype, dtype, floor_table=FLOOR):
+    assert_no_nan(name, got)
+    err = max_err(got, ref64)
+    base = max_err(ref_same_dtype, ref64)
+    floor = floor_table[dtype]
+    assert err <= 2 * base + floor, (
+        f"{name}: max error {err:.3e} > 2 x PyTorch same-dtype error {base:.3e} + floor {floor:.1e}")
+
+
+def randn(*shape, dtype, device):
+    return torch.randn(*shape, dtype=dtype, device=device)
