@@ -94,10 +94,10 @@ def test_return_lse_false_returns_tensor(device):
 
 
 CONFIGS = [
-    pytest.param(FwdConfig(16, 32, 4, 2, use_tma=False), id="M16-N32"),
-    pytest.param(FwdConfig(32, 16, 4, 2, use_tma=False), id="M32-N16"),
-    pytest.param(FwdConfig(64, 64, 4, 2, use_tma=True), id="M64-N64-tma"),
-    pytest.param(FwdConfig(128, 64, 4, 3, use_tma=True), id="M128-N64-tma"),
+    pytest.param(FwdConfig(16, 32, 4, 2, tma="none"), id="M16-N32"),
+    pytest.param(FwdConfig(32, 16, 4, 2, tma="none"), id="M32-N16"),
+    pytest.param(FwdConfig(64, 64, 4, 2, tma="device"), id="M64-N64-tma_device"),
+    pytest.param(FwdConfig(128, 64, 4, 3, tma="host"), id="M128-N64-tma_host"),
 ]
 
 
@@ -107,7 +107,7 @@ CONFIGS = [
 def test_forward_block_shapes(device, config, causal, seqlen_q, seqlen_k):
     """Other tile shapes than the chooser's, BLOCK_N > BLOCK_M included (a causal bound taken from
     BLOCK_N instead of the query block's end shows up here), with and without tensor descriptors."""
-    if ON_GPU and config.use_tma and torch.cuda.get_device_capability()[0] < 9:
+    if ON_GPU and config.tma != "none" and torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("tensor descriptors need sm_90+")
     dtype = torch.float16
     q = torch.randn(2, seqlen_q, 4, 80, dtype=dtype, device=device)

@@ -41,12 +41,14 @@ def causal_visible(seqlen_q: int, seqlen_k: int, device=None) -> torch.Tensor:
 
 def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
                   sm_scale: float | None = None, compute_dtype: torch.dtype | None = torch.float64,
-                  return_lse: bool = False):
+                  return_lse: bool = False, max_scores: int = 2**28):
     """Reference attention on [B, H, S, D] with GQA, bottom-right causal and empty rows.
 
     compute_dtype=None computes like PyTorch attention in the input dtype: matmuls in that dtype,
     softmax in float32 (the seeds' naive recipe). Returns out in ``compute_dtype`` (or q's dtype), and
     with ``return_lse`` the natural-log LSE [B, H, Sq] in float32 (float64 when compute_dtype is).
+    Query rows are processed in chunks so that at most ``max_scores`` scores exist at once (long
+    sequences on the GPU); chunking does not change any value.
     """
     if sm_scale is None:
         sm_scale = 1.0 / math.sqrt(q.shape[-1])
@@ -56,16 +58,25 @@ def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
         v = v.repeat_interleave(group, dim=1)
     mm_dtype = compute_dtype or q.dtype
     soft_dtype = compute_dtype or torch.float32
-    qc, kc, vc = (t.to(mm_dtype) for t in (q, k, v))
-    scores = torch.matmul(qc, kc.transpose(-1, -2)).to(soft_dtype) * sm_scale    # [B, H, Sq, Sk]
-    if causal:
-        visible = causal_visible(q.shape[2], k.shape[2], device=q.device)
-        scores = scores.masked_fill(~visible, float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)                                          # [B, H, Sq]
-    empty = torch.isneginf(lse)
-    probs = torch.exp(scores - torch.where(empty, 0.0, lse)[..., None])            # 0 on empty rows
-    out = torch.matmul(probs.to(mm_dtype), vc)
+    batch, heads, seqlen_q, _ = q.shape
+    seqlen_k = k.shape[2]
+    kc, vc = k.to(mm_dtype), v.to(mm_dtype)
+    rows = max(1, max_scores // max(1, batch * heads * seqlen_k))
+    outs, lses = [], []
+    for r0 in range(0, seqlen_q, rows):
+        qc = q[:, :, r0:r0 + rows].to(mm_dtype)
+        scores = torch.matmul(qc, kc.transpose(-1, -2)).to(soft_dtype) * sm_scale   # [B, H, rows, Sk]
+        if causal:
+            visible = causal_visible(seqlen_q, seqlen_k, device=q.device)[r0:r0 + rows]
+            scores = scores.masked_fill(~visible, float("-inf"))
+        lse = torch.logsumexp(scores, dim=-1)                                          # [B, H, rows]
+        empty = torch.isneginf(lse)
+        probs = torch.exp(scores - torch.where(empty, 0.0, lse)[..., None])            # 0 on empty rows
+        outs.append(torch.matmul(probs.to(mm_dtype), vc))
+        lses.append(lse)
+    out = torch.cat(outs, dim=2) if outs else q.new_zeros(q.shape, dtype=mm_dtype)
     if return_lse:
+        lse = torch.cat(lses, dim=2) if lses else q.new_zeros((batch, heads, 0), dtype=soft_dtype)
         return out, lse
     return out
 

@@ -25,22 +25,33 @@ class FwdConfig:
     """Launch parameters of the forward kernel.
 
     block_m / block_n: query rows and key columns per tile. num_warps / num_stages: Triton's launch
-    options (stages = depth of the K/V software pipeline). use_tma: load Q/K/V and store O through
-    tensor descriptors (Hopper's TMA engine) instead of pointer arithmetic; the launcher turns it off
-    where the hardware or the tensor strides do not allow it.
+    options (stages = depth of the K/V software pipeline). tma: how tiles move between memory and
+    the multiprocessor: "none" (pointer loads, any GPU), "device" (tensor descriptors built in the
+    kernel, one 2-D view per head) or "host" (4-D descriptors built by the launcher); both descriptor
+    modes use Hopper's TMA engine. The launcher falls back to "none" where the GPU or the tensor
+    strides do not allow descriptors. warp_specialize: ask Triton to split the off-band loop into
+    producer (loads) and consumer (math) warps.
     """
 
     block_m: int
     block_n: int
     num_warps: int
     num_stages: int
-    use_tma: bool = False
+    tma: str = "none"
+    warp_specialize: bool = False
+
+    def __post_init__(self):
+        if self.tma not in TMA_MODES:
+            raise ValueError(f"FwdConfig.tma must be one of {sorted(TMA_MODES)}, got {self.tma!r}")
+
+
+TMA_MODES = {"none": 0, "device": 1, "host": 2}
 
 
 # The interpreter runs every program in Python over numpy blocks: fewer, larger tiles are faster, but
 # tiles smaller than the test sizes are needed so that tails, several off-band blocks and the causal
 # diagonal all occur. BLOCK_M != BLOCK_N on purpose: it catches a causal bound taken from the wrong block.
-INTERPRETER_FWD = FwdConfig(block_m=64, block_n=32, num_warps=1, num_stages=1, use_tma=False)
+INTERPRETER_FWD = FwdConfig(block_m=64, block_n=32, num_warps=1, num_stages=1, tma="none")
 
 
 def head_dim_block(head_dim: int) -> int:
@@ -62,20 +73,20 @@ def forward_config(*, head_dim: int, dtype, causal: bool, batch_heads: int, seql
     if INTERPRET:
         return INTERPRETER_FWD
     block_d = head_dim_block(head_dim)
-    hopper = _is_hopper_or_newer(device)
+    tma = "device" if _is_hopper_or_newer(device) else "none"
     if dtype == torch.float32:
         # fp32 dots run in IEEE fp32 on the CUDA cores: small tiles keep the registers in check.
         if block_d <= 64:
-            return FwdConfig(64, 32, 4, 2, use_tma=hopper)
-        return FwdConfig(32, 32, 4, 1, use_tma=hopper)
+            return FwdConfig(64, 32, 4, 2, tma=tma)
+        return FwdConfig(32, 32, 4, 1, tma=tma)
     if block_d <= 64:
-        cfg = FwdConfig(128, 64, 4, 3, use_tma=hopper)
+        cfg = FwdConfig(128, 64, 4, 3, tma=tma)
     elif block_d <= 128:
-        cfg = FwdConfig(128, 64, 8, 2, use_tma=hopper)
+        cfg = FwdConfig(128, 64, 8, 2, tma=tma)
     else:
-        cfg = FwdConfig(64, 64, 4, 2, use_tma=hopper)
+        cfg = FwdConfig(64, 64, 4, 2, tma=tma)
     # Short problems: halve BLOCK_M when the grid would leave most multiprocessors idle.
     sm_count = torch.cuda.get_device_properties(device).multi_processor_count
     if cfg.block_m > 64 and batch_heads * triton.cdiv(seqlen_q, cfg.block_m) < sm_count:
-        cfg = FwdConfig(64, cfg.block_n, 4, cfg.num_stages, cfg.use_tma)
+        cfg = FwdConfig(64, cfg.block_n, 4, cfg.num_stages, cfg.tma)
     return cfg

@@ -32,6 +32,7 @@ import math
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from . import configs
 from .configs import FwdConfig
@@ -42,23 +43,25 @@ LOG2E = math.log2(math.e)
 @triton.jit
 def _fwd_inner(
     acc, l_i, m_i, q,                        # running state [BM, BD], [BM], [BM]; q tile [BM, BD]
-    K, V, k_desc, v_desc,                    # base pointers of this (batch, kv head), or descriptors
-    stride_ks, stride_vs,
+    K, V,                                    # TMA 0: pointers to this (batch, kv head); else descriptors
+    off_b, off_hk, stride_ks, stride_vs,
     offs_m, offs_d,                          # [BM] query positions, [BD] head-dim lanes
     lo, hi, seqlen_k, causal_offset, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, USE_TMA: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, TMA: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
 ):
     """Fold key blocks [lo, hi) into the online-softmax state. MASKED selects the on-band version."""
     offs_n = tl.arange(0, BLOCK_N)
     d_ok = offs_d < HEAD_DIM                                           # [BD]
-    for start_n in range(lo, hi, BLOCK_N):
+    for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         cols = start_n + offs_n                                        # [BN] key positions
         # -- K^T tile [BD, BN] --
-        if USE_TMA:
-            k = k_desc.load([start_n, 0]).T                            # OOB rows/cols read as 0
+        if TMA == 1:
+            k = K.load([start_n, 0]).T                                 # OOB rows/cols read as 0
+        elif TMA == 2:
+            k = K.load([off_b, start_n, off_hk, 0]).reshape(BLOCK_N, BLOCK_D).T
         else:
             # Read transposed through the strides: key position on the columns, head dim on the rows.
             k_ptrs = K + cols[None, :] * stride_ks + offs_d[:, None]
@@ -88,8 +91,10 @@ def _fwd_inner(
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
         # -- V tile [BN, BD] --
-        if USE_TMA:
-            v = v_desc.load([start_n, 0])
+        if TMA == 1:
+            v = V.load([start_n, 0])
+        elif TMA == 2:
+            v = V.load([off_b, start_n, off_hk, 0]).reshape(BLOCK_N, BLOCK_D)
         else:
             v_ptrs = V + cols[:, None] * stride_vs + offs_d[None, :]
             if MASKED:
@@ -115,8 +120,13 @@ def _attn_fwd_kernel(
     qk_scale,                                # sm_scale * log2(e)
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    IS_CAUSAL: tl.constexpr, USE_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr,
 ):
+    """TMA selects how tiles move: 0 pointer loads/stores (any GPU, the interpreter); 1 tensor
+    descriptors built in the kernel, one 2-D [seqlen, head_dim] view per (batch, head); 2 4-D
+    [B, S, H, D] descriptors built on the host (Q, K, V, O are then descriptors, not pointers).
+    With descriptors, rows past seqlen and lanes past HEAD_DIM read as zeros and are never written."""
     # -- which (batch, head, query block) this program owns --
     # A 1-D grid: axis 0 allows 2^31 - 1 programs, so no B*H limit applies. Query blocks of one head
     # are neighbours (they share K/V in L2). Causal blocks run heaviest (last) block first.
@@ -141,21 +151,21 @@ def _attn_fwd_kernel(
     m_ok = offs_m < seqlen_q
     d_ok = offs_d < HEAD_DIM
 
-    if USE_TMA:
-        # One 2-D descriptor per (batch, head): rows past seqlen and lanes past HEAD_DIM read as
-        # zeros and are never written, so tails need no masks on these loads and stores.
-        q_desc = tl.make_tensor_descriptor(Q + q_base, shape=[seqlen_q, HEAD_DIM], strides=[stride_qs, 1],
-                                           block_shape=[BLOCK_M, BLOCK_D])
-        k_desc = tl.make_tensor_descriptor(K + k_base, shape=[seqlen_k, HEAD_DIM], strides=[stride_ks, 1],
-                                           block_shape=[BLOCK_N, BLOCK_D])
-        v_desc = tl.make_tensor_descriptor(V + v_base, shape=[seqlen_k, HEAD_DIM], strides=[stride_vs, 1],
-                                           block_shape=[BLOCK_N, BLOCK_D])
-        o_desc = tl.make_tensor_descriptor(O + o_base, shape=[seqlen_q, HEAD_DIM], strides=[stride_os, 1],
-                                           block_shape=[BLOCK_M, BLOCK_D])
-        q = q_desc.load([start_m, 0])         # [BM, BD], loaded once, reused for every key block
+    if TMA == 1:
+        Q = tl.make_tensor_descriptor(Q + q_base, shape=[seqlen_q, HEAD_DIM], strides=[stride_qs, 1],
+                                      block_shape=[BLOCK_M, BLOCK_D])
+        K = tl.make_tensor_descriptor(K + k_base, shape=[seqlen_k, HEAD_DIM], strides=[stride_ks, 1],
+                                      block_shape=[BLOCK_N, BLOCK_D])
+        V = tl.make_tensor_descriptor(V + v_base, shape=[seqlen_k, HEAD_DIM], strides=[stride_vs, 1],
+                                      block_shape=[BLOCK_N, BLOCK_D])
+        O = tl.make_tensor_descriptor(O + o_base, shape=[seqlen_q, HEAD_DIM], strides=[stride_os, 1],
+                                      block_shape=[BLOCK_M, BLOCK_D])
+        q = Q.load([start_m, 0])              # [BM, BD], loaded once, reused for every key block
+    elif TMA == 2:
+        q = Q.load([off_b, start_m, off_h, 0]).reshape(BLOCK_M, BLOCK_D)
     else:
-        k_desc = None
-        v_desc = None
+        K += k_base
+        V += v_base
         q = tl.load(Q + q_base + offs_m[:, None] * stride_qs + offs_d[None, :],
                     mask=m_ok[:, None] & d_ok[None, :], other=0.0)
 
@@ -178,13 +188,13 @@ def _attn_fwd_kernel(
         hi = seqlen_k
 
     acc, l_i, m_i = _fwd_inner(
-        acc, l_i, m_i, q, K + k_base, V + v_base, k_desc, v_desc, stride_ks, stride_vs,
+        acc, l_i, m_i, q, K, V, off_b, off_hk, stride_ks, stride_vs,
         offs_m, offs_d, 0, off_band_end, seqlen_k, causal_offset, qk_scale,
-        HEAD_DIM, BLOCK_D, BLOCK_N, False, IS_CAUSAL, USE_TMA, DOT_PRECISION)
+        HEAD_DIM, BLOCK_D, BLOCK_N, False, IS_CAUSAL, TMA, DOT_PRECISION, WARP_SPECIALIZE)
     acc, l_i, m_i = _fwd_inner(
-        acc, l_i, m_i, q, K + k_base, V + v_base, k_desc, v_desc, stride_ks, stride_vs,
+        acc, l_i, m_i, q, K, V, off_b, off_hk, stride_ks, stride_vs,
         offs_m, offs_d, off_band_end, hi, seqlen_k, causal_offset, qk_scale,
-        HEAD_DIM, BLOCK_D, BLOCK_N, True, IS_CAUSAL, USE_TMA, DOT_PRECISION)
+        HEAD_DIM, BLOCK_D, BLOCK_N, True, IS_CAUSAL, TMA, DOT_PRECISION, False)
 
     # -- epilogue: normalise; a row that saw no key gets out = 0 and lse = -inf --
     empty = l_i == 0.0
@@ -193,8 +203,10 @@ def _attn_fwd_kernel(
     lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)  # to natural log
     lse_ptrs = LSE + pid_bh.to(tl.int64) * seqlen_q + offs_m
     tl.store(lse_ptrs, lse, mask=m_ok)
-    if USE_TMA:
-        o_desc.store([start_m, 0], out.to(O.dtype.element_ty))
+    if TMA == 1:
+        O.store([start_m, 0], out.to(O.dtype))
+    elif TMA == 2:
+        O.store([off_b, start_m, off_h, 0], out.to(O.dtype).reshape(1, BLOCK_M, 1, BLOCK_D))
     else:
         o_ptrs = O + o_base + offs_m[:, None] * stride_os + offs_d[None, :]
         tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
@@ -217,12 +229,14 @@ def _ensure_allocator():
 
 
 def tma_compatible(*tensors: torch.Tensor) -> bool:
-    """TMA needs 16-byte aligned base addresses and 16-byte aligned strides on every dim but the last."""
+    """TMA needs 16-byte aligned base addresses, unit stride on head_dim and positive 16-byte aligned
+    strides on every other dim. Contiguous tensors, transposed views and packed qkv pass whenever
+    head_dim * element size is a multiple of 16 bytes."""
     for t in tensors:
         size = t.element_size()
         if t.data_ptr() % 16 or t.stride(-1) != 1:
             return False
-        if any((s * size) % 16 for s in t.stride()[:-1]):
+        if any(s <= 0 or (s * size) % 16 for s in t.stride()[:-1]):
             return False
     return True
 
@@ -252,24 +266,32 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float, 
         config = configs.forward_config(head_dim=head_dim, dtype=q.dtype, causal=causal,
                                         batch_heads=batch * heads_q, seqlen_q=seqlen_q,
                                         seqlen_k=seqlen_k, device=q.device)
-    use_tma = config.use_tma and tma_compatible(q, k, v, out)
-    if use_tma and not configs.INTERPRET:
+    tma = config.tma if tma_compatible(q, k, v, out) else "none"
+    block_d = configs.head_dim_block(head_dim)
+    Q, K, V, O = q, k, v, out
+    if tma == "device" and not configs.INTERPRET:
         _ensure_allocator()
+    elif tma == "host":
+        Q = TensorDescriptor.from_tensor(q, [1, config.block_m, 1, block_d])
+        K = TensorDescriptor.from_tensor(k, [1, config.block_n, 1, block_d])
+        V = TensorDescriptor.from_tensor(v, [1, config.block_n, 1, block_d])
+        O = TensorDescriptor.from_tensor(out, [1, config.block_m, 1, block_d])
     num_m_blocks = triton.cdiv(seqlen_q, config.block_m)
     grid = (num_m_blocks * batch * heads_q,)
     _attn_fwd_kernel[grid](
-        q, k, v, out, lse,
+        Q, K, V, O, lse,
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
         out.stride(0), out.stride(1), out.stride(2),
         heads_q, heads_q // heads_k, seqlen_q, seqlen_k, num_m_blocks,
         sm_scale * LOG2E,
-        HEAD_DIM=head_dim, BLOCK_D=configs.head_dim_block(head_dim),
+        HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n,
-        IS_CAUSAL=causal, USE_TMA=use_tma,
+        IS_CAUSAL=causal, TMA=configs.TMA_MODES[tma],
         # fp32 inputs: full IEEE fp32 products (Triton's default would be tf32, ~1e-3 relative error).
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        WARP_SPECIALIZE=config.warp_specialize,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return out, lse

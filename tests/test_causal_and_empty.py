@@ -1,0 +1,88 @@
+"""Causal alignment, rows that see no key, empty tensors, and numerically hard inputs."""
+
+import pytest
+import torch
+from helpers import LSE_FLOOR, assert_2x_rule, assert_no_nan
+
+import triflash
+from triflash.reference import causal_visible, flash_attn_ref, naive_attention
+
+
+def test_bottom_right_alignment_by_hand(device):
+    """Sq=3, Sk=5: query i sees keys 0..i+2. Checked against a softmax written out by hand."""
+    q = torch.randn(1, 3, 1, 16, dtype=torch.float32, device=device)
+    k = torch.randn(1, 5, 1, 16, dtype=torch.float32, device=device)
+    v = torch.randn(1, 5, 1, 16, dtype=torch.float32, device=device)
+    out = triflash.flash_attn_func(q, k, v, causal=True).double()
+    qd, kd, vd = q[0, :, 0].double(), k[0, :, 0].double(), v[0, :, 0].double()
+    for i in range(3):
+        visible = i + 2 + 1                          # keys 0 .. i+2
+        s = qd[i] @ kd[:visible].T / 4.0
+        expected = torch.softmax(s, 0) @ vd[:visible]
+        assert torch.allclose(out[0, i, 0], expected, atol=1e-5, rtol=0), f"row {i}"
+    assert causal_visible(3, 5).tolist() == [
+        [True, True, True, False, False],
+        [True, True, True, True, False],
+        [True, True, True, True, True],
+    ]
+
+
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(239, 1), (100, 37), (70, 64), (5, 2)])
+def test_rows_with_no_visible_key(device, seqlen_q, seqlen_k):
+    """Causal with Sq > Sk: the first Sq - Sk rows see nothing and get out = 0, lse = -inf, no NaN."""
+    dtype = torch.float16
+    q = torch.randn(2, seqlen_q, 4, 64, dtype=dtype, device=device)
+    k = torch.randn(2, seqlen_k, 2, 64, dtype=dtype, device=device)
+    v = torch.randn(2, seqlen_k, 2, 64, dtype=dtype, device=device)
+    out, lse = triflash.flash_attn_func(q, k, v, causal=True, return_lse=True)
+    assert_no_nan("out", out)
+    assert_no_nan("lse", lse)
+    n_empty = seqlen_q - seqlen_k
+    assert torch.equal(out[:, :n_empty], torch.zeros_like(out[:, :n_empty]))
+    assert torch.isneginf(lse[:, :, :n_empty]).all()
+    assert torch.isfinite(lse[:, :, n_empty:]).all()
+    ref, ref_lse = flash_attn_ref(q, k, v, causal=True, return_lse=True)
+    same, same_lse = flash_attn_ref(q, k, v, causal=True, compute_dtype=None, return_lse=True)
+    assert_2x_rule("out", out, ref, same, dtype)
+    assert_2x_rule("lse", lse, ref_lse, same_lse, dtype, LSE_FLOOR)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_no_keys_at_all(device, causal):
+    q = torch.randn(2, 9, 2, 32, dtype=torch.float16, device=device)
+    k = torch.randn(2, 0, 2, 32, dtype=torch.float16, device=device)
+    out, lse = triflash.flash_attn_func(q, k, k, causal=causal, return_lse=True)
+    assert torch.equal(out, torch.zeros_like(out))
+    assert torch.isneginf(lse).all() and lse.shape == (2, 2, 9)
+
+
+@pytest.mark.parametrize("shape_q,shape_k", [((0, 5, 2, 32), (0, 5, 2, 32)), ((2, 0, 2, 32), (2, 7, 2, 32))])
+def test_empty_outputs(device, shape_q, shape_k):
+    q = torch.randn(*shape_q, dtype=torch.float16, device=device)
+    k = torch.randn(*shape_k, dtype=torch.float16, device=device)
+    out, lse = triflash.flash_attn_func(q, k, k, causal=True, return_lse=True)
+    assert out.shape == q.shape and lse.shape == (shape_q[0], shape_q[2], shape_q[1])
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_matches_the_seeds_naive_attention(device, causal):
+    """On the seeds' own setting (square, [B, H, S, D], one K/V head per query head)."""
+    q, k, v = (torch.randn(2, 3, 150, 64, dtype=torch.float16, device=device) for _ in range(3))
+    out = triflash.attention(q, k, v, causal=causal)
+    ref = flash_attn_ref(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=causal).transpose(1, 2)
+    naive = naive_attention(q, k, v, causal=causal)
+    assert_2x_rule("out", out, ref, naive, torch.float16)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_large_scores_stay_finite(device, causal):
+    """Scores in the hundreds: exp without the running max would overflow even in fp32."""
+    q = torch.randn(1, 130, 2, 64, dtype=torch.float16, device=device) * 8
+    k = torch.randn(1, 130, 2, 64, dtype=torch.float16, device=device) * 8
+    v = torch.randn(1, 130, 2, 64, dtype=torch.float16, device=device)
+    out, lse = triflash.flash_attn_func(q, k, v, causal=causal, return_lse=True)
+    assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+    ref, ref_lse = flash_attn_ref(q, k, v, causal=causal, return_lse=True)
+    same, same_lse = flash_attn_ref(q, k, v, causal=causal, compute_dtype=None, return_lse=True)
+    assert_2x_rule("out", out, ref, same, torch.float16)
+    assert_2x_rule("lse", lse, ref_lse, same_lse, torch.float16, LSE_FLOOR)

@@ -1,0 +1,102 @@
+"""Bad input raises TypeError/ValueError before any launch, naming the argument, expected and received."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import triflash
+import triflash.api as api
+
+
+def _qkv(device, b=1, sq=8, sk=8, hq=4, hkv=2, d=32, dtype=torch.float16):
+    q = torch.randn(b, sq, hq, d, dtype=dtype, device=device)
+    k = torch.randn(b, sk, hkv, d, dtype=dtype, device=device)
+    v = torch.randn(b, sk, hkv, d, dtype=dtype, device=device)
+    return q, k, v
+
+
+@pytest.fixture
+def no_launch(monkeypatch):
+    """Fail the test if validation lets a bad input reach the kernel launcher."""
+    def boom(*args, **kwargs):
+        raise AssertionError("the kernel was launched before the bad input was rejected")
+    monkeypatch.setattr(api, "_forward_launch", boom)
+
+
+def _bad_inputs(device):
+    q, k, v = _qkv(device)
+    return [
+        ("rank", (q[0], k, v), {}, ValueError, ["q", "4-D", "3-D"]),
+        ("rank-k", (q, k[..., None], v), {}, ValueError, ["k", "4-D", "5-D"]),
+        ("not-a-tensor", (q.tolist(), k, v), {}, TypeError, ["q", "torch.Tensor", "list"]),
+        ("dtype-mismatch", (q, k.float(), v), {}, TypeError, ["k.dtype", "torch.float16", "torch.float32"]),
+        ("dtype-mismatch-v", (q, k, v.to(torch.bfloat16)), {}, TypeError, ["v.dtype", "torch.bfloat16"]),
+        ("unsupported-dtype", (q.double(), k.double(), v.double()), {}, TypeError,
+         ["q.dtype", "float16, bfloat16, float32", "torch.float64"]),
+        ("int-dtype", (q.to(torch.int32), k.to(torch.int32), v.to(torch.int32)), {}, TypeError,
+         ["q.dtype", "torch.int32"]),
+        ("heads-not-multiple", _qkv(device, hq=6, hkv=4), {}, ValueError, ["multiple", "Hq=6", "Hkv=4"]),
+        ("head-dim-differs", (q, torch.randn(1, 8, 2, 16, dtype=q.dtype, device=device),
+                              torch.randn(1, 8, 2, 16, dtype=q.dtype, device=device)), {}, ValueError,
+         ["head_dim", "32", "16"]),
+        ("head-dim-too-big", _qkv(device, d=272), {}, ValueError, ["head_dim", "256", "272"]),
+        ("kv-shapes-differ", (q, k, v[:, :5]), {}, ValueError, ["v", "same shape as k", "(1, 8, 2, 32)",
+                                                               "(1, 5, 2, 32)"]),
+        ("batch-mismatch", (q, torch.cat([k, k]), torch.cat([v, v])), {}, ValueError, ["batch", "1", "2"]),
+        ("scale-type", (q, k, v), {"softmax_scale": "0.1"}, TypeError, ["softmax_scale", "str"]),
+        ("scale-nan", (q, k, v), {"softmax_scale": float("nan")}, ValueError, ["softmax_scale", "nan"]),
+        ("scale-negative", (q, k, v), {"softmax_scale": -1.0}, ValueError, ["softmax_scale", "-1.0"]),
+        ("causal-type", (q, k, v), {"causal": "yes"}, TypeError, ["causal", "bool", "str"]),
+    ]
+
+
+BAD_IDS = [case[0] for case in _bad_inputs("cpu")]
+
+
+@pytest.mark.parametrize("case_id", BAD_IDS)
+def test_bad_input_raises_before_launch(device, no_launch, case_id):
+    _, args, kwargs, exc, words = next(c for c in _bad_inputs(device) if c[0] == case_id)
+    with pytest.raises(exc) as info:
+        triflash.flash_attn_func(*args, **kwargs)
+    msg = str(info.value)
+    for word in words:
+        assert word in msg, f"message {msg!r} should mention {word!r}"
+
+
+def test_bhsd_api_names_its_own_layout_and_scale(device, no_launch):
+    q = torch.randn(1, 4, 8, 32, dtype=torch.float16, device=device)
+    k = torch.randn(1, 3, 8, 32, dtype=torch.float16, device=device)
+    with pytest.raises(ValueError, match=r"Hq=4, Hkv=3"):
+        triflash.attention(q, k, k)
+    with pytest.raises(ValueError, match=r"\[batch, heads, seqlen, head_dim\]"):
+        triflash.attention(q[0], k, k)
+    with pytest.raises(ValueError, match="sm_scale"):
+        triflash.attention(q, q, q, sm_scale=0.0)
+
+
+def test_tensors_on_different_devices(no_launch):
+    """The meta device stands in for a second device: the check compares devices before anything else."""
+    q, k, v = _qkv("cpu")
+    with pytest.raises(ValueError, match=r"k must be on the same device as q \(cpu\), got meta"):
+        triflash.flash_attn_func(q, k.to("meta"), v)
+    with pytest.raises(ValueError, match=r"v must be on the same device as q"):
+        triflash.flash_attn_func(q, k, v.to("meta"))
+
+
+def test_cpu_tensors_without_interpreter_ask_for_a_gpu(tmp_path):
+    """Without TRITON_INTERPRET=1, CPU tensors get a clear 'needs a CUDA GPU' error."""
+    code = (
+        "import torch, triflash\n"
+        "q = torch.randn(1, 4, 1, 16, dtype=torch.float16)\n"
+        "try:\n"
+        "    triflash.flash_attn_func(q, q, q)\n"
+        "except ValueError as e:\n"
+        "    print('ERR', e)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert res.returncode == 0, res.stderr
+    assert "ERR" in res.stdout and "CUDA GPU" in res.stdout and "TRITON_INTERPRET=1" in res.stdout
