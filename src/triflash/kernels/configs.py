@@ -73,7 +73,8 @@ def forward_config(*, head_dim: int, dtype, causal: bool, batch_heads: int, seql
     if INTERPRET:
         return INTERPRETER_FWD
     block_d = head_dim_block(head_dim)
-    tma = "device" if _is_hopper_or_newer(device) else "none"
+    # Host-built 4-D descriptors measured fastest on the H200 (docs/performance-notes.md, run 1).
+    tma = "host" if _is_hopper_or_newer(device) else "none"
     if dtype == torch.float32:
         # fp32 dots run in IEEE fp32 on the CUDA cores: small tiles keep the registers in check.
         if block_d <= 64:
@@ -82,7 +83,7 @@ def forward_config(*, head_dim: int, dtype, causal: bool, batch_heads: int, seql
     if block_d <= 64:
         cfg = FwdConfig(128, 64, 4, 3, tma=tma)
     elif block_d <= 128:
-        cfg = FwdConfig(128, 64, 8, 2, tma=tma)
+        cfg = FwdConfig(128, 64, 4, 2, tma=tma)
     else:
         cfg = FwdConfig(64, 64, 4, 2, tma=tma)
     # Short problems: halve BLOCK_M when the grid would leave most multiprocessors idle.

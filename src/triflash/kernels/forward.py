@@ -8,8 +8,9 @@ It walks over K/V in blocks of BLOCK_N keys and keeps the online-softmax state i
 m_i (running row max), l_i (running row sum of exp(s - m_i)) and acc (running sum of exp(s - m_i) * v).
 When a new block raises the max, both l_i and acc are rescaled by alpha = exp(m_old - m_new).
 
-Scores are kept in base 2: qk_scale = sm_scale * log2(e) is folded into one multiply, so every exp is
-the hardware's exp2. The LSE written out is converted back to the natural log.
+The exponentials are base 2: qk_scale = sm_scale * log2(e) is folded into the one FMA that also
+subtracts the row max, so every exp is the hardware's exp2. The row max itself is kept in raw score
+units, and the LSE written out is the natural log: m * sm_scale + ln(l).
 
 The key range of a query block is split in two loops:
 
@@ -72,22 +73,24 @@ def _fwd_inner(
             else:
                 k = tl.load(k_ptrs)
         qk = tl.dot(q, k, input_precision=DOT_PRECISION)               # [BM, BN] raw scores
+        # m_i is the running max of the *raw* scores; the scale is applied inside the exp2's FMA.
+        # (Keeping m unscaled lets the epilogue form the LSE as m * sm_scale + log(l) with one
+        # rounding, as PyTorch does, instead of going through base 2 and back.)
         if MASKED:
             visible = cols[None, :] < seqlen_k                         # [1, BN]
             if IS_CAUSAL:
                 visible = visible & (cols[None, :] <= offs_m[:, None] + causal_offset)  # [BM, BN]
-            qk = tl.where(visible, qk * qk_scale, float("-inf"))
+            qk = tl.where(visible, qk, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(qk, 1))                     # [BM]
             # A row that has seen no key yet keeps m = -inf; subtract 0 instead so that
             # exp2(-inf - (-inf)) = NaN never happens: p and alpha both come out 0.
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.math.exp2(qk - m_use[:, None])                      # [BM, BN]
-            alpha = tl.math.exp2(m_i - m_use)                          # [BM]
+            m_scaled = tl.where(m_new == float("-inf"), 0.0, m_new * qk_scale)
         else:
-            # Every score is real here: scale and subtract the max in one FMA.
-            m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
-            p = tl.math.exp2(qk * qk_scale - m_new[:, None])
-            alpha = tl.math.exp2(m_i - m_new)
+            # Every score is real here.
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            m_scaled = m_new * qk_scale
+        p = tl.math.exp2(qk * qk_scale - m_scaled[:, None])            # [BM, BN], one FMA each
+        alpha = tl.math.exp2(m_i * qk_scale - m_scaled)                # [BM]
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
         # -- V tile [BN, BD] --
@@ -117,7 +120,7 @@ def _attn_fwd_kernel(
     stride_vb, stride_vs, stride_vh,
     stride_ob, stride_os, stride_oh,
     num_heads_q, kv_group_size, seqlen_q, seqlen_k, num_m_blocks,
-    qk_scale,                                # sm_scale * log2(e)
+    sm_scale, qk_scale,                      # qk_scale = sm_scale * log2(e), rounded once on the host
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_CAUSAL: tl.constexpr, TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
@@ -200,7 +203,7 @@ def _attn_fwd_kernel(
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
     out = acc / l_safe[:, None]
-    lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)  # to natural log
+    lse = tl.where(empty, float("-inf"), m_i * sm_scale + tl.math.log2(l_safe) * 0.6931471805599453)
     lse_ptrs = LSE + pid_bh.to(tl.int64) * seqlen_q + offs_m
     tl.store(lse_ptrs, lse, mask=m_ok)
     if TMA == 1:
@@ -285,7 +288,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float, 
         v.stride(0), v.stride(1), v.stride(2),
         out.stride(0), out.stride(1), out.stride(2),
         heads_q, heads_q // heads_k, seqlen_q, seqlen_k, num_m_blocks,
-        sm_scale * LOG2E,
+        sm_scale, sm_scale * LOG2E,
         HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         IS_CAUSAL=causal, TMA=configs.TMA_MODES[tma],
