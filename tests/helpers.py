@@ -9,6 +9,13 @@ exp2 (ex2.approx) alone is good to about 2^-22 relative.
 
 import torch
 
+# The grid, shared by the forward and backward suites.
+SEQLENS = [(1, 1), (1, 129), (17, 17), (113, 203), (128, 217), (239, 1), (1023, 1024)]
+HEAD_DIMS = [16, 40, 64, 80, 128, 256]
+HEADS = [(6, 6), (6, 2), (6, 1)]          # MHA, GQA 6:2, MQA 6:1
+HEADS_ID = {(6, 6): "mha", (6, 2): "gqa3", (6, 1): "mqa"}
+DTYPE_ID = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
+
 FLOOR = {torch.float16: 2.0**-12, torch.bfloat16: 2.0**-9, torch.float32: 2.0**-20}
 LSE_FLOOR = {torch.float16: 2.0**-16, torch.bfloat16: 2.0**-16, torch.float32: 2.0**-20}
 

@@ -10,18 +10,13 @@ import itertools
 import pytest
 import torch
 from conftest import DTYPES, ON_GPU
-from helpers import LSE_FLOOR, assert_2x_rule
+from helpers import DTYPE_ID, HEAD_DIMS, HEADS, HEADS_ID, LSE_FLOOR, SEQLENS, assert_2x_rule
 
 import triflash
 from triflash.kernels.configs import FwdConfig
 from triflash.kernels.forward import forward
 from triflash.reference import flash_attn_ref
 
-SEQLENS = [(1, 1), (1, 129), (17, 17), (113, 203), (128, 217), (239, 1), (1023, 1024)]
-HEAD_DIMS = [16, 40, 64, 80, 128, 256]
-HEADS = [(6, 6), (6, 2), (6, 1)]          # MHA, GQA 6:2, MQA 6:1
-HEADS_ID = {(6, 6): "mha", (6, 2): "gqa3", (6, 1): "mqa"}
-DTYPE_ID = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
 
 
 def _cases():

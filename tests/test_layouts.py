@@ -38,16 +38,16 @@ def test_transposed_views_are_bit_identical(device, causal):
 
 def test_inputs_are_not_copied(device, monkeypatch):
     """The launcher gets the caller's storage: no .contiguous() copy of a last-dim-contiguous view."""
-    import triflash.api as api
+    import triflash.autograd as autograd
 
     seen = {}
-    real = api._forward_launch
+    real = autograd._forward_launch
 
     def spy(q, k, v, *args, **kwargs):
         seen["ptrs"] = (q.data_ptr(), k.data_ptr(), v.data_ptr())
         return real(q, k, v, *args, **kwargs)
 
-    monkeypatch.setattr(api, "_forward_launch", spy)
+    monkeypatch.setattr(autograd, "_forward_launch", spy)
     qkv = torch.randn(1, 33, 3, 2, 32, dtype=torch.float16, device=device)
     q, k, v = qkv.unbind(dim=2)
     triflash.flash_attn_func(q, k, v)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import triflash
-import triflash.api as api
+import triflash.autograd
 
 
 def _qkv(device, b=1, sq=8, sk=8, hq=4, hkv=2, d=32, dtype=torch.float16):
@@ -23,7 +23,7 @@ def no_launch(monkeypatch):
     """Fail the test if validation lets a bad input reach the kernel launcher."""
     def boom(*args, **kwargs):
         raise AssertionError("the kernel was launched before the bad input was rejected")
-    monkeypatch.setattr(api, "_forward_launch", boom)
+    monkeypatch.setattr(triflash.autograd, "_forward_launch", boom)
 
 
 def _bad_inputs(device):

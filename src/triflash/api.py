@@ -5,8 +5,10 @@ Two layouts, one kernel:
 * ``flash_attn_func``: FlashAttention's [batch, seqlen, heads, head_dim].
 * ``attention``: the seeds' (and SDPA's) [batch, heads, seqlen, head_dim].
 
-Both are turned into [B, S, H, D] *views* (no copies) and handed to the same launcher, which reads
-every tensor through its strides. Only a tensor whose last dimension is not contiguous is copied.
+Both go through the same custom op (``triflash.autograd``), which hands [B, S, H, D] *views* (no
+copies) to the kernel launchers; the kernels read every tensor through its strides. Only a tensor whose
+last dimension is not contiguous is copied. Both functions are differentiable in q, k, v (and through
+the returned lse) and work under torch.compile.
 """
 
 from __future__ import annotations
@@ -17,8 +19,8 @@ from typing import NamedTuple
 
 import torch
 
+from . import autograd as _autograd
 from .kernels import configs
-from .kernels.forward import forward as _forward_launch
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256
@@ -133,7 +135,7 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, return_lse=False)
     """
     scale = validate_qkv(q, k, v, "bshd", "softmax_scale", softmax_scale, causal)
     q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
-    out, lse = _forward_launch(q, k, v, scale, causal)
+    out, lse = _autograd.attn_fwd(q, k, v, scale, causal, False)
     return (out, lse) if return_lse else out
 
 
@@ -150,8 +152,5 @@ def attention(q, k, v, causal=False, sm_scale=None, return_lse=False):
     """
     scale = validate_qkv(q, k, v, "bhsd", "sm_scale", sm_scale, causal)
     q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)     # [B, H, S, D]
-    # The kernel sees [B, S, H, D] views of everything, the output included.
-    _, lse = _forward_launch(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale, causal,
-                             out=out.transpose(1, 2))
+    out, lse = _autograd.attn_fwd(q, k, v, scale, causal, True)
     return (out, lse) if return_lse else out

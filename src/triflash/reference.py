@@ -66,14 +66,18 @@ def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
     for r0 in range(0, seqlen_q, rows):
         qc = q[:, :, r0:r0 + rows].to(mm_dtype)
         scores = torch.matmul(qc, kc.transpose(-1, -2)).to(soft_dtype) * sm_scale   # [B, H, rows, Sk]
+        visible = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device)
         if causal:
             visible = causal_visible(seqlen_q, seqlen_k, device=q.device)[r0:r0 + rows]
-            scores = scores.masked_fill(~visible, float("-inf"))
+        # Rows that see no key: softmax over a row of zeros, then multiplied by 0. The result is
+        # out = 0, lse = -inf, and (unlike a softmax over -inf) gradients of 0 instead of NaN.
+        empty = ~visible.any(dim=-1)                                                   # [rows]
+        scores = scores.masked_fill(~visible | empty[:, None], float("-inf"))
+        scores = scores.masked_fill(empty[:, None], 0.0)
         lse = torch.logsumexp(scores, dim=-1)                                          # [B, H, rows]
-        empty = torch.isneginf(lse)
-        probs = torch.exp(scores - torch.where(empty, 0.0, lse)[..., None])            # 0 on empty rows
+        probs = torch.softmax(scores, dim=-1) * (~empty)[:, None]
         outs.append(torch.matmul(probs.to(mm_dtype), vc))
-        lses.append(lse)
+        lses.append(lse.masked_fill(empty, float("-inf")))
     out = torch.cat(outs, dim=2) if outs else q.new_zeros(q.shape, dtype=mm_dtype)
     if return_lse:
         lse = torch.cat(lses, dim=2) if lses else q.new_zeros((batch, heads, 0), dtype=soft_dtype)
@@ -89,3 +93,71 @@ def flash_attn_ref(q, k, v, causal=False, softmax_scale=None, compute_dtype=torc
     if return_lse:
         return res[0].transpose(1, 2), res[1]
     return res.transpose(1, 2)
+
+
+# --------------------------------------------------------------------------------------------------
+# KV cache (decode) and merging partial states
+# --------------------------------------------------------------------------------------------------
+
+def gather_kv_cache(cache: torch.Tensor, seqlen: int, batch_index: int,
+                    block_table: torch.Tensor | None = None) -> torch.Tensor:
+    """The first ``seqlen`` keys (or values) of sequence ``batch_index`` as a contiguous
+    [seqlen, heads_kv, head_dim] tensor: from a contiguous cache [B, S_max, Hkv, D], or from a paged
+    cache [num_pages, page_size, Hkv, D] through block_table [B, max_pages] (key j at page
+    block_table[b, j // page_size], slot j % page_size)."""
+    if block_table is None:
+        return cache[batch_index, :seqlen].contiguous()
+    page_size = cache.shape[1]
+    pos = torch.arange(seqlen, device=cache.device)
+    pages = block_table[batch_index].long()[pos // page_size]
+    return cache[pages, pos % page_size]
+
+
+def kvcache_ref(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, block_table=None,
+                softmax_scale=None, causal=False, compute_dtype=torch.float64, return_lse=False):
+    """``flash_attn_with_kvcache``'s semantics in plain PyTorch, built on ``attention_ref``.
+
+    The caches are not modified: appended k/v (if given) are concatenated after each sequence's
+    cache_seqlens[b] cached keys. Each sequence is attended separately with its own length (so causal
+    masking is bottom-right aligned per sequence). Returns out [B, Sq, Hq, D] in ``compute_dtype``
+    (or q's dtype) and, with ``return_lse``, lse [B, Hq, Sq].
+    """
+    batch = q.shape[0]
+    if cache_seqlens is None:
+        lengths = [k_cache.shape[1]] * batch
+    elif isinstance(cache_seqlens, int):
+        lengths = [cache_seqlens] * batch
+    else:
+        lengths = [int(x) for x in cache_seqlens.tolist()]
+    outs, lses = [], []
+    for b in range(batch):
+        kb = gather_kv_cache(k_cache, lengths[b], b, block_table)          # [L, Hkv, D]
+        vb = gather_kv_cache(v_cache, lengths[b], b, block_table)
+        if k is not None:
+            kb = torch.cat([kb, k[b]], dim=0)
+            vb = torch.cat([vb, v[b]], dim=0)
+        out, lse = flash_attn_ref(q[b:b + 1], kb[None], vb[None], causal=causal,
+                                  softmax_scale=softmax_scale, compute_dtype=compute_dtype,
+                                  return_lse=True)
+        outs.append(out)
+        lses.append(lse)
+    out = torch.cat(outs, dim=0)
+    if return_lse:
+        return out, torch.cat(lses, dim=0)
+    return out
+
+
+def merge_attn_states_ref(out_partials, lse_partials):
+    """``merge_attn_states`` in float64: out_partials [N, B, S, H, D], lse_partials [N, B, H, S].
+    Returns (out [B, S, H, D], lse [B, H, S]), both float64; rows with every lse = -inf give 0, -inf."""
+    if isinstance(out_partials, (list, tuple)):
+        out_partials = torch.stack(list(out_partials))
+    if isinstance(lse_partials, (list, tuple)):
+        lse_partials = torch.stack(list(lse_partials))
+    lse_parts = lse_partials.double()                                     # [N, B, H, S]
+    lse = torch.logsumexp(lse_parts, dim=0)                               # [B, H, S]
+    empty = torch.isneginf(lse)
+    weights = torch.exp(lse_parts - torch.where(empty, 0.0, lse))         # 0 for empty parts
+    weights = weights.permute(0, 1, 3, 2)[..., None]                      # [N, B, S, H, 1]
+    parts = torch.where(weights > 0, out_partials.double(), 0.0)          # never read an empty part
+    return (weights * parts).sum(dim=0), lse

@@ -1,0 +1,92 @@
+"""Autograd and torch.compile support: the forward and backward as torch.library custom ops.
+
+``triflash::attn_fwd`` and ``triflash::attn_bwd`` are opaque to torch.compile (it does not trace into
+Triton launches) but fully described to it: each has a fake (meta) implementation giving output shapes,
+and the forward's autograd formula calls the backward op. A model calling triflash therefore compiles
+without graph breaks, and ``torch.library.opcheck`` can verify the registrations.
+
+The forward saves only q, k, v, out and lse for the backward: no S x S tensor exists in any pass.
+
+Both ops take tensors in their caller's layout: ``bhsd=False`` for FlashAttention's [B, S, H, D],
+``bhsd=True`` for [B, H, S, D]. They hand [B, S, H, D] views to the launchers and return outputs and
+gradients in the caller's layout (custom ops may not return views of their inputs, and a gradient must
+have its input's shape).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .kernels.backward import backward as _backward_launch
+from .kernels.forward import forward as _forward_launch
+
+
+def _bshd(t: Tensor, bhsd: bool) -> Tensor:
+    return t.transpose(1, 2) if bhsd else t
+
+
+@torch.library.custom_op("triflash::attn_fwd", mutates_args=())
+def attn_fwd(q: Tensor, k: Tensor, v: Tensor, softmax_scale: float, causal: bool,
+             bhsd: bool) -> tuple[Tensor, Tensor]:
+    """Forward on validated inputs. Returns (out in q's layout, lse [B, Hq, Sq] float32)."""
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    _, lse = _forward_launch(_bshd(q, bhsd), _bshd(k, bhsd), _bshd(v, bhsd), softmax_scale, causal,
+                             out=_bshd(out, bhsd))
+    return out, lse
+
+
+@attn_fwd.register_fake
+def _attn_fwd_fake(q, k, v, softmax_scale, causal, bhsd):
+    batch, heads, seqlen = (q.shape[0], q.shape[1], q.shape[2]) if bhsd else (q.shape[0], q.shape[2], q.shape[1])
+    return torch.empty_like(q, memory_format=torch.contiguous_format), \
+        q.new_empty((batch, heads, seqlen), dtype=torch.float32)
+
+
+@torch.library.custom_op("triflash::attn_bwd", mutates_args=())
+def attn_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+             dlse: Tensor | None, softmax_scale: float, causal: bool, bhsd: bool, need_dq: bool,
+             need_dkdv: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """Gradients (dq, dk, dv) in the inputs' layouts. Gradients not asked for come back empty (0 elements)."""
+    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device) if need_dq else q.new_empty(0)
+    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device) if need_dkdv else k.new_empty(0)
+    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device) if need_dkdv else v.new_empty(0)
+    _backward_launch(
+        _bshd(dout, bhsd), _bshd(q, bhsd), _bshd(k, bhsd), _bshd(v, bhsd), _bshd(out, bhsd), lse,
+        softmax_scale, causal, dlse=dlse,
+        dq=_bshd(dq, bhsd) if need_dq else None,
+        dk=_bshd(dk, bhsd) if need_dkdv else None,
+        dv=_bshd(dv, bhsd) if need_dkdv else None,
+        need_dq=need_dq, need_dkdv=need_dkdv)
+    return dq, dk, dv
+
+
+@attn_bwd.register_fake
+def _attn_bwd_fake(dout, q, k, v, out, lse, dlse, softmax_scale, causal, bhsd, need_dq, need_dkdv):
+    def like(t, needed):
+        return torch.empty_like(t, memory_format=torch.contiguous_format) if needed else t.new_empty(0)
+    return like(q, need_dq), like(k, need_dkdv), like(v, need_dkdv)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, softmax_scale, causal, bhsd = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.softmax_scale, ctx.causal, ctx.bhsd = softmax_scale, causal, bhsd
+
+
+def _backward(ctx, dout, dlse):
+    q, k, v, out, lse = ctx.saved_tensors
+    need_dq = ctx.needs_input_grad[0]
+    need_dkdv = ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
+    if dout is None:
+        dout = torch.zeros_like(out)
+    dq, dk, dv = attn_bwd(dout, q, k, v, out, lse, dlse, ctx.softmax_scale, ctx.causal, ctx.bhsd,
+                          need_dq, need_dkdv)
+    return (dq if need_dq else None,
+            dk if ctx.needs_input_grad[1] else None,
+            dv if ctx.needs_input_grad[2] else None,
+            None, None, None)
+
+
+attn_fwd.register_autograd(_backward, setup_context=_setup_context)

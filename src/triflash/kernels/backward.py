@@ -1,0 +1,336 @@
+"""FlashAttention-2 backward: preprocess, dK/dV and dQ kernels, and their launcher.
+
+With P = softmax(S * scale) recomputed from the saved LSE (no S x S tensor is ever stored):
+
+    dV = P^T dO                 dP = dO V^T
+    dS = P * (dP - delta)       delta = rowsum(dO * O)   (minus dLSE when the LSE itself gets a gradient)
+    dQ = scale * dS K           dK = scale * dS^T Q
+
+Three launches, no atomics, so the result is bit-for-bit deterministic:
+
+1. ``_bwd_preprocess_kernel``: delta per query row, and the LSE turned into base 2 (lse * log2(e)) so the
+   recomputation is one FMA and one exp2 per score. Rows that saw no key (lse = -inf) get +inf there,
+   which makes every recomputed p of that row exp2(-inf) = 0: their gradients are 0, never NaN.
+2. ``_bwd_dkdv_kernel``: one program per (batch, KV head, key block). It keeps K, V, dK, dV of its block
+   in registers and walks over the query blocks of every query head in its GQA group, so dK and dV of a
+   shared KV head are sums over the group without any cross-program reduction.
+3. ``_bwd_dq_kernel``: one program per (batch, query head, query block), walking over key blocks.
+
+Causal blocks are skipped in both loops exactly as in the forward (bottom-right alignment), and only
+blocks on the diagonal or at the ragged end of the keys pay for an element mask.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from . import configs
+from .configs import BwdConfig
+
+LOG2E = math.log2(math.e)
+
+
+@triton.jit
+def _bwd_preprocess_kernel(
+    O, DO, LSE, DLSE, Delta, LSE2,
+    stride_ob, stride_os, stride_oh,
+    stride_dob, stride_dos, stride_doh,
+    num_heads, seqlen_q, num_m_blocks,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, HAS_DLSE: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    pid_m = pid % num_m_blocks
+    pid_bh = pid // num_m_blocks
+    off_b = pid_bh // num_heads
+    off_h = pid_bh % num_heads
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    m_ok = offs_m < seqlen_q
+    mask = m_ok[:, None] & (offs_d[None, :] < HEAD_DIM)
+    o_ptrs = O + off_b.to(tl.int64) * stride_ob + off_h.to(tl.int64) * stride_oh \
+        + offs_m[:, None] * stride_os + offs_d[None, :]
+    do_ptrs = DO + off_b.to(tl.int64) * stride_dob + off_h.to(tl.int64) * stride_doh \
+        + offs_m[:, None] * stride_dos + offs_d[None, :]
+    o = tl.load(o_ptrs, mask=mask, other=0.0).to(tl.float32)
+    do = tl.load(do_ptrs, mask=mask, other=0.0).to(tl.float32)
+    row = pid_bh.to(tl.int64) * seqlen_q + offs_m              # [BM] index into [B, H, Sq]
+    delta = tl.sum(o * do, axis=1)
+    if HAS_DLSE:
+        # d lse / d s = p, so a gradient on the LSE folds into delta: dS = P * (dP - (delta - dlse)).
+        delta -= tl.load(DLSE + row, mask=m_ok, other=0.0)
+    tl.store(Delta + row, delta, mask=m_ok)
+    lse = tl.load(LSE + row, mask=m_ok, other=0.0)
+    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+    tl.store(LSE2 + row, lse2, mask=m_ok)
+
+
+@triton.jit
+def _dkdv_inner(
+    dk, dv, k, v,                             # [BN, BD] accumulators and the kept K/V tiles
+    Q, DO, LSE2, Delta,                       # Q/DO: this (batch, query head); LSE2/Delta: its rows
+    stride_qs, stride_dos,
+    offs_n, offs_d, lo, hi, seqlen_q, causal_offset, qk_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+    MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    d_ok = offs_d < HEAD_DIM
+    for start_m in range(lo, hi, BLOCK_M):
+        start_m = tl.multiple_of(start_m, BLOCK_M)
+        offs_m = start_m + tl.arange(0, BLOCK_M)                         # [BM]
+        m_ok = offs_m < seqlen_q
+        q = tl.load(Q + offs_m[:, None] * stride_qs + offs_d[None, :],
+                    mask=m_ok[:, None] & d_ok[None, :], other=0.0)          # [BM, BD]
+        do = tl.load(DO + offs_m[:, None] * stride_dos + offs_d[None, :],
+                     mask=m_ok[:, None] & d_ok[None, :], other=0.0)         # [BM, BD]
+        # Rows past seqlen_q read lse2 = +inf, so their p is 0.
+        lse2 = tl.load(LSE2 + offs_m, mask=m_ok, other=float("inf"))      # [BM]
+        delta = tl.load(Delta + offs_m, mask=m_ok, other=0.0)             # [BM]
+        s_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)       # [BN, BM] = (Q K^T)^T
+        p_t = tl.math.exp2(s_t * qk_scale - lse2[None, :])                # [BN, BM]
+        if MASKED:
+            p_t = tl.where(offs_n[:, None] <= offs_m[None, :] + causal_offset, p_t, 0.0)
+        dv += tl.dot(p_t.to(do.dtype), do, input_precision=DOT_PRECISION)             # [BN, BD]
+        dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)                 # [BN, BM]
+        ds_t = p_t * (dp_t - delta[None, :])
+        dk += tl.dot(ds_t.to(q.dtype), q, input_precision=DOT_PRECISION)              # [BN, BD]
+    return dk, dv
+
+
+@triton.jit
+def _bwd_dkdv_kernel(
+    Q, K, V, DO, LSE2, Delta, DK, DV,
+    stride_qb, stride_qs, stride_qh,
+    stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh,
+    stride_dob, stride_dos, stride_doh,
+    stride_dkb, stride_dks, stride_dkh,
+    stride_dvb, stride_dvs, stride_dvh,
+    num_heads_q, num_heads_k, kv_group_size, seqlen_q, seqlen_k, num_n_blocks,
+    sm_scale, qk_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    pid_n = pid % num_n_blocks
+    pid_bh = pid // num_n_blocks
+    off_b = pid_bh // num_heads_k
+    off_hk = pid_bh % num_heads_k
+    start_n = pid_n * BLOCK_N
+    offs_n = start_n + tl.arange(0, BLOCK_N)                               # [BN] key positions
+    offs_d = tl.arange(0, BLOCK_D)
+    kv_mask = (offs_n[:, None] < seqlen_k) & (offs_d[None, :] < HEAD_DIM)
+
+    k = tl.load(K + off_b.to(tl.int64) * stride_kb + off_hk.to(tl.int64) * stride_kh
+                + offs_n[:, None] * stride_ks + offs_d[None, :], mask=kv_mask, other=0.0)   # [BN, BD]
+    v = tl.load(V + off_b.to(tl.int64) * stride_vb + off_hk.to(tl.int64) * stride_vh
+                + offs_n[:, None] * stride_vs + offs_d[None, :], mask=kv_mask, other=0.0)   # [BN, BD]
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+
+    # Query rows that see this key block. Row i sees key j when j <= i + causal_offset.
+    causal_offset = seqlen_k - seqlen_q
+    q_blocks_end = tl.cdiv(seqlen_q, BLOCK_M) * BLOCK_M
+    if IS_CAUSAL:
+        # The block's first key is seen from row start_n - causal_offset on; rows from
+        # start_n + BLOCK_N - 1 - causal_offset on see every key of the block (no mask needed).
+        lo = (tl.maximum(start_n - causal_offset, 0) // BLOCK_M) * BLOCK_M
+        full_from = tl.cdiv(tl.maximum(start_n + BLOCK_N - 1 - causal_offset, 0), BLOCK_M) * BLOCK_M
+        full_from = tl.minimum(tl.maximum(full_from, lo), q_blocks_end)
+    else:
+        lo = 0
+        full_from = 0
+
+    # GQA: every query head of this KV head's group contributes to its dK and dV.
+    for g in range(kv_group_size):
+        off_h = off_hk * kv_group_size + g
+        row0 = (off_b * num_heads_q + off_h).to(tl.int64) * seqlen_q
+        q_ptr = Q + off_b.to(tl.int64) * stride_qb + off_h.to(tl.int64) * stride_qh
+        do_ptr = DO + off_b.to(tl.int64) * stride_dob + off_h.to(tl.int64) * stride_doh
+        dk, dv = _dkdv_inner(dk, dv, k, v, q_ptr, do_ptr, LSE2 + row0, Delta + row0,
+                             stride_qs, stride_dos, offs_n, offs_d, lo, full_from, seqlen_q,
+                             causal_offset, qk_scale, HEAD_DIM, BLOCK_M, IS_CAUSAL, DOT_PRECISION)
+        dk, dv = _dkdv_inner(dk, dv, k, v, q_ptr, do_ptr, LSE2 + row0, Delta + row0,
+                             stride_qs, stride_dos, offs_n, offs_d, full_from, q_blocks_end, seqlen_q,
+                             causal_offset, qk_scale, HEAD_DIM, BLOCK_M, False, DOT_PRECISION)
+
+    dk *= sm_scale
+    tl.store(DK + off_b.to(tl.int64) * stride_dkb + off_hk.to(tl.int64) * stride_dkh
+             + offs_n[:, None] * stride_dks + offs_d[None, :], dk.to(DK.dtype.element_ty), mask=kv_mask)
+    tl.store(DV + off_b.to(tl.int64) * stride_dvb + off_hk.to(tl.int64) * stride_dvh
+             + offs_n[:, None] * stride_dvs + offs_d[None, :], dv.to(DV.dtype.element_ty), mask=kv_mask)
+
+
+@triton.jit
+def _dq_inner(
+    dq, q, do, lse2, delta,                   # [BM, BD] accumulator, kept tiles, [BM] row stats
+    K, V, stride_ks, stride_vs,
+    offs_m, offs_d, lo, hi, seqlen_k, causal_offset, qk_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    offs_n = tl.arange(0, BLOCK_N)
+    d_ok = offs_d < HEAD_DIM
+    for start_n in range(lo, hi, BLOCK_N):
+        start_n = tl.multiple_of(start_n, BLOCK_N)
+        cols = start_n + offs_n                                             # [BN]
+        kv_mask = d_ok[None, :]
+        if MASKED:
+            kv_mask = kv_mask & (cols[:, None] < seqlen_k)
+        k = tl.load(K + cols[:, None] * stride_ks + offs_d[None, :], mask=kv_mask, other=0.0)  # [BN, BD]
+        v = tl.load(V + cols[:, None] * stride_vs + offs_d[None, :], mask=kv_mask, other=0.0)  # [BN, BD]
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)          # [BM, BN]
+        p = tl.math.exp2(s * qk_scale - lse2[:, None])                     # [BM, BN]
+        if MASKED:
+            visible = cols[None, :] < seqlen_k
+            if IS_CAUSAL:
+                visible = visible & (cols[None, :] <= offs_m[:, None] + causal_offset)
+            p = tl.where(visible, p, 0.0)
+        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)        # [BM, BN]
+        ds = p * (dp - delta[:, None])
+        dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PRECISION)     # [BM, BD]
+    return dq
+
+
+@triton.jit
+def _bwd_dq_kernel(
+    Q, K, V, DO, LSE2, Delta, DQ,
+    stride_qb, stride_qs, stride_qh,
+    stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh,
+    stride_dob, stride_dos, stride_doh,
+    stride_dqb, stride_dqs, stride_dqh,
+    num_heads_q, kv_group_size, seqlen_q, seqlen_k, num_m_blocks,
+    sm_scale, qk_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    pid_m = pid % num_m_blocks
+    if IS_CAUSAL:
+        pid_m = num_m_blocks - 1 - pid_m          # heaviest query blocks first
+    pid_bh = pid // num_m_blocks
+    off_b = pid_bh // num_heads_q
+    off_h = pid_bh % num_heads_q
+    off_hk = off_h // kv_group_size
+    start_m = pid_m * BLOCK_M
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    m_ok = offs_m < seqlen_q
+    mask = m_ok[:, None] & (offs_d[None, :] < HEAD_DIM)
+
+    q = tl.load(Q + off_b.to(tl.int64) * stride_qb + off_h.to(tl.int64) * stride_qh
+                + offs_m[:, None] * stride_qs + offs_d[None, :], mask=mask, other=0.0)      # [BM, BD]
+    do = tl.load(DO + off_b.to(tl.int64) * stride_dob + off_h.to(tl.int64) * stride_doh
+                 + offs_m[:, None] * stride_dos + offs_d[None, :], mask=mask, other=0.0)    # [BM, BD]
+    row = pid_bh.to(tl.int64) * seqlen_q + offs_m
+    lse2 = tl.load(LSE2 + row, mask=m_ok, other=float("inf"))
+    delta = tl.load(Delta + row, mask=m_ok, other=0.0)
+    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+
+    # Same key ranges as the forward: unmasked off-band blocks, then masked on-band blocks.
+    causal_offset = seqlen_k - seqlen_q
+    full_blocks_end = (seqlen_k // BLOCK_N) * BLOCK_N
+    if IS_CAUSAL:
+        first_row_end = tl.maximum(start_m + causal_offset + 1, 0)
+        off_band_end = tl.minimum((first_row_end // BLOCK_N) * BLOCK_N, full_blocks_end)
+        hi = tl.minimum(tl.maximum(start_m + BLOCK_M + causal_offset, 0), seqlen_k)
+    else:
+        off_band_end = full_blocks_end
+        hi = seqlen_k
+    k_ptr = K + off_b.to(tl.int64) * stride_kb + off_hk.to(tl.int64) * stride_kh
+    v_ptr = V + off_b.to(tl.int64) * stride_vb + off_hk.to(tl.int64) * stride_vh
+    dq = _dq_inner(dq, q, do, lse2, delta, k_ptr, v_ptr, stride_ks, stride_vs, offs_m, offs_d,
+                   0, off_band_end, seqlen_k, causal_offset, qk_scale,
+                   HEAD_DIM, BLOCK_N, False, IS_CAUSAL, DOT_PRECISION)
+    dq = _dq_inner(dq, q, do, lse2, delta, k_ptr, v_ptr, stride_ks, stride_vs, offs_m, offs_d,
+                   off_band_end, hi, seqlen_k, causal_offset, qk_scale,
+                   HEAD_DIM, BLOCK_N, True, IS_CAUSAL, DOT_PRECISION)
+    dq *= sm_scale
+    tl.store(DQ + off_b.to(tl.int64) * stride_dqb + off_h.to(tl.int64) * stride_dqh
+             + offs_m[:, None] * stride_dqs + offs_d[None, :], dq.to(DQ.dtype.element_ty), mask=mask)
+
+
+# --------------------------------------------------------------------------------------------------
+# Launcher
+# --------------------------------------------------------------------------------------------------
+
+def _s(t):
+    """(batch, seq, head) strides of a [B, S, H, D] view."""
+    return t.stride(0), t.stride(1), t.stride(2)
+
+
+def backward(dout, q, k, v, out, lse, sm_scale: float, causal: bool, *, dlse=None,
+             dq=None, dk=None, dv=None, need_dq=True, need_dkdv=True,
+             config: tuple[BwdConfig, BwdConfig] | None = None):
+    """Gradients of attention on validated [B, S, H, D] views (last stride 1).
+
+    out / lse are what the forward returned; dlse (optional, [B, Hq, Sq]) is a gradient on the LSE.
+    dq / dk / dv may be preallocated [B, S, H, D] views to write into. Only the requested gradients are
+    computed (need_dq, need_dkdv); the others come back as None. Returns (dq, dk, dv).
+    """
+    batch, seqlen_q, heads_q, head_dim = q.shape
+    _, seqlen_k, heads_k, _ = k.shape
+    if dout.stride(-1) != 1:
+        dout = dout.contiguous()
+    if need_dq and dq is None:
+        dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if need_dkdv and dk is None:
+        dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    if need_dkdv and dv is None:
+        dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    if not need_dq:
+        dq = None
+    if not need_dkdv:
+        dk = dv = None
+    if seqlen_q == 0 or seqlen_k == 0 or batch == 0 or heads_q == 0:
+        # No score exists, so every gradient is zero.
+        for t in (dq, dk, dv):
+            if t is not None:
+                t.zero_()
+        return dq, dk, dv
+
+    block_d = configs.head_dim_block(head_dim)
+    if config is None:
+        config = configs.backward_config(head_dim=head_dim, dtype=q.dtype, causal=causal, device=q.device)
+    dkdv_cfg, dq_cfg = config
+    precision = "ieee" if q.dtype == torch.float32 else "tf32"
+
+    delta = torch.empty((batch, heads_q, seqlen_q), dtype=torch.float32, device=q.device)
+    lse2 = torch.empty_like(delta)
+    pre_block = 64
+    pre_blocks = triton.cdiv(seqlen_q, pre_block)
+    if dlse is not None:
+        dlse = dlse.contiguous().float()
+    _bwd_preprocess_kernel[(pre_blocks * batch * heads_q,)](
+        out, dout, lse.contiguous(), dlse, delta, lse2, *_s(out), *_s(dout),
+        heads_q, seqlen_q, pre_blocks,
+        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=pre_block, HAS_DLSE=dlse is not None,
+    )
+    group = heads_q // heads_k
+    if need_dkdv:
+        n_blocks = triton.cdiv(seqlen_k, dkdv_cfg.block_n)
+        _bwd_dkdv_kernel[(n_blocks * batch * heads_k,)](
+            q, k, v, dout, lse2, delta, dk, dv,
+            *_s(q), *_s(k), *_s(v), *_s(dout), *_s(dk), *_s(dv),
+            heads_q, heads_k, group, seqlen_q, seqlen_k, n_blocks,
+            sm_scale, sm_scale * LOG2E,
+            HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=dkdv_cfg.block_m, BLOCK_N=dkdv_cfg.block_n,
+            IS_CAUSAL=causal, DOT_PRECISION=precision,
+            num_warps=dkdv_cfg.num_warps, num_stages=dkdv_cfg.num_stages,
+        )
+    if need_dq:
+        m_blocks = triton.cdiv(seqlen_q, dq_cfg.block_m)
+        _bwd_dq_kernel[(m_blocks * batch * heads_q,)](
+            q, k, v, dout, lse2, delta, dq,
+            *_s(q), *_s(k), *_s(v), *_s(dout), *_s(dq),
+            heads_q, group, seqlen_q, seqlen_k, m_blocks,
+            sm_scale, sm_scale * LOG2E,
+            HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=dq_cfg.block_m, BLOCK_N=dq_cfg.block_n,
+            IS_CAUSAL=causal, DOT_PRECISION=precision,
+            num_warps=dq_cfg.num_warps, num_stages=dq_cfg.num_stages,
+        )
+    return dq, dk, dv

@@ -1,0 +1,206 @@
+"""Backward: gradients on the forward's grid, determinism, empty rows, strided dO, GQA, LSE gradients.
+
+Tolerance: each of dQ, dK, dV within 3x the error of PyTorch's own same-dtype attention backward
+against a float64 reference, plus a floor. Gradients are sums over whole sequences, not O(1) like the
+forward's output, so the floor is relative: helpers.FLOOR times the largest reference gradient entry.
+(It matters where PyTorch is exact: with one key, dQ is exactly 0 in PyTorch's softmax backward, while
+FlashAttention's dP - rowsum(dO * O) cancels to a few rounding errors of |dP|.)
+
+On a GPU the whole (seqlens x head dims x causal x dtype x heads) grid runs. Under the CPU interpreter
+every seqlen pair meets both causal flags, and head dim, dtype and head grouping rotate across them.
+"""
+
+import itertools
+
+import pytest
+import torch
+from conftest import DTYPES, ON_GPU
+from helpers import DTYPE_ID, FLOOR, HEAD_DIMS, HEADS, HEADS_ID, SEQLENS, assert_no_nan, max_err
+
+import triflash
+from triflash.reference import flash_attn_ref
+
+
+def _cases():
+    cases = []
+    if ON_GPU:
+        grid = itertools.product(SEQLENS, HEAD_DIMS, [False, True], DTYPES, HEADS)
+    else:
+        grid = []
+        for i, ((sq, sk), causal) in enumerate(itertools.product(SEQLENS, [False, True])):
+            grid.append(((sq, sk), HEAD_DIMS[i % len(HEAD_DIMS)], causal, DTYPES[(i // 2 + i) % len(DTYPES)],
+                         HEADS[i % len(HEADS)]))
+    for (sq, sk), d, causal, dtype, heads in grid:
+        batch = 1 if sq * sk > 100_000 else 2
+        cid = (f"B{batch}-Sq{sq}-Sk{sk}-D{d}-{'causal' if causal else 'full'}-"
+               f"{DTYPE_ID[dtype]}-{HEADS_ID[heads]}")
+        cases.append(pytest.param(batch, sq, sk, d, causal, dtype, heads, id=cid))
+    return cases
+
+
+def _inputs(batch, sq, sk, hq, hkv, d, dtype, device):
+    q = torch.randn(batch, sq, hq, d, dtype=dtype, device=device, requires_grad=True)
+    k = torch.randn(batch, sk, hkv, d, dtype=dtype, device=device, requires_grad=True)
+    v = torch.randn(batch, sk, hkv, d, dtype=dtype, device=device, requires_grad=True)
+    return q, k, v
+
+
+def _ref_grads(q, k, v, dout, causal, compute_dtype, dlse=None, scale=None):
+    """Gradients of the reference; compute_dtype=None is PyTorch's own same-dtype attention."""
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    if compute_dtype is not None:
+        leaves = [t.detach().to(compute_dtype).requires_grad_() for t in (q, k, v)]
+    out, lse = flash_attn_ref(*leaves, causal=causal, softmax_scale=scale, compute_dtype=compute_dtype,
+                              return_lse=True)
+    loss = (out * dout.to(out.dtype)).sum()
+    if dlse is not None:
+        loss = loss + (lse * dlse.to(lse.dtype)).sum()
+    loss.backward()
+    return [t.grad for t in leaves]
+
+
+def assert_grads_3x(grads, q, k, v, dout, causal, dtype, dlse=None, scale=None):
+    ref = _ref_grads(q, k, v, dout, causal, torch.float64, dlse, scale)
+    same = _ref_grads(q, k, v, dout, causal, None, dlse, scale)
+    floor = FLOOR[dtype] * max(1.0, *(r.abs().max().item() for r in ref if r.numel()))
+    for name, g, r, s in zip(("dq", "dk", "dv"), grads, ref, same):
+        assert g is not None and g.shape == r.shape and g.dtype == dtype, name
+        assert_no_nan(name, g)
+        err, base = max_err(g, r), max_err(s, r)
+        assert err <= 3 * base + floor, (
+            f"{name}: max error {err:.3e} > 3 x PyTorch same-dtype error {base:.3e} + floor {floor:.1e}")
+
+
+@pytest.mark.parametrize("batch,seqlen_q,seqlen_k,head_dim,causal,dtype,heads", _cases())
+def test_backward_matches_reference(device, batch, seqlen_q, seqlen_k, head_dim, causal, dtype, heads):
+    q, k, v = _inputs(batch, seqlen_q, seqlen_k, heads[0], heads[1], head_dim, dtype, device)
+    out = triflash.flash_attn_func(q, k, v, causal=causal)
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    assert_grads_3x((q.grad, k.grad, v.grad), q, k, v, dout, causal, dtype)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_backward_bhsd_layout(device, causal):
+    """attention() on [B, H, S, D]: gradients come back in that layout and match flash_attn_func's."""
+    q = torch.randn(2, 6, 77, 64, dtype=torch.float16, device=device, requires_grad=True)
+    k = torch.randn(2, 2, 90, 64, dtype=torch.float16, device=device, requires_grad=True)
+    v = torch.randn(2, 2, 90, 64, dtype=torch.float16, device=device, requires_grad=True)
+    out = triflash.attention(q, k, v, causal=causal)
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    q2, k2, v2 = (t.detach().transpose(1, 2).contiguous().requires_grad_() for t in (q, k, v))
+    triflash.flash_attn_func(q2, k2, v2, causal=causal).backward(dout.transpose(1, 2))
+    for g, g2 in ((q.grad, q2.grad), (k.grad, k2.grad), (v.grad, v2.grad)):
+        assert g.shape == g2.transpose(1, 2).shape
+        assert torch.equal(g, g2.transpose(1, 2))
+
+
+def test_backward_is_deterministic(device):
+    """No atomics: 20 backward passes on the same inputs give bit-identical gradients."""
+    sq, sk, hq, hkv = (1024, 1024, 6, 2) if ON_GPU else (80, 96, 2, 1)
+    q, k, v = _inputs(2, sq, sk, hq, hkv, 64, torch.float16, device)
+    out = triflash.flash_attn_func(q, k, v, causal=True)
+    dout = torch.randn_like(out)
+    first = torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
+    for _ in range(19):
+        again = torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
+        for a, b in zip(first, again):
+            assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(100, 37), (239, 1), (33, 32)])
+def test_rows_with_no_visible_key_get_zero_gradients(device, seqlen_q, seqlen_k):
+    q, k, v = _inputs(2, seqlen_q, seqlen_k, 4, 2, 64, torch.float16, device)
+    out = triflash.flash_attn_func(q, k, v, causal=True)
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    n_empty = seqlen_q - seqlen_k
+    for name, g in (("dq", q.grad), ("dk", k.grad), ("dv", v.grad)):
+        assert_no_nan(name, g)
+    assert torch.equal(q.grad[:, :n_empty], torch.zeros_like(q.grad[:, :n_empty]))
+    assert_grads_3x((q.grad, k.grad, v.grad), q, k, v, dout, True, torch.float16)
+
+
+@pytest.mark.parametrize("kind", ["transposed", "strided", "expanded"])
+def test_non_contiguous_dout(device, kind):
+    """dO that is a transposed view, a strided slice, or a broadcast: same gradients, bit for bit."""
+    q, k, v = _inputs(2, 70, 70, 4, 4, 32, torch.float16, device)
+    out = triflash.flash_attn_func(q, k, v, causal=True)
+    if kind == "transposed":
+        dout = torch.randn(2, 4, 70, 32, dtype=out.dtype, device=device).transpose(1, 2)
+    elif kind == "strided":
+        dout = torch.randn(2, 140, 4, 32, dtype=out.dtype, device=device)[:, ::2]
+    else:
+        dout = torch.randn(1, 1, 1, 32, dtype=out.dtype, device=device).expand_as(out)
+    assert not dout.is_contiguous()
+    grads = torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
+    grads_c = torch.autograd.grad(out, (q, k, v), dout.contiguous())
+    for a, b in zip(grads, grads_c):
+        assert torch.equal(a, b)
+    assert_grads_3x(grads, q, k, v, dout, True, torch.float16)
+
+
+def test_packed_qkv_gradients(device):
+    """q, k, v unbound from one packed tensor: the gradient lands in the packed tensor."""
+    qkv = torch.randn(2, 50, 3, 4, 32, dtype=torch.float16, device=device, requires_grad=True)
+    q, k, v = qkv.unbind(2)
+    out = triflash.flash_attn_func(q, k, v, causal=True)
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    ref = torch.stack(_ref_grads(q, k, v, dout, True, torch.float64), dim=2)
+    same = torch.stack(_ref_grads(q, k, v, dout, True, None), dim=2)
+    floor = FLOOR[torch.float16] * max(1.0, ref.abs().max().item())
+    assert max_err(qkv.grad, ref) <= 3 * max_err(same, ref) + floor
+
+
+def test_only_requested_gradients(device, monkeypatch):
+    """Gradients flow only to tensors that require them, and unneeded kernels are not launched."""
+    import triflash.autograd as ag
+
+    calls = []
+    real = ag._backward_launch
+
+    def spy(*args, **kwargs):
+        calls.append((kwargs["need_dq"], kwargs["need_dkdv"]))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(ag, "_backward_launch", spy)
+    q = torch.randn(1, 40, 2, 32, dtype=torch.float16, device=device, requires_grad=True)
+    k = torch.randn(1, 40, 2, 32, dtype=torch.float16, device=device)
+    v = torch.randn(1, 40, 2, 32, dtype=torch.float16, device=device)
+    triflash.flash_attn_func(q, k, v).sum().backward()
+    assert q.grad is not None and k.grad is None and v.grad is None
+    assert calls == [(True, False)]
+    q.grad = None
+    k.requires_grad_()
+    out = triflash.flash_attn_func(q.detach(), k, v)
+    out.sum().backward()
+    assert k.grad is not None and calls[-1] == (False, True)
+    # Nothing requires grad: no graph at all.
+    out = triflash.flash_attn_func(q.detach(), k.detach(), v)
+    assert out.grad_fn is None
+
+
+def test_lse_gradient(device):
+    """A loss on the returned lse back-propagates too (dlse folds into delta)."""
+    q, k, v = _inputs(2, 60, 75, 4, 2, 32, torch.float16, device)
+    out, lse = triflash.flash_attn_func(q, k, v, causal=True, return_lse=True)
+    dout, dlse = torch.randn_like(out), torch.randn_like(lse)
+    grads = torch.autograd.grad((out * dout).sum() + (lse * dlse).sum(), (q, k, v))
+    assert_grads_3x(grads, q, k, v, dout, True, torch.float16, dlse=dlse)
+
+
+def test_no_s_by_s_tensor_is_saved(device):
+    """The forward saves q, k, v, out and lse only: nothing of size Sq x Sk."""
+    q, k, v = _inputs(1, 64, 96, 2, 2, 32, torch.float16, device)
+    saved = []
+
+    def pack(t):
+        saved.append(tuple(t.shape))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = triflash.flash_attn_func(q, k, v, causal=True)
+    assert sorted(saved) == sorted([tuple(q.shape), tuple(k.shape), tuple(v.shape), tuple(out.shape),
+                                    (1, 2, 64)])

@@ -1,0 +1,73 @@
+"""torch.compile and torch.library registration of the custom ops."""
+
+import pytest
+import torch
+from conftest import ON_GPU
+
+import triflash
+import triflash.autograd  # noqa: F401  (registers torch.ops.triflash.*)
+
+# On the CPU the kernels run in Triton's interpreter; aot_eager still traces the whole model through
+# AOTAutograd (fake tensors, the custom ops' registrations, the joint forward/backward graph) without
+# generating C++ for the surrounding PyTorch ops. On the GPU the default Inductor backend runs.
+BACKEND = "inductor" if ON_GPU else "aot_eager"
+
+
+class TinyAttention(torch.nn.Module):
+    def __init__(self, dim, heads, kv_heads):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, dim // heads
+        self.qkv = torch.nn.Linear(dim, (heads + 2 * kv_heads) * self.head_dim)
+        self.proj = torch.nn.Linear(dim, dim)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q, k, v = self.qkv(x).view(b, s, self.heads + 2 * self.kv_heads, self.head_dim).split(
+            [self.heads, self.kv_heads, self.kv_heads], dim=2)
+        out = triflash.flash_attn_func(q, k, v, causal=True)
+        return self.proj(out.reshape(b, s, -1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32])
+def test_compiled_model_matches_eager_without_graph_breaks(device, dtype):
+    torch._dynamo.reset()
+    model = TinyAttention(64, 4, 2).to(device=device, dtype=dtype)
+    x = torch.randn(2, 40, 64, device=device, dtype=dtype, requires_grad=True)
+    compiled = torch.compile(model, backend=BACKEND, fullgraph=True)   # fullgraph: a break would raise
+    out_c = compiled(x)
+    out_c.square().mean().backward()
+    grads_c = [p.grad.clone() for p in model.parameters()] + [x.grad.clone()]
+    model.zero_grad()
+    x.grad = None
+    out_e = model(x)
+    out_e.square().mean().backward()
+    grads_e = [p.grad for p in model.parameters()] + [x.grad]
+    torch.testing.assert_close(out_c, out_e, rtol=1e-5, atol=1e-5)
+    for gc, ge in zip(grads_c, grads_e):
+        torch.testing.assert_close(gc, ge, rtol=1e-4, atol=1e-5)
+
+
+def test_dynamo_sees_one_graph(device):
+    torch._dynamo.reset()
+    model = TinyAttention(32, 2, 1).to(device)
+    explanation = torch._dynamo.explain(model)(torch.randn(1, 16, 32, device=device))
+    assert explanation.graph_break_count == 0 and explanation.graph_count == 1
+
+
+@pytest.mark.parametrize("bhsd", [False, True], ids=["bshd", "bhsd"])
+def test_opcheck_forward(device, bhsd):
+    shape_q, shape_kv = ((2, 3, 20, 32), (2, 1, 24, 32)) if bhsd else ((2, 20, 3, 32), (2, 24, 1, 32))
+    q = torch.randn(*shape_q, device=device, dtype=torch.float16, requires_grad=True)
+    k = torch.randn(*shape_kv, device=device, dtype=torch.float16, requires_grad=True)
+    v = torch.randn(*shape_kv, device=device, dtype=torch.float16, requires_grad=True)
+    torch.library.opcheck(torch.ops.triflash.attn_fwd.default, (q, k, v, 32 ** -0.5, True, bhsd))
+
+
+def test_opcheck_backward(device):
+    q = torch.randn(1, 20, 2, 32, device=device, dtype=torch.float16)
+    k = torch.randn(1, 24, 2, 32, device=device, dtype=torch.float16)
+    v = torch.randn(1, 24, 2, 32, device=device, dtype=torch.float16)
+    out, lse = torch.ops.triflash.attn_fwd(q, k, v, 0.2, False, False)
+    dout = torch.randn_like(out)
+    torch.library.opcheck(torch.ops.triflash.attn_bwd.default,
+                          (dout, q, k, v, out, lse, None, 0.2, False, False, True, True))
