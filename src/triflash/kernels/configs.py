@@ -54,6 +54,37 @@ TMA_MODES = {"none": 0, "device": 1, "host": 2}
 INTERPRETER_FWD = FwdConfig(block_m=64, block_n=32, num_warps=1, num_stages=1, tma="none")
 
 
+@dataclass(frozen=True)
+class BwdConfig:
+    """Launch parameters of one backward kernel (dK/dV or dQ): tile sizes, warps, pipeline stages."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+# dK/dV keeps BLOCK_N keys and walks query blocks; dQ keeps BLOCK_M queries and walks key blocks.
+# Unequal tiles on purpose, as in the forward's interpreter config.
+INTERPRETER_BWD = (BwdConfig(32, 64, 1, 1), BwdConfig(64, 32, 1, 1))
+
+
+def backward_config(*, head_dim: int, dtype, causal: bool, device) -> tuple[BwdConfig, BwdConfig]:
+    """Pick (dK/dV config, dQ config) for the backward kernels."""
+    import torch
+
+    if INTERPRET:
+        return INTERPRETER_BWD
+    block_d = head_dim_block(head_dim)
+    if dtype == torch.float32:
+        return BwdConfig(32, 32, 4, 1), BwdConfig(32, 32, 4, 1)
+    if block_d <= 64:
+        return BwdConfig(32, 128, 4, 3), BwdConfig(128, 32, 4, 3)
+    if block_d <= 128:
+        return BwdConfig(32, 128, 8, 2), BwdConfig(128, 32, 8, 2)
+    return BwdConfig(16, 64, 4, 1), BwdConfig(64, 16, 4, 1)
+
+
 def head_dim_block(head_dim: int) -> int:
     """The power of two (at least 16, the smallest tensor-core K) that holds head_dim."""
     return max(16, triton.next_power_of_2(head_dim))
@@ -91,3 +122,4 @@ def forward_config(*, head_dim: int, dtype, causal: bool, batch_heads: int, seql
     if cfg.block_m > 64 and batch_heads * triton.cdiv(seqlen_q, cfg.block_m) < sm_count:
         cfg = FwdConfig(64, cfg.block_n, 4, cfg.num_stages, cfg.tma)
     return cfg
+
