@@ -123,3 +123,108 @@ def forward_config(*, head_dim: int, dtype, causal: bool, batch_heads: int, seql
         cfg = FwdConfig(64, cfg.block_n, 4, cfg.num_stages, cfg.tma)
     return cfg
 
+
+# --------------------------------------------------------------------------------------------------
+# Decode (flash_attn_with_kvcache) and merge
+# --------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """Launch parameters of the split-KV decode kernel.
+
+    block_m: rows of the packed query tile (query heads of one KV head x query positions), at least
+    16 for tl.dot; a group with more rows takes several M blocks. block_n: keys per iteration.
+    num_warps / num_stages: Triton's launch options (stages = depth of the K/V load pipeline, which
+    is what keeps enough bytes in flight for a memory-bound kernel). num_splits: how many programs
+    share one sequence's keys (1 = no merge pass).
+    """
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+    num_splits: int = 1
+
+
+# Auto split count: aim for this many decode programs per multiprocessor. One program streams one
+# K/V head of one key range; a few resident per SM keep enough loads in flight to saturate HBM, and
+# several waves soften the tail when lengths differ.
+DECODE_PROGRAMS_PER_SM = 4
+# Never split so finely that a split gets fewer key blocks than this (the merge pass and the
+# per-program prologue/epilogue would start to cost more than the keys).
+DECODE_MIN_BLOCKS_PER_SPLIT = 2
+DECODE_MAX_SPLITS = 256
+# The interpreter has no multiprocessors: pretend to have a few, so auto-splitting happens in tests.
+INTERPRETER_SM_COUNT = 4
+# One small config for the interpreter: BLOCK_N = 32 is a multiple of page size 16 (per-key gather
+# through the block table) and divides page size 256 (one page per key block), so both page paths run;
+# BLOCK_M <= 32 makes an 8:1 group with Sq = 4 exactly one tile and larger groups take several.
+INTERPRETER_DECODE = DecodeConfig(block_m=32, block_n=32, num_warps=1, num_stages=1)
+
+
+def decode_num_splits(*, programs: int, max_seqlen: int, block_n: int, device) -> int:
+    """Split count for ``num_splits=0``: enough (batch, kv head, M block, split) programs to give
+    every multiprocessor DECODE_PROGRAMS_PER_SM of them, but at least DECODE_MIN_BLOCKS_PER_SPLIT key
+    blocks per split. ``programs`` is the count before splitting, ``max_seqlen`` the longest sequence
+    (keys attended, after an append)."""
+    if INTERPRET:
+        sm_count = INTERPRETER_SM_COUNT
+    else:
+        import torch
+
+        sm_count = torch.cuda.get_device_properties(device).multi_processor_count
+    want = triton.cdiv(DECODE_PROGRAMS_PER_SM * sm_count, max(1, programs))
+    by_length = triton.cdiv(max(1, max_seqlen), block_n) // DECODE_MIN_BLOCKS_PER_SPLIT
+    return max(1, min(want, by_length, DECODE_MAX_SPLITS))
+
+
+def decode_config(*, head_dim: int, dtype, rows: int, batch: int, heads_kv: int, max_seqlen: int,
+                  num_splits: int, device) -> DecodeConfig:
+    """Pick the decode kernel's launch parameters.
+
+    rows = (query heads per KV head) x (query positions per sequence): the M dimension of one tile.
+    num_splits: the caller's request; 0 means choose (``decode_num_splits``).
+    """
+    import torch
+
+    if INTERPRET:
+        base = INTERPRETER_DECODE
+    else:
+        # Untuned first guesses for a memory-bound loop (to be measured on the H200): wide key blocks
+        # and a 3-deep pipeline for small head dims, narrower ones where a K tile gets large.
+        block_d = head_dim_block(head_dim)
+        wide = dtype == torch.float32 or block_d > 128
+        block_n = 32 if wide else (128 if block_d <= 64 else 64)
+        cap_m = 32 if wide else 64
+        base = DecodeConfig(block_m=cap_m, block_n=block_n, num_warps=4,
+                            num_stages=2 if wide else 3)
+    block_m = max(16, min(triton.next_power_of_2(max(1, rows)), base.block_m))
+    m_blocks = triton.cdiv(max(1, rows), block_m)
+    if num_splits == 0:
+        num_splits = decode_num_splits(programs=batch * heads_kv * m_blocks, max_seqlen=max_seqlen,
+                                       block_n=base.block_n, device=device)
+    return DecodeConfig(block_m=block_m, block_n=base.block_n, num_warps=base.num_warps,
+                        num_stages=base.num_stages, num_splits=num_splits)
+
+
+def merge_config(*, block_d: int, num_parts: int, num_rows: int, device) -> tuple[int, int, int]:
+    """(BLOCK_R rows, BLOCK_P parts, num_warps) per merge program.
+
+    A tile [BLOCK_R, BLOCK_P, BLOCK_D] holds about MERGE_TILE elements: all parts at once when they
+    fit, else as many as fit; then as many rows as fit, but never so many that fewer than ~2 programs
+    per multiprocessor remain (few rows: one row per program, many parts per step)."""
+    tile = MERGE_TILE_INTERPRETER if INTERPRET else MERGE_TILE
+    block_p = min(triton.next_power_of_2(max(1, num_parts)), max(1, tile // block_d))
+    block_r = max(1, tile // (block_p * block_d))
+    if INTERPRET:
+        return block_r, block_p, 1
+    import torch
+
+    sm_count = torch.cuda.get_device_properties(device).multi_processor_count
+    rows_for_two_waves = max(1, num_rows // (2 * sm_count))
+    block_r = min(block_r, 1 << (rows_for_two_waves.bit_length() - 1))   # a power of two
+    return block_r, block_p, 4
+
+
+MERGE_TILE = 4096
+MERGE_TILE_INTERPRETER = 8192

@@ -1,0 +1,304 @@
+"""Decode attention over a KV cache (contiguous or paged), split-KV ("flash-decoding").
+
+One program computes, for one (batch b, KV head hk, M block, split s), the attention of the packed
+query tile against one contiguous range of sequence b's keys:
+
+    rows  r = i * GROUP + g              query position i < Sq, query head hk * GROUP + g (GQA packing)
+    keys  [lo_s, hi_s) of 0 .. L_b - 1   L_b = cache_seqlens[b] (+ the appended keys)
+
+Packing the GROUP query heads that share a KV head (times the Sq query positions) into the M dimension
+of one tile means every K/V tile is read from memory once for the whole group, and tl.dot gets an M
+of at least 16 (padded rows hold zero queries and are never stored). Decode is bound by reading K and
+V, so the loop is a plain stream over key blocks: BLOCK_N keys per step, each key's head_dim row
+loaded as contiguous 16-byte vectors, and num_stages-deep software pipelining of those loads.
+
+Inside a program the math is the forward kernel's (forward.py): fp32 online softmax with the running
+max m_i kept in raw score units, exp2 with sm_scale * log2(e) folded into one FMA, and the natural-log
+LSE m * sm_scale + ln(l) at the end.
+
+Split-KV: a sequence's key blocks are cut into num_splits contiguous ranges of equal size (in whole
+BLOCK_N blocks), one per program, so that a batch of one long sequence still fills the GPU. Each split
+writes a partial (out in fp32, lse) to a workspace laid out exactly like ``merge_attn_states``'
+input ([N, B, Sq, Hq, D] and [N, B, Hq, Sq]) and the merge kernel (merge.py) combines them. A split
+that gets no key (a short sequence, or a length of 0) writes out = 0, lse = -inf, which the merge
+ignores. With num_splits = 1 the program writes the final out (in q's dtype) and lse directly.
+
+Key ranges: with causal masking (bottom-right: query i sees key j when j <= i + L_b - Sq) only the last
+Sq - 1 keys of a sequence are hidden from some rows. So each split runs an unmasked loop over the
+key blocks every row sees in full, then a masked loop over the rest of its range (the tail block
+and the causal band), which also masks keys past the split's end. Rows that see no key at all get
+out = 0 and lse = -inf (never NaN).
+
+Paged caches: a cache of [num_pages, PAGE_SIZE, Hkv, D] and block_table [B, max_pages]: key j of
+sequence b lives at page block_table[b, j // PAGE_SIZE], slot j % PAGE_SIZE. When PAGE_SIZE is a
+multiple of BLOCK_N, a key block lies in one page and one block-table entry is read per block;
+otherwise every key gets its own page lookup, so any page size (1 included) works. PAGE_SIZE is a
+compile-time constant (division by it is a multiply and shift). A contiguous cache [B, S_max, Hkv, D]
+is read through its strides, with no block table.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from . import configs
+from .configs import DecodeConfig
+from .merge import merge as _merge_launch
+
+LOG2E = math.log2(math.e)
+
+
+@triton.jit
+def _key_offsets(BT, k_base, v_base, start_n, offs_n, valid,
+                 stride_kp, stride_ks, stride_vp, stride_vs, stride_btp,
+                 PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Element offsets [BN] (int64) of the first head-dim lane of keys start_n + offs_n in K and V.
+
+    BT points at this sequence's block-table row; k_base / v_base include the KV head (and, for a
+    contiguous cache, the batch). ``valid`` masks the block-table reads of keys past the range."""
+    cols = start_n + offs_n                                            # [BN] key positions
+    if PAGED:
+        if PAGE_SIZE % BLOCK_N == 0:
+            # The whole block is in one page (blocks start at multiples of BLOCK_N).
+            page = tl.load(BT + (start_n // PAGE_SIZE) * stride_btp).to(tl.int64)   # scalar
+            slot = (start_n % PAGE_SIZE) + offs_n                      # [BN]
+        else:
+            page = tl.load(BT + (cols // PAGE_SIZE) * stride_btp, mask=valid, other=0)     # [BN]
+            page = page.to(tl.int64)
+            slot = cols % PAGE_SIZE                                    # [BN]
+        k_off = k_base + page * stride_kp + slot * stride_ks
+        v_off = v_base + page * stride_vp + slot * stride_vs
+    else:
+        cols64 = cols.to(tl.int64)
+        k_off = k_base + cols64 * stride_ks
+        v_off = v_base + cols64 * stride_vs
+    return k_off, v_off
+
+
+@triton.jit
+def _decode_inner(
+    acc, l_i, m_i, q,                        # running state [BM, BD], [BM], [BM]; q tile [BM, BD]
+    K, V, BT, k_base, v_base,
+    stride_kp, stride_ks, stride_vp, stride_vs, stride_btp,
+    offs_i, offs_d,                          # [BM] query position of each row, [BD] head-dim lanes
+    lo, hi, causal_offset, qk_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+):
+    """Fold key blocks [lo, hi) into the online-softmax state. MASKED: keys at or past ``hi`` and
+    (causal) keys after a row's diagonal are hidden; otherwise every key of every block is seen."""
+    offs_n = tl.arange(0, BLOCK_N)
+    d_ok = offs_d < HEAD_DIM                                           # [BD]
+    for start_n in tl.range(lo, hi, BLOCK_N, num_stages=NUM_STAGES):
+        start_n = tl.multiple_of(start_n, BLOCK_N)
+        cols = start_n + offs_n                                        # [BN]
+        n_ok = cols < hi                                               # [BN]
+        k_off, v_off = _key_offsets(BT, k_base, v_base, start_n, offs_n, n_ok,
+                                    stride_kp, stride_ks, stride_vp, stride_vs, stride_btp,
+                                    PAGED, PAGE_SIZE, BLOCK_N)
+        # -- K^T tile [BD, BN]: key on the columns, head dim (contiguous) on the rows --
+        k_ptrs = K + k_off[None, :] + offs_d[:, None]
+        if MASKED:
+            k = tl.load(k_ptrs, mask=d_ok[:, None] & n_ok[None, :], other=0.0)
+        elif BLOCK_D != HEAD_DIM:
+            k = tl.load(k_ptrs, mask=d_ok[:, None], other=0.0)
+        else:
+            k = tl.load(k_ptrs)
+        qk = tl.dot(q, k, input_precision=DOT_PRECISION)               # [BM, BN] raw scores
+        if MASKED:
+            visible = n_ok[None, :]                                    # [1, BN]
+            if IS_CAUSAL:
+                visible = visible & (cols[None, :] <= offs_i[:, None] + causal_offset)   # [BM, BN]
+            qk = tl.where(visible, qk, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, 1))                     # [BM]
+            # A row with no visible key so far keeps m = -inf: subtract 0 so p and alpha are 0, not NaN.
+            m_scaled = tl.where(m_new == float("-inf"), 0.0, m_new * qk_scale)
+        else:
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            m_scaled = m_new * qk_scale
+        p = tl.math.exp2(qk * qk_scale - m_scaled[:, None])            # [BM, BN]
+        alpha = tl.math.exp2(m_i * qk_scale - m_scaled)                # [BM]
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        # -- V tile [BN, BD] --
+        v_ptrs = V + v_off[:, None] + offs_d[None, :]
+        if MASKED:
+            v = tl.load(v_ptrs, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+        elif BLOCK_D != HEAD_DIM:
+            v = tl.load(v_ptrs, mask=d_ok[None, :], other=0.0)
+        else:
+            v = tl.load(v_ptrs)
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _decode_kernel(
+    Q, K, V, O, LSE, SEQLENS, BLOCK_TABLE,
+    stride_qb, stride_qs, stride_qh,
+    stride_kb, stride_ks, stride_kh,         # paged: page, slot, head; contiguous: batch, seq, head
+    stride_vb, stride_vs, stride_vh,
+    stride_on, stride_ob, stride_os, stride_oh,  # O [N, B, Sq, Hq, D] (split stride 0 when N = 1)
+    stride_ln, stride_lb, stride_lh,         # LSE [N, B, Hq, Sq], unit stride on Sq
+    stride_sl, stride_btb, stride_btp,
+    heads_kv, seqlen_q, seqlen_k, seqlen_new, num_m_blocks, num_splits,
+    sm_scale, qk_scale,                      # qk_scale = sm_scale * log2(e), rounded once on the host
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, HAS_SEQLENS: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr,
+):
+    """SEQLENS: cache_seqlens [B] (the keys attended are cache_seqlens[b] + seqlen_new); without it
+    every sequence has seqlen_k keys. BLOCK_TABLE: [B, max_pages] int32 when PAGED."""
+    # -- which (batch, kv head, split, M block) this program owns --
+    # 1-D grid (no 65535 limit); the M blocks of one split are neighbours: they read the same K/V.
+    pid = tl.program_id(0)
+    pid_m = pid % num_m_blocks
+    rest = pid // num_m_blocks
+    split = rest % num_splits
+    rest = rest // num_splits
+    off_hk = rest % heads_kv
+    off_b = rest // heads_kv
+
+    if HAS_SEQLENS:
+        seqlen = tl.load(SEQLENS + off_b * stride_sl) + seqlen_new
+    else:
+        seqlen = seqlen_k
+
+    # -- the packed query tile: row r is query position r // GROUP of head off_hk * GROUP + r % GROUP --
+    offs_r = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)                   # [BM]
+    offs_i = offs_r // GROUP                                           # [BM] query position
+    offs_g = offs_r % GROUP                                            # [BM] head within the group
+    offs_d = tl.arange(0, BLOCK_D)                                     # [BD]
+    r_ok = offs_r < GROUP * seqlen_q
+    d_ok = offs_d < HEAD_DIM
+    head0 = off_hk * GROUP
+    # int64 base offsets: caches of many pages exceed 2^31 elements.
+    q_base = off_b.to(tl.int64) * stride_qb + head0.to(tl.int64) * stride_qh
+    q = tl.load(Q + q_base + offs_i[:, None] * stride_qs + offs_g[:, None] * stride_qh
+                + offs_d[None, :], mask=r_ok[:, None] & d_ok[None, :], other=0.0)   # [BM, BD]
+
+    k_base = off_hk.to(tl.int64) * stride_kh
+    v_base = off_hk.to(tl.int64) * stride_vh
+    if PAGED:
+        BT = BLOCK_TABLE + off_b.to(tl.int64) * stride_btb
+    else:
+        BT = BLOCK_TABLE
+        k_base += off_b.to(tl.int64) * stride_kb
+        v_base += off_b.to(tl.int64) * stride_vb
+
+    # -- this split's key range: equal shares of the sequence's key blocks --
+    n_blocks = tl.cdiv(seqlen, BLOCK_N)
+    blocks_per_split = tl.cdiv(n_blocks, num_splits)
+    lo = split * blocks_per_split * BLOCK_N
+    hi = tl.minimum(lo + blocks_per_split * BLOCK_N, seqlen)
+    # Keys every row sees: all of them, or with causal masking those up to the first row's diagonal.
+    causal_offset = seqlen - seqlen_q
+    if IS_CAUSAL:
+        seen_by_all = tl.maximum(causal_offset + 1, 0)
+    else:
+        seen_by_all = seqlen
+    # [lo, mid): whole blocks, every key seen by every row (unmasked); [mid, hi): the rest (masked).
+    # mid is a multiple of BLOCK_N: hi is one too unless hi = seqlen, and seen_by_all <= seqlen.
+    # An empty split (lo >= seqlen) gets hi < lo, and both loops run zero times.
+    mid = tl.minimum(tl.maximum((seen_by_all // BLOCK_N) * BLOCK_N, lo), hi)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    acc, l_i, m_i = _decode_inner(
+        acc, l_i, m_i, q, K, V, BT, k_base, v_base, stride_kb, stride_ks, stride_vb, stride_vs,
+        stride_btp, offs_i, offs_d, lo, mid, causal_offset, qk_scale,
+        HEAD_DIM, BLOCK_D, BLOCK_N, PAGED, PAGE_SIZE, False, IS_CAUSAL, DOT_PRECISION, NUM_STAGES)
+    acc, l_i, m_i = _decode_inner(
+        acc, l_i, m_i, q, K, V, BT, k_base, v_base, stride_kb, stride_ks, stride_vb, stride_vs,
+        stride_btp, offs_i, offs_d, mid, hi, causal_offset, qk_scale,
+        HEAD_DIM, BLOCK_D, BLOCK_N, PAGED, PAGE_SIZE, True, IS_CAUSAL, DOT_PRECISION, 1)
+
+    # -- epilogue: normalise; no visible key (empty split, L = 0, causal rows) -> out 0, lse -inf --
+    empty = l_i == 0.0
+    l_safe = tl.where(empty, 1.0, l_i)
+    out = acc / l_safe[:, None]
+    lse = tl.where(empty, float("-inf"), m_i * sm_scale + tl.math.log2(l_safe) * 0.6931471805599453)
+    heads = head0 + offs_g                                             # [BM] query head of each row
+    o_base = split.to(tl.int64) * stride_on + off_b.to(tl.int64) * stride_ob
+    o_ptrs = O + o_base + offs_i[:, None] * stride_os + heads[:, None] * stride_oh + offs_d[None, :]
+    tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=r_ok[:, None] & d_ok[None, :])
+    l_base = split.to(tl.int64) * stride_ln + off_b.to(tl.int64) * stride_lb
+    tl.store(LSE + l_base + heads * stride_lh + offs_i, lse, mask=r_ok)
+
+
+# --------------------------------------------------------------------------------------------------
+# Launcher
+# --------------------------------------------------------------------------------------------------
+
+def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+           cache_seqlens: torch.Tensor | None, block_table: torch.Tensor | None, seqlen_new: int,
+           max_seqlen: int, sm_scale: float, causal: bool, num_splits: int = 0,
+           config: DecodeConfig | None = None):
+    """Launch decode attention on validated inputs (last stride 1 everywhere, the cache already
+    appended to). Returns (out [B, Sq, Hq, D] in q's dtype, lse [B, Hq, Sq] float32 natural log).
+
+    q [B, Sq, Hq, D]; k_cache / v_cache [B, S_max, Hkv, D], or [num_pages, page_size, Hkv, D] with
+    block_table [B, max_pages] int32; cache_seqlens [B] int32 or None (every sequence S_max long).
+    Sequence b attends to cache_seqlens[b] + seqlen_new keys. ``max_seqlen`` bounds that number (the
+    split heuristic uses it). ``num_splits`` 0 = choose; ``config`` overrides the chooser entirely.
+    """
+    batch, seqlen_q, heads_q, head_dim = q.shape
+    heads_kv = k_cache.shape[2]
+    group = heads_q // heads_kv
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty((batch, heads_q, seqlen_q), dtype=torch.float32, device=q.device)
+    if out.numel() == 0:
+        return out, lse
+
+    rows = group * seqlen_q
+    if config is None:
+        config = configs.decode_config(head_dim=head_dim, dtype=q.dtype, rows=rows, batch=batch,
+                                       heads_kv=heads_kv, max_seqlen=max_seqlen,
+                                       num_splits=num_splits, device=q.device)
+    splits = config.num_splits
+    num_m_blocks = triton.cdiv(rows, config.block_m)
+    if splits == 1:
+        o_part, l_part = out.unsqueeze(0), lse.unsqueeze(0)
+    else:
+        # Partials in merge_attn_states' convention: [N, B, Sq, Hq, D] fp32, [N, B, Hq, Sq] fp32.
+        o_part = torch.empty((splits, batch, seqlen_q, heads_q, head_dim), dtype=torch.float32,
+                             device=q.device)
+        l_part = torch.empty((splits, batch, heads_q, seqlen_q), dtype=torch.float32, device=q.device)
+
+    paged = block_table is not None
+    has_seqlens = cache_seqlens is not None
+    # Unused pointer arguments get a valid tensor of the right kind (never dereferenced).
+    seqlens_arg = cache_seqlens if has_seqlens else lse
+    table_arg = block_table if paged else lse
+    grid = (batch * heads_kv * splits * num_m_blocks,)
+    _decode_kernel[grid](
+        q, k_cache, v_cache, o_part, l_part, seqlens_arg, table_arg,
+        q.stride(0), q.stride(1), q.stride(2),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        o_part.stride(0) if splits > 1 else 0, o_part.stride(1), o_part.stride(2), o_part.stride(3),
+        l_part.stride(0) if splits > 1 else 0, l_part.stride(1), l_part.stride(2),
+        cache_seqlens.stride(0) if has_seqlens else 0,
+        block_table.stride(0) if paged else 0, block_table.stride(1) if paged else 0,
+        heads_kv, seqlen_q, k_cache.shape[1], seqlen_new, num_m_blocks, splits,
+        sm_scale, sm_scale * LOG2E,
+        GROUP=group, HEAD_DIM=head_dim, BLOCK_D=configs.head_dim_block(head_dim),
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+        PAGED=paged, PAGE_SIZE=k_cache.shape[1] if paged else 1, HAS_SEQLENS=has_seqlens,
+        IS_CAUSAL=causal,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        NUM_STAGES=config.num_stages,
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    if splits > 1:
+        _merge_launch(o_part, l_part, out=out, lse=lse)
+    return out, lse

@@ -1,0 +1,339 @@
+"""Decode over a KV cache, and merging partial attention states: public functions and validation.
+
+* ``flash_attn_with_kvcache``: FlashAttention's decode entry point (same argument names and
+  semantics). A few query positions per sequence attend to that sequence's cached keys, optionally
+  after appending new keys/values to the cache in place. Contiguous caches [B, S_max, Hkv, D] and
+  paged caches [num_pages, page_size, Hkv, D] + block_table (any page size) are read in place.
+  Split-KV (flash-decoding) spreads long sequences over many programs; ``merge_attn_states`` then
+  combines the splits.
+* ``merge_attn_states``: combine N partial attention results (out, lse) computed over disjoint key
+  sets into the result over their union.
+
+Both check every argument before any launch and raise TypeError (types, dtypes) or ValueError
+(shapes, devices, values) naming the argument, with what was expected and what was received.
+"""
+
+from __future__ import annotations
+
+import numbers
+
+import torch
+
+from .api import MAX_HEAD_DIM, SUPPORTED_DTYPES, _check_device, _check_scale, _last_dim_contiguous
+from .kernels.decode import decode as _decode_launch
+from .kernels.merge import merge as _merge_launch
+
+# flash_attn_with_kvcache checks the values of cache_seqlens (and the block-table entries they use) on
+# the host: one small device->host synchronisation per call. Set this to False to skip that check
+# (when timing decode steps outside a CUDA graph, say); lengths beyond the capacity or page indices
+# out of range are then undefined behaviour, as in FlashAttention. The check is always skipped while
+# a CUDA graph is being captured.
+CHECK_SEQLENS = True
+
+_Q_DOC = "[batch, seqlen_q, heads_q, head_dim]"
+_CACHE_DOC = "[batch, seqlen_cache, heads_kv, head_dim]"
+_PAGED_DOC = "[num_pages, page_size, heads_kv, head_dim]"
+_NEW_DOC = "[batch, seqlen_new, heads_kv, head_dim]"
+
+
+def _require_tensor(name, t):
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+
+
+def _require_rank(name, t, rank, doc):
+    if t.dim() != rank:
+        raise ValueError(f"{name} must be {rank}-D {doc}, got {t.dim()}-D tensor of shape "
+                         f"{tuple(t.shape)}")
+
+
+def _require_same_device(name, t, q):
+    if t.device != q.device:
+        raise ValueError(f"{name} must be on the same device as q ({q.device}), got {t.device}")
+
+
+def _require_bool(name, value):
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+
+
+def _capturing_graph(device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def _check_lengths(cache_seqlens, block_table, seqlen_new, capacity, num_pages, page_size):
+    """Check the lengths (and for paged caches the block-table entries they use) on the host: one
+    device->host copy of three numbers. Returns the longest sequence (keys attended)."""
+    lengths = cache_seqlens.long()
+    total = lengths + seqlen_new
+    stats = [lengths.min(), total.max()]
+    if block_table is not None:
+        pages_used = (total.clamp(min=0, max=capacity) + page_size - 1) // page_size        # [B]
+        used = torch.arange(block_table.shape[1], device=block_table.device) < pages_used[:, None]
+        bad = ((block_table < 0) | (block_table >= num_pages)) & used
+        stats.append(bad.sum())
+    stats = torch.stack(stats).tolist()                                    # the one sync
+    if stats[0] < 0:
+        b = int(torch.argmin(lengths))
+        raise ValueError(f"cache_seqlens must be >= 0, got cache_seqlens[{b}] = {stats[0]}")
+    if stats[1] > capacity:
+        b = int(torch.argmax(total))
+        where = (f"block_table.shape[1] * page_size = {block_table.shape[1]} * {page_size}"
+                 if block_table is not None else "k_cache.shape[1]")
+        raise ValueError(
+            f"cache_seqlens[{b}] + seqlen_new must be <= the cache capacity ({where} = {capacity}), "
+            f"got {stats[1] - seqlen_new} + {seqlen_new} = {stats[1]}")
+    if block_table is not None and stats[2]:
+        bad_at = torch.nonzero(bad)[0].tolist()
+        raise ValueError(
+            f"block_table entries used by the sequences must be page indices in [0, {num_pages}) "
+            f"(k_cache.shape[0] pages), got block_table[{bad_at[0]}, {bad_at[1]}] = "
+            f"{int(block_table[bad_at[0], bad_at[1]])} ({stats[2]} bad entries in use)")
+    return stats[1]
+
+
+def _append_kv(k_cache, v_cache, k, v, cache_seqlens, block_table):
+    """Write k, v [B, Sn, Hkv, D] into the caches at positions cache_seqlens[b] + 0 .. Sn - 1 of each
+    sequence (through the block table when paged), in place."""
+    batch, seqlen_new = k.shape[:2]
+    if seqlen_new == 0 or batch == 0:
+        return
+    device = k_cache.device
+    pos = cache_seqlens.long()[:, None] + torch.arange(seqlen_new, device=device)[None, :]   # [B, Sn]
+    if block_table is None:
+        rows = torch.arange(batch, device=device)[:, None].expand(batch, seqlen_new)
+        slots = pos
+    else:
+        page_size = k_cache.shape[1]
+        rows = torch.gather(block_table.long(), 1, pos // page_size)                         # [B, Sn]
+        slots = pos % page_size
+    k_cache[rows, slots] = k
+    v_cache[rows, slots] = v
+
+
+def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, block_table=None,
+                            softmax_scale=None, causal=False, num_splits=0, return_lse=False):
+    """Attention of a few new query positions per sequence against a KV cache (decode).
+
+    Args:
+        q: [batch, seqlen_q, heads_q, head_dim], float16 / bfloat16 / float32. seqlen_q is small: 1
+            for plain decode, a few for speculative or chunked steps.
+        k_cache, v_cache: the cache, same dtype and device as q, head_dim at most 256 and last
+            dimension contiguous (it is read and written in place, never copied). Either
+            contiguous, [batch, seqlen_cache, heads_kv, head_dim], or paged (when ``block_table``
+            is given), [num_pages, page_size, heads_kv, head_dim] with any page_size >= 1.
+            heads_q must be a multiple of heads_kv (GQA; MQA when heads_kv == 1).
+        k, v: optional new keys/values [batch, seqlen_new, heads_kv, head_dim], given together. They
+            are written into the cache, in place, at positions cache_seqlens[b] ..
+            cache_seqlens[b] + seqlen_new - 1 of each sequence (through the block table when
+            paged) before attending. ``cache_seqlens`` itself is not changed (as in FlashAttention:
+            the caller advances it).
+        cache_seqlens: [batch] int32 tensor (or a Python int for all sequences): the number of
+            cached keys of each sequence before the append; 0 is allowed. Sequence b attends to
+            cache_seqlens[b] + seqlen_new keys. None means every sequence fills the whole
+            contiguous cache (seqlen_cache keys); required for paged caches and for appending.
+        block_table: [batch, max_pages] int32: key j of sequence b lives in page
+            block_table[b, j // page_size], slot j % page_size. Entries past a sequence's length
+            are not read.
+        softmax_scale: multiplies q @ k^T before the softmax; default 1 / sqrt(head_dim).
+        causal: bottom-right aligned per sequence: with L_b keys, query i sees key j when
+            j <= i + L_b - seqlen_q (the new queries are the last seqlen_q positions). With
+            seqlen_q = 1 it changes nothing.
+        num_splits: how many programs share one sequence's keys (split-KV, "flash-decoding"):
+            0 = choose from batch, heads and length so that every multiprocessor has work; 1 = no
+            split (no merge pass); n > 1 = exactly n.
+        return_lse: also return the log-sum-exp of the scaled scores.
+
+    Returns:
+        out [batch, seqlen_q, heads_q, head_dim] in q's dtype; with ``return_lse``, (out, lse), lse
+        [batch, heads_q, seqlen_q] float32, natural log. A query row that sees no key (a length of
+        0, or causal rows before the sequence starts) gets out = 0 and lse = -inf.
+
+    Validation reads cache_seqlens (and, for paged caches, the block-table entries in use) back to
+    the host to check them against the cache capacity and page count: one small device->host
+    synchronisation per call. While a CUDA graph is being captured that check is skipped; setting
+    ``triflash.kvcache.CHECK_SEQLENS = False`` skips it always. Without the check, the split count
+    is chosen from the capacity instead of the longest sequence.
+    """
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        _require_tensor(name, t)
+    paged = block_table is not None
+    cache_doc = _PAGED_DOC if paged else _CACHE_DOC
+    _require_rank("q", q, 4, _Q_DOC)
+    _require_rank("k_cache", k_cache, 4, cache_doc)
+    _require_rank("v_cache", v_cache, 4, cache_doc)
+    if q.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"q.dtype must be one of float16, bfloat16, float32, got {q.dtype}")
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.dtype != q.dtype:
+            raise TypeError(f"{name}.dtype must match q.dtype ({q.dtype}), got {t.dtype}")
+        _require_same_device(name, t, q)
+    _check_device("q", q)
+    _require_bool("causal", causal)
+    _require_bool("return_lse", return_lse)
+    if isinstance(num_splits, bool) or not isinstance(num_splits, numbers.Integral):
+        raise TypeError(f"num_splits must be an int, got {type(num_splits).__name__}")
+    if num_splits < 0:
+        raise ValueError(f"num_splits must be >= 0 (0 = choose automatically), got {num_splits}")
+
+    batch, seqlen_q, heads_q, head_dim = q.shape
+    if tuple(v_cache.shape) != tuple(k_cache.shape):
+        raise ValueError(f"v_cache must have the same shape as k_cache {tuple(k_cache.shape)} "
+                         f"{cache_doc}, got {tuple(v_cache.shape)}")
+    heads_kv = k_cache.shape[2]
+    if k_cache.shape[3] != head_dim:
+        raise ValueError(f"k_cache and v_cache head_dim must equal q's head_dim ({head_dim}), got "
+                         f"{k_cache.shape[3]}")
+    if not 1 <= head_dim <= MAX_HEAD_DIM:
+        raise ValueError(f"head_dim must be between 1 and {MAX_HEAD_DIM}, got {head_dim}")
+    if heads_kv == 0 or heads_q % heads_kv != 0:
+        raise ValueError(f"the number of query heads must be a multiple of the number of key/value "
+                         f"heads (GQA/MQA): expected Hq % Hkv == 0, got Hq={heads_q}, Hkv={heads_kv}")
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.stride(-1) != 1 and head_dim > 1:
+            raise ValueError(f"{name} must have a contiguous last dimension (stride 1, it is used in "
+                             f"place and never copied), got strides {t.stride()}")
+
+    # -- layout of the cache: contiguous or paged --
+    if paged:
+        _require_tensor("block_table", block_table)
+        if block_table.dtype != torch.int32:
+            raise TypeError(f"block_table.dtype must be torch.int32, got {block_table.dtype}")
+        _require_rank("block_table", block_table, 2, "[batch, max_pages]")
+        _require_same_device("block_table", block_table, q)
+        if block_table.shape[0] != batch:
+            raise ValueError(f"block_table.shape[0] must equal q's batch size ({batch}), got "
+                             f"{block_table.shape[0]}")
+        num_pages, page_size = k_cache.shape[0], k_cache.shape[1]
+        if num_pages == 0 or page_size == 0:
+            raise ValueError(f"a paged k_cache {_PAGED_DOC} needs num_pages >= 1 and page_size >= 1, "
+                             f"got shape {tuple(k_cache.shape)}")
+        capacity = block_table.shape[1] * page_size
+        if cache_seqlens is None:
+            raise ValueError("cache_seqlens is required with a paged cache (block_table given), got None")
+    else:
+        if k_cache.shape[0] != batch:
+            raise ValueError(f"k_cache.shape[0] (batch) must equal q's batch size ({batch}), got "
+                             f"{k_cache.shape[0]} (for a paged cache, pass block_table)")
+        num_pages, page_size = 0, 0
+        capacity = k_cache.shape[1]
+
+    # -- cache_seqlens --
+    if cache_seqlens is not None:
+        if isinstance(cache_seqlens, numbers.Integral) and not isinstance(cache_seqlens, bool):
+            cache_seqlens = torch.full((batch,), int(cache_seqlens), dtype=torch.int32, device=q.device)
+        _require_tensor("cache_seqlens", cache_seqlens)
+        if cache_seqlens.dtype != torch.int32:
+            raise TypeError(f"cache_seqlens.dtype must be torch.int32, got {cache_seqlens.dtype}")
+        if tuple(cache_seqlens.shape) != (batch,):
+            raise ValueError(f"cache_seqlens must have shape [batch] = ({batch},), got "
+                             f"{tuple(cache_seqlens.shape)}")
+        _require_same_device("cache_seqlens", cache_seqlens, q)
+
+    # -- new keys and values --
+    if (k is None) != (v is None):
+        given, missing = ("k", "v") if v is None else ("v", "k")
+        raise ValueError(f"k and v must be given together: got {given} but {missing} is None")
+    seqlen_new = 0
+    if k is not None:
+        for name, t in (("k", k), ("v", v)):
+            _require_tensor(name, t)
+            _require_rank(name, t, 4, _NEW_DOC)
+            if t.dtype != q.dtype:
+                raise TypeError(f"{name}.dtype must match q.dtype ({q.dtype}), got {t.dtype}")
+            _require_same_device(name, t, q)
+        if tuple(v.shape) != tuple(k.shape):
+            raise ValueError(f"v must have the same shape as k {tuple(k.shape)} {_NEW_DOC}, got "
+                             f"{tuple(v.shape)}")
+        expected = (batch, k.shape[1], heads_kv, head_dim)
+        if tuple(k.shape) != expected:
+            raise ValueError(f"k and v must be {_NEW_DOC} = (batch={batch}, seqlen_new, "
+                             f"heads_kv={heads_kv}, head_dim={head_dim}), got {tuple(k.shape)}")
+        if cache_seqlens is None:
+            raise ValueError("cache_seqlens is required when k and v are appended (it says where "
+                             "they go), got None")
+        seqlen_new = k.shape[1]
+
+    scale = _check_scale(softmax_scale, "softmax_scale", head_dim)
+
+    # -- values: lengths within the capacity, pages in range (one device->host sync) --
+    if cache_seqlens is None:
+        max_seqlen = capacity
+    elif batch == 0 or not CHECK_SEQLENS or _capturing_graph(q.device):
+        max_seqlen = capacity
+    else:
+        max_seqlen = _check_lengths(cache_seqlens, block_table, seqlen_new, capacity, num_pages,
+                                    page_size)
+
+    if k is not None:
+        _append_kv(k_cache, v_cache, k, v, cache_seqlens, block_table)
+    q = _last_dim_contiguous(q)
+    out, lse = _decode_launch(q, k_cache, v_cache, cache_seqlens, block_table, seqlen_new, max_seqlen,
+                              scale, causal, num_splits)
+    return (out, lse) if return_lse else out
+
+
+def merge_attn_states(out_partials, lse_partials):
+    """Combine partial attention results over disjoint key sets into the result over their union.
+
+    If part n attended to key set K_n and returned (out_n, lse_n), then for the keys K_1 u ... u K_N
+
+        lse = log(sum_n exp(lse_n))          out = sum_n exp(lse_n - lse) * out_n
+
+    Args:
+        out_partials: [N, batch, seqlen, heads, head_dim], any float dtype (FlashAttention's
+            layout for each part), or a list/tuple of N tensors [batch, seqlen, heads, head_dim]
+            (stacked).
+        lse_partials: [N, batch, heads, seqlen] float32, natural log: what
+            ``flash_attn_func(..., return_lse=True)`` returns, stacked; or a list/tuple of N tensors
+            [batch, heads, seqlen]. A part that saw no key has lse = -inf: it is ignored (its out is
+            not read).
+
+    Returns:
+        (out [batch, seqlen, heads, head_dim] in out_partials' dtype, lse [batch, heads, seqlen]
+        float32). A row whose parts all have lse = -inf gets out = 0 and lse = -inf.
+    """
+    out_partials = _stack_parts("out_partials", out_partials, "[batch, seqlen, heads, head_dim]")
+    lse_partials = _stack_parts("lse_partials", lse_partials, "[batch, heads, seqlen]")
+    _require_rank("out_partials", out_partials, 5, "[N, batch, seqlen, heads, head_dim]")
+    _require_rank("lse_partials", lse_partials, 4, "[N, batch, heads, seqlen]")
+    if out_partials.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"out_partials.dtype must be one of float16, bfloat16, float32, got "
+                        f"{out_partials.dtype}")
+    if lse_partials.dtype != torch.float32:
+        raise TypeError(f"lse_partials.dtype must be torch.float32, got {lse_partials.dtype}")
+    if lse_partials.device != out_partials.device:
+        raise ValueError(f"lse_partials must be on the same device as out_partials "
+                         f"({out_partials.device}), got {lse_partials.device}")
+    _check_device("out_partials", out_partials)
+    n, batch, seqlen, heads, head_dim = out_partials.shape
+    if n == 0:
+        raise ValueError("out_partials must hold at least one partial state (N >= 1), got N = 0")
+    if head_dim == 0:
+        raise ValueError(f"out_partials head_dim must be >= 1, got shape {tuple(out_partials.shape)}")
+    expected = (n, batch, heads, seqlen)
+    if tuple(lse_partials.shape) != expected:
+        raise ValueError(f"lse_partials must be [N, batch, heads, seqlen] = {expected} to match "
+                         f"out_partials {tuple(out_partials.shape)}, got {tuple(lse_partials.shape)}")
+    return _merge_launch(_last_dim_contiguous(out_partials), lse_partials)
+
+
+def _stack_parts(name, parts, doc):
+    """A list/tuple of per-part tensors (each ``doc``) becomes one stacked tensor."""
+    if isinstance(parts, (list, tuple)):
+        if len(parts) == 0:
+            raise ValueError(f"{name} must hold at least one partial state, got an empty "
+                             f"{type(parts).__name__}")
+        for i, t in enumerate(parts):
+            _require_tensor(f"{name}[{i}]", t)
+            if tuple(t.shape) != tuple(parts[0].shape) or t.dtype != parts[0].dtype:
+                raise ValueError(f"{name}[{i}] must have the shape and dtype of {name}[0] "
+                                 f"({tuple(parts[0].shape)}, {parts[0].dtype}), got "
+                                 f"({tuple(t.shape)}, {t.dtype})")
+            if t.device != parts[0].device:
+                raise ValueError(f"{name}[{i}] must be on the device of {name}[0] "
+                                 f"({parts[0].device}), got {t.device}")
+            _require_rank(f"{name}[{i}]", t, doc.count(",") + 1, doc)
+        return torch.stack(list(parts))
+    _require_tensor(name, parts)
+    return parts
