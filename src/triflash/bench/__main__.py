@@ -1,0 +1,7 @@
+"""``python -m triflash.bench``: the same as the ``triflash bench`` console script."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())

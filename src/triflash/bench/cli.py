@@ -1,0 +1,181 @@
+"""``triflash bench``: command-line parsing and the main function.
+
+    triflash bench                        # the seeds' workload: B=4 H=16 S=4096 D=64 fp16, both causal flags
+    triflash bench --sweep                # the papers' sweep: 16k tokens, hidden 2048, S 512..16k, D 64/128
+    triflash bench --mode bwd --providers triflash,sdpa-flash,fa2
+    triflash bench --mode decode          # batch {1,16,64} x context {1k..128k}, contiguous and paged
+    python -m triflash.bench ...          # the same
+
+Without a CUDA GPU it says so and checks the kernel in Triton's interpreter instead (no timings).
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from pathlib import Path
+
+import torch
+
+from . import interpreter, report
+from . import workloads as W
+from .decode import decode_providers
+from .plotting import plot_results
+from .providers import dense_providers
+from .runner import DoBench, run_all
+
+DESCRIPTION = """\
+Benchmark triflash against other attention implementations, side by side in one run.
+Every provider is checked against a reference before it is timed; a wrong one is not timed.
+With no arguments: the seeds' workload, B=4 H=16 S=4096 D=64 fp16, causal and not, forward.
+Without a CUDA GPU: a correctness check in Triton's interpreter instead (no timings).
+"""
+
+EPILOG = """\
+providers (fwd/bwd/fwdbwd): {dense}
+providers (decode):         {decode}
+Providers whose package is missing are listed as unavailable, with the reason.
+
+Outputs: a Markdown report on stdout (also OUT/results.md), every number in OUT/results.json, and PNG
+figures in OUT (with matplotlib: pip install 'triflash[bench]'). Progress goes to stderr.
+Exit status: 0, or 1 when triflash fails its correctness check (on the GPU or in the interpreter).
+"""
+
+
+def provider_names(mode: str) -> list[str]:
+    return [p.name for p in (decode_providers() if mode == "decode" else dense_providers())]
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="triflash bench", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=DESCRIPTION,
+        epilog=EPILOG.format(dense=", ".join(provider_names("fwd")),
+                             decode=", ".join(provider_names("decode"))))
+    shapes = parser.add_argument_group("workload")
+    shapes.add_argument("--mode", choices=W.MODES, default="fwd",
+                        help="fwd, bwd (backward only), fwdbwd, or decode (one query token against a "
+                             "K/V cache) (default: fwd)")
+    shapes.add_argument("--sweep", action="store_true",
+                        help=f"the FlashAttention papers' sweep: {W.SWEEP_TOKENS} tokens per batch "
+                             f"(B = {W.SWEEP_TOKENS} // S), hidden size {W.SWEEP_HIDDEN} (H = "
+                             f"{W.SWEEP_HIDDEN} // D), S in {list(W.SWEEP_SEQLENS)}, D in "
+                             f"{list(W.SWEEP_HEAD_DIMS)}")
+    shapes.add_argument("--batch", type=_positive_int, help=f"batch size (default {W.SEED['batch']}; "
+                        f"decode: {list(W.DECODE_BATCHES)})")
+    shapes.add_argument("--heads", type=_positive_int, help=f"query heads (default {W.SEED['heads']}; "
+                        f"decode: {W.DECODE_SHAPE['heads']})")
+    shapes.add_argument("--heads-kv", type=_positive_int,
+                        help="K/V heads for GQA/MQA, must divide --heads (default: = heads; decode: "
+                             f"{W.DECODE_SHAPE['heads_kv']})")
+    shapes.add_argument("--seqlen", type=_positive_int, nargs="+", metavar="S",
+                        help=f"one or more sequence lengths (default {W.SEED['seqlen']}); for decode, "
+                             f"context lengths (default {list(W.DECODE_CONTEXTS)})")
+    shapes.add_argument("--headdim", type=_positive_int, nargs="+", metavar="D",
+                        help=f"one or more head dims (default {W.SEED['head_dim']}; decode: "
+                             f"{W.DECODE_SHAPE['head_dim']})")
+    shapes.add_argument("--dtype", choices=list(W.DTYPES), default="fp16", help="(default: fp16)")
+    shapes.add_argument("--causal", choices=["both", "yes", "no"], default="both",
+                        help="causal masking (default: both); ignored for decode")
+    run = parser.add_argument_group("run")
+    run.add_argument("--providers", type=lambda s: [p.strip() for p in s.split(",") if p.strip()],
+                     help="comma-separated list (default: all, see below)")
+    run.add_argument("--warmup", type=float, default=25.0, metavar="MS",
+                     help="do_bench warmup time in ms (default: 25)")
+    run.add_argument("--rep", type=float, default=100.0, metavar="MS",
+                     help="do_bench measuring time in ms (default: 100)")
+    run.add_argument("--out", type=Path, default=Path("bench-out"), metavar="DIR",
+                     help="where results.json, results.md and the PNG figures go (default: ./bench-out)")
+    run.add_argument("--no-plots", action="store_true", help="do not draw the PNG figures")
+    return parser
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """Parse and resolve: adds ``causal_flags``, ``workloads`` (list of Workload) and
+    ``provider_names`` (in table order)."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.sweep and args.mode == "decode":
+        parser.error("--sweep is for fwd/bwd/fwdbwd; decode runs its own grid (batch x context)")
+    args.causal_flags = {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]
+    try:
+        if args.mode == "decode":
+            args.workloads = W.decode_workloads(args.dtype, batch=args.batch, heads=args.heads,
+                                                heads_kv=args.heads_kv, contexts=args.seqlen,
+                                                head_dims=args.headdim)
+        else:
+            args.workloads = W.dense_workloads(args.mode, args.dtype, args.causal_flags, sweep=args.sweep,
+                                               batch=args.batch, heads=args.heads, heads_kv=args.heads_kv,
+                                               seqlens=args.seqlen, head_dims=args.headdim)
+    except ValueError as exc:
+        parser.error(str(exc))
+    known = provider_names(args.mode)
+    chosen = args.providers or known
+    unknown = [p for p in chosen if p not in known]
+    if unknown:
+        parser.error(f"unknown provider(s) for --mode {args.mode}: {', '.join(unknown)}; "
+                     f"choose from {', '.join(known)}")
+    args.provider_names = [p for p in known if p in chosen]
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``triflash bench`` and ``python -m triflash.bench``; returns the exit status.
+
+    The console script is ``triflash``: a leading ``bench`` word is accepted and dropped.
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["bench"]:
+        argv = argv[1:]
+    args = parse_args(argv)
+    if not torch.cuda.is_available():
+        return _without_gpu(args, argv)
+    return run_benchmark(args, argv, device="cuda", timer=DoBench(args.warmup, args.rep),
+                         env=report.environment())
+
+
+def _without_gpu(args, argv: list[str]) -> int:
+    if not interpreter.interpreter_ready():
+        return interpreter.rerun_with_interpreter(argv)
+    return 0 if interpreter.report_without_gpu(args.causal_flags) else 1
+
+
+def run_benchmark(args, argv: list[str], device, timer, env: dict) -> int:
+    """Run every selected provider on every workload, then print and write the results.
+
+    ``timer(fn) -> (median, p20, p80)`` in ms (``runner.DoBench`` on the GPU).
+    """
+    catalog = decode_providers() if args.mode == "decode" else dense_providers()
+    providers = [p for p in catalog if p.name in args.provider_names]
+    print(f"triflash bench on {env['gpu']}: {len(args.workloads)} workload(s) x {len(providers)} "
+          f"provider(s)", file=sys.stderr)
+    results = run_all(args.workloads, providers, timer, device)
+
+    command = shlex.join(["triflash", "bench", *argv])
+    head = report.header(env, command, args.warmup, args.rep, decode=args.mode == "decode")
+    text = report.markdown(results, head)
+    print(text)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "results.md").write_text(text)
+    report.write_json(args.out / "results.json", results, env, command, args.warmup, args.rep)
+    written = [args.out / "results.md", args.out / "results.json"]
+    if args.no_plots:
+        print("Plots: skipped (--no-plots).", file=sys.stderr)
+    else:
+        figures = plot_results(results, env, args.out)
+        if figures is None:
+            print("Plots: skipped, matplotlib is not installed (pip install 'triflash[bench]').",
+                  file=sys.stderr)
+        else:
+            written += figures
+    print("Wrote " + ", ".join(str(p) for p in written), file=sys.stderr)
+    triflash_wrong = any(r.status == "wrong" and r.provider.startswith("triflash") for r in results)
+    return 1 if triflash_wrong else 0

@@ -1,0 +1,238 @@
+"""The implementations compared by ``triflash bench`` (fwd / bwd / fwdbwd), one small class each.
+
+A provider says which memory layout it wants its q, k, v in; the runner converts the canonical
+[B, S, H, D] inputs to that layout (copies included) *before* anything is timed, so the timed call is
+the provider's own function and nothing else. Optional packages are imported in ``load``; when one is
+missing the provider is reported as unavailable, with the import error as the reason.
+
+Layouts:
+
+* ``bshd``   [batch, seqlen, heads, head_dim]: FlashAttention's (triflash.flash_attn_func, FA2/3/4);
+* ``bhsd``   [batch, heads, seqlen, head_dim]: PyTorch's SDPA and the seeds' naive attention;
+* ``tokens`` [batch * seqlen, heads, head_dim]: FlashInfer's ragged batch (a view of bshd).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+
+from .workloads import Workload
+
+
+class Unavailable(Exception):
+    """This provider cannot run here or on this workload; the message says why. Not an error."""
+
+
+def to_layout(t: torch.Tensor, layout: str) -> torch.Tensor:
+    """Canonical [B, S, H, D] -> ``layout``, contiguous (a copy only for bhsd)."""
+    if layout == "bshd":
+        return t
+    if layout == "bhsd":
+        return t.transpose(1, 2).contiguous()
+    if layout == "tokens":
+        return t.reshape(-1, t.shape[2], t.shape[3])
+    raise ValueError(f"unknown layout {layout!r}")
+
+
+def from_layout(t: torch.Tensor, layout: str, batch: int) -> torch.Tensor:
+    """``layout`` -> a canonical [B, S, H, D] view (for checking only; never timed)."""
+    if layout == "bshd":
+        return t
+    if layout == "bhsd":
+        return t.transpose(1, 2)
+    if layout == "tokens":
+        return t.view(batch, -1, t.shape[1], t.shape[2])
+    raise ValueError(f"unknown layout {layout!r}")
+
+
+def first(result):
+    """Some libraries return (out, lse); keep the output."""
+    return result[0] if isinstance(result, tuple) else result
+
+
+@dataclass
+class Prepared:
+    """What the timed call needs, made before any timing: the arguments of ``run`` and, in the modes
+    with a backward, the leaf tensors to differentiate and ``dout``, all in the provider's layout."""
+
+    args: tuple
+    leaves: tuple = ()
+    dout: torch.Tensor | None = None
+
+
+class Provider:
+    """Base class of the fwd/bwd/fwdbwd providers.
+
+    Subclasses set ``name``, ``description`` and ``layout``, import their library in ``load`` and call
+    it in ``run(q, k, v, causal)``.
+    """
+
+    name = ""
+    description = ""
+    layout = "bshd"
+
+    def load(self) -> None:
+        """Import what the provider needs (once per run); raise ImportError or Unavailable."""
+
+    def setup(self, wl: Workload, device) -> None:
+        """Per-workload preparation outside the timed region; raise Unavailable if unsupported."""
+
+    def context(self):
+        """A context manager entered around the check and the timing (outside the timed calls)."""
+        return contextlib.nullcontext()
+
+    def prepare(self, case, requires_grad: bool) -> Prepared:
+        """Convert the case's canonical inputs to this provider's layout (copies happen here)."""
+        q, k, v = (to_layout(t, self.layout) for t in (case.q, case.k, case.v))
+        if not requires_grad:
+            return Prepared((q, k, v, case.workload.causal))
+        q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+        return Prepared((q, k, v, case.workload.causal), (q, k, v), to_layout(case.dout, self.layout))
+
+    def canonical(self, t: torch.Tensor, wl: Workload) -> torch.Tensor:
+        """An output or gradient in this provider's layout -> a [B, S, H, D] view, for the check."""
+        return from_layout(t, self.layout, wl.batch)
+
+    def run(self, q, k, v, causal: bool) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class Triflash(Provider):
+    name = "triflash"
+    description = "triflash.flash_attn_func"
+
+    def load(self):
+        import triflash
+
+        self.fn = triflash.flash_attn_func
+
+    def run(self, q, k, v, causal):
+        return self.fn(q, k, v, causal=causal)
+
+
+class Naive(Provider):
+    name = "naive"
+    layout = "bhsd"
+    description = "triflash.reference.naive_attention (the seeds' PyTorch version)"
+
+    def load(self):
+        from ..reference import naive_attention
+
+        self.fn = naive_attention
+
+    def setup(self, wl, device):
+        if wl.heads_kv != wl.heads:
+            raise Unavailable("naive_attention has one K/V head per query head (no GQA)")
+
+    def run(self, q, k, v, causal):
+        return self.fn(q, k, v, causal=causal)
+
+
+class Sdpa(Provider):
+    """torch.nn.functional.scaled_dot_product_attention with one backend forced."""
+
+    layout = "bhsd"
+    BACKENDS = {"flash": "FLASH_ATTENTION", "cudnn": "CUDNN_ATTENTION",
+                "efficient": "EFFICIENT_ATTENTION", "math": "MATH"}
+
+    def __init__(self, backend: str):
+        self.backend = backend
+        self.name = f"sdpa-{backend}"
+        self.description = f"PyTorch SDPA, {backend} backend forced"
+
+    def load(self):
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        self.sdpa_kernel = sdpa_kernel
+        self.sdpa_backend = getattr(SDPBackend, self.BACKENDS[self.backend])
+
+    def setup(self, wl, device):
+        # enable_gqa exists from torch 2.5 on: pass it only when K/V have fewer heads.
+        self.extra = {"enable_gqa": True} if wl.heads_kv != wl.heads else {}
+
+    def context(self):
+        return self.sdpa_kernel([self.sdpa_backend])
+
+    def run(self, q, k, v, causal):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal, **self.extra)
+
+
+class FlashAttn2(Provider):
+    name = "fa2"
+    description = "flash_attn.flash_attn_func (FlashAttention 2)"
+
+    def load(self):
+        import flash_attn
+        from flash_attn import flash_attn_func
+
+        version = getattr(flash_attn, "__version__", "?")
+        if not version.startswith("2."):
+            raise Unavailable(f"flash_attn {version} is not FlashAttention 2")
+        self.fn = flash_attn_func
+
+    def run(self, q, k, v, causal):
+        return self.fn(q, k, v, causal=causal)
+
+
+class FlashAttn3(Provider):
+    name = "fa3"
+    description = "flash_attn_interface.flash_attn_func (FlashAttention 3, Hopper)"
+
+    def load(self):
+        from flash_attn_interface import flash_attn_func
+
+        self.fn = flash_attn_func
+
+    def run(self, q, k, v, causal):
+        return first(self.fn(q, k, v, causal=causal))
+
+
+class FlashAttn4(Provider):
+    name = "fa4"
+    description = "flash_attn.cute.flash_attn_func (FlashAttention 4, CuTe DSL)"
+
+    def load(self):
+        from flash_attn.cute import flash_attn_func
+
+        self.fn = flash_attn_func
+
+    def run(self, q, k, v, causal):
+        return first(self.fn(q, k, v, causal=causal))
+
+
+class FlashInfer(Provider):
+    """FlashInfer's batch prefill over a ragged (here: equal-length) batch of contiguous K/V.
+
+    ``single_prefill_with_kv_cache`` takes one sequence only; the batch wrapper runs the whole batch in
+    one launch. Its ``plan`` (scheduling metadata) is made per workload, outside the timing.
+    """
+
+    name = "flashinfer"
+    layout = "tokens"
+    description = "flashinfer.BatchPrefillWithRaggedKVCacheWrapper (plan outside the timing)"
+    WORKSPACE_BYTES = 128 * 1024 * 1024
+
+    def load(self):
+        import flashinfer
+
+        self.flashinfer = flashinfer
+
+    def setup(self, wl, device):
+        workspace = torch.empty(self.WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        self.wrapper = self.flashinfer.BatchPrefillWithRaggedKVCacheWrapper(workspace, "NHD")
+        indptr_q = torch.arange(wl.batch + 1, dtype=torch.int32, device=device) * wl.seqlen_q
+        indptr_k = torch.arange(wl.batch + 1, dtype=torch.int32, device=device) * wl.seqlen_k
+        self.wrapper.plan(indptr_q, indptr_k, wl.heads, wl.heads_kv, wl.head_dim, causal=wl.causal,
+                          q_data_type=wl.torch_dtype)
+
+    def run(self, q, k, v, causal):
+        return self.wrapper.run(q, k, v)
+
+
+def dense_providers() -> list[Provider]:
+    """Every fwd/bwd/fwdbwd provider, in the order of the tables."""
+    return [Triflash(), Naive(), *(Sdpa(b) for b in Sdpa.BACKENDS), FlashAttn2(), FlashAttn3(),
+            FlashAttn4(), FlashInfer()]

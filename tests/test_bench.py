@@ -1,0 +1,483 @@
+"""The ``triflash bench`` command: arguments, FLOP convention, checking, outputs, plots, no-GPU path.
+
+Timings in these tests come from a fake timer (GPU numbers cannot be measured here); every number
+they produce is made up and only exercises the plumbing. The real timer is triton's do_bench.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import triflash
+from triflash.bench import cli
+from triflash.bench import workloads as W
+from triflash.bench.checking import (decode_reference, make_decode_case, make_dense_case,
+                                     reference_forward_backward)
+from triflash.bench.decode import SdpaDecode, TriflashKVCache
+from triflash.bench.interpreter import report_without_gpu
+from triflash.bench.providers import FlashAttn2, Naive, Provider, Sdpa
+from triflash.bench.report import markdown, write_json
+from triflash.bench.runner import Result, add_speedups, run_all
+from triflash.reference import attention_ref, flash_attn_ref, naive_attention
+
+REPO = Path(__file__).resolve().parents[1]
+FAKE_ENV = {"gpu": "FAKE-GPU (test, made-up numbers)", "compute_capability": "0.0", "multiprocessors": 0,
+            "gpu_memory_gib": 0, "driver": "none", "cuda": None, "torch": torch.__version__,
+            "triton": "-", "triflash": triflash.__version__, "python": "-"}
+
+
+class FakeTimer:
+    """Calls fn once (like a real timer would) and returns made-up (median, p20, p80) in ms."""
+
+    def __init__(self, ms=1.0):
+        self.ms, self.calls = ms, 0
+
+    def __call__(self, fn):
+        fn()
+        self.calls += 1
+        return self.ms, 0.9 * self.ms, 1.1 * self.ms
+
+
+def small(mode="fwd", causal=False, **kw):
+    shape = dict(batch=1, heads=2, heads_kv=2, seqlen_q=64, seqlen_k=64, head_dim=32, dtype="fp16")
+    shape.update(kw)
+    return W.Workload(mode=mode, causal=causal, **shape)
+
+
+def by_provider(results):
+    return {r.provider: r for r in results}
+
+
+# --------------------------------------------------------------------------------------------------
+# arguments
+# --------------------------------------------------------------------------------------------------
+
+def test_defaults_are_the_seed_workload():
+    args = cli.parse_args([])
+    assert args.mode == "fwd" and args.dtype == "fp16"
+    assert args.workloads == [W.Workload("fwd", 4, 16, 16, 4096, 4096, 64, "fp16", causal)
+                              for causal in (False, True)]
+    assert args.provider_names == cli.provider_names("fwd")
+    assert {"triflash", "naive", "sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "sdpa-math", "fa2", "fa3",
+            "fa4", "flashinfer"} == set(args.provider_names)
+    assert args.out == Path("bench-out") and not args.no_plots
+    assert (args.warmup, args.rep) == (25.0, 100.0)
+
+
+def test_sweep_is_16k_tokens_and_hidden_2048():
+    wls = cli.parse_args(["--sweep"]).workloads
+    assert len(wls) == 6 * 2 * 2
+    assert {(w.seqlen_q, w.head_dim, w.causal) for w in wls} == {
+        (s, d, c) for s in (512, 1024, 2048, 4096, 8192, 16384) for d in (64, 128) for c in (False, True)}
+    assert all(w.batch * w.seqlen_q == 16384 and w.heads * w.head_dim == 2048 for w in wls)
+    assert all(w.seqlen_k == w.seqlen_q and w.heads_kv == w.heads for w in wls)
+
+
+def test_explicit_shape_flags_win():
+    args = cli.parse_args(["--sweep", "--seqlen", "1024", "2048", "--headdim", "128", "--causal", "yes",
+                           "--heads-kv", "4", "--dtype", "bf16", "--mode", "fwdbwd"])
+    assert [(w.batch, w.heads, w.heads_kv, w.seqlen_q, w.head_dim, w.causal, w.dtype, w.mode)
+            for w in args.workloads] == [(16, 16, 4, 1024, 128, True, "bf16", "fwdbwd"),
+                                         (8, 16, 4, 2048, 128, True, "bf16", "fwdbwd")]
+    args = cli.parse_args(["--batch", "2", "--heads", "8", "--seqlen", "100", "--causal", "no"])
+    assert args.workloads == [W.Workload("fwd", 2, 8, 8, 100, 100, 64, "fp16", False)]
+
+
+def test_providers_flag(capsys):
+    assert cli.parse_args(["--providers", "sdpa-flash, triflash"]).provider_names == ["triflash",
+                                                                                     "sdpa-flash"]
+    with pytest.raises(SystemExit):
+        cli.parse_args(["--providers", "triflash,nope"])
+    assert "unknown provider(s) for --mode fwd: nope" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli.parse_args(["--mode", "decode", "--providers", "naive"])
+
+
+def test_invalid_combinations_are_rejected(capsys):
+    with pytest.raises(SystemExit):
+        cli.parse_args(["--heads", "16", "--heads-kv", "5"])
+    assert "--heads-kv must divide" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli.parse_args(["--mode", "decode", "--sweep"])
+    with pytest.raises(SystemExit):
+        cli.parse_args(["--seqlen", "0"])
+
+
+def test_decode_grid():
+    wls = cli.parse_args(["--mode", "decode"]).workloads
+    assert [(w.batch, w.seqlen_k) for w in wls] == [(b, c) for b in (1, 16, 64)
+                                                    for c in (1024, 8192, 32768, 131072)]
+    assert all((w.seqlen_q, w.heads, w.heads_kv, w.head_dim, w.dtype) == (1, 32, 8, 128, "fp16")
+               for w in wls)
+    assert cli.parse_args(["--mode", "decode"]).provider_names[:2] == ["triflash", "triflash-paged"]
+
+
+def test_help_and_the_bench_word(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["bench", "--help"])          # the console script is `triflash bench ...`
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    for flag in ("--sweep", "--heads-kv", "--seqlen", "--providers", "--no-plots", "--warmup", "--rep"):
+        assert flag in out
+    assert "triflash-paged" in out and "flashinfer" in out
+
+
+# --------------------------------------------------------------------------------------------------
+# FLOP and byte conventions
+# --------------------------------------------------------------------------------------------------
+
+def test_flop_formula():
+    full = 4 * 4 * 16 * 4096 * 4096 * 64
+    assert W.attention_flops(4, 16, 4096, 4096, 64, causal=False) == full
+    assert W.attention_flops(4, 16, 4096, 4096, 64, causal=True) == full / 2
+    assert W.attention_flops(4, 16, 4096, 4096, 64, causal=False, mode="bwd") == 2.5 * full
+    assert W.attention_flops(4, 16, 4096, 4096, 64, causal=True, mode="fwdbwd") == 3.5 * full / 2
+    assert W.attention_flops(1, 2, 10, 30, 8, causal=False) == 4 * 2 * 10 * 30 * 8
+    wl = W.Workload("bwd", 4, 16, 16, 4096, 4096, 64, "fp16", True)
+    assert wl.flops == 2.5 * full / 2
+    assert Result(wl, "x", "ok", ms=2.0).tflops == pytest.approx(wl.flops / 2e-3 / 1e12)
+
+
+def test_decode_bytes_convention():
+    wl = W.Workload("decode", 16, 32, 8, 1, 8192, 128, "fp16", False)
+    assert wl.flops is None
+    assert wl.kv_bytes == 2 * 16 * 8192 * 8 * 128 * 2
+    r = Result(wl, "x", "ok", ms=0.5)
+    assert r.gbps == pytest.approx(wl.kv_bytes / 0.5e-3 / 1e9) and r.tflops is None
+
+
+# --------------------------------------------------------------------------------------------------
+# references used by the checks
+# --------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_chunked_reference_gradients_are_exact(causal):
+    q, k, v, dout = (torch.randn(1, 37, 2, 16, dtype=torch.float64) for _ in range(4))
+    chunked = reference_forward_backward(q, k, v, dout, causal, torch.float64, max_scores=2 * 37 * 5)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = flash_attn_ref(*leaves, causal=causal)
+    whole = (out, *torch.autograd.grad(out, leaves, dout))
+    for got, want in zip(chunked, whole, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+def test_decode_case_pages_are_shuffled_and_hold_the_cache(device):
+    wl = W.Workload("decode", 3, 4, 2, 1, 40, 16, "fp16", False)
+    case = make_decode_case(wl, device)
+    assert case.k_cache.shape == (3, 48, 2, 16)                  # 40 tokens rounded up to 16-token pages
+    paged = case.paged()
+    assert paged.block_table.dtype == torch.int32 and paged.block_table.shape == (3, 3)
+    assert sorted(paged.block_table.flatten().tolist()) == list(range(9))
+    assert paged.block_table.flatten().tolist() != list(range(9))
+    for b in range(3):
+        for i in range(3):
+            page = paged.block_table[b, i].item()
+            assert torch.equal(paged.k_pages[page], case.k_cache[b, 16 * i:16 * (i + 1)])
+            assert torch.equal(paged.v_pages[page], case.v_cache[b, 16 * i:16 * (i + 1)])
+    whole = attention_ref(case.q.transpose(1, 2), case.k_cache[:, :40].transpose(1, 2),
+                          case.v_cache[:, :40].transpose(1, 2), compute_dtype=torch.float64)
+    assert torch.equal(decode_reference(case.q, case.k_cache, case.v_cache, 40, torch.float64).double(),
+                       whole.transpose(1, 2).double())
+
+
+# --------------------------------------------------------------------------------------------------
+# the runner: check before timing, unavailable / wrong / oom / error never stop the run
+# --------------------------------------------------------------------------------------------------
+
+class Broken(Provider):
+    """Returns the right shape with wrong values."""
+
+    name = "broken"
+
+    def run(self, q, k, v, causal):
+        return torch.zeros_like(q)
+
+
+class Raises(Provider):
+    def __init__(self, name, exc):
+        self.name, self.exc = name, exc
+
+    def run(self, q, k, v, causal):
+        raise self.exc
+
+
+class ForwardOnly(Naive):
+    """Correct values, but no autograd graph (like a provider without a backward)."""
+
+    name = "forward-only"
+
+    def run(self, q, k, v, causal):
+        with torch.no_grad():
+            return super().run(q, k, v, causal)
+
+
+def test_unavailable_optional_provider_does_not_stop_the_run(device, monkeypatch):
+    monkeypatch.setitem(sys.modules, "flash_attn", None)          # `import flash_attn` now fails
+    timer = FakeTimer()
+    results = by_provider(run_all([small()], [FlashAttn2(), Naive(), Sdpa("math")], timer, device,
+                                  progress=lambda line: None))
+    assert results["fa2"].status == "unavailable" and "flash_attn" in results["fa2"].detail
+    assert results["fa2"].ms is None
+    for name in ("naive", "sdpa-math"):
+        assert results[name].status == "ok", results[name].detail
+        assert results[name].ms == 1.0 and results[name].max_err <= results[name].tol
+    assert timer.calls == 2
+
+
+def test_wrong_results_are_not_timed_and_failures_are_classified(device):
+    timer = FakeTimer()
+    providers = [Broken(), Raises("oom", torch.cuda.OutOfMemoryError("CUDA out of memory. Tried ...")),
+                 Raises("crash", ValueError("bad stride")), Raises("todo", NotImplementedError("later")),
+                 Naive()]
+    results = by_provider(run_all([small(causal=True)], providers, timer, device, progress=lambda s: None))
+    assert results["broken"].status == "wrong" and "max error" in results["broken"].detail
+    assert results["broken"].max_err > results["broken"].tol and results["broken"].ms is None
+    assert results["oom"].status == "oom" and "out of memory" in results["oom"].detail
+    assert results["crash"].status == "error" and results["crash"].detail == "ValueError: bad stride"
+    assert results["todo"].status == "unavailable"
+    assert results["naive"].status == "ok"
+    assert timer.calls == 1                                         # only naive was timed
+
+
+def test_backward_is_checked_and_a_provider_without_one_is_unavailable(device):
+    timer = FakeTimer()
+    results = by_provider(run_all([small("bwd", causal=True)], [ForwardOnly(), Naive(), Sdpa("math")],
+                                  timer, device, progress=lambda s: None))
+    assert results["forward-only"].status == "unavailable"
+    assert "no backward" in results["forward-only"].detail
+    assert results["naive"].status == "ok" and results["sdpa-math"].status == "ok"
+    assert "max error" in results["naive"].detail
+
+
+class Spy(Naive):
+    """Naive attention that records how it is called."""
+
+    name = "spy"
+
+    def __init__(self):
+        self.calls, self.inputs = 0, []
+
+    def run(self, q, k, v, causal):
+        self.calls += 1
+        self.inputs.append((tuple(q.shape), q.is_contiguous(), q.requires_grad))
+        return super().run(q, k, v, causal)
+
+
+@pytest.mark.parametrize("mode, runs_in_timed_fn", [("fwd", 1), ("bwd", 0), ("fwdbwd", 1)])
+def test_what_is_timed(device, mode, runs_in_timed_fn):
+    """Inputs arrive in the provider's layout, contiguous; bwd's timed function runs no forward."""
+    spy, timer = Spy(), FakeTimer()
+    (result,) = run_all([small(mode, seqlen_q=48, seqlen_k=48)], [spy], timer, device,
+                        progress=lambda line: None)
+    assert result.status == "ok", result.detail
+    timed_calls = timer.calls + (device == "cuda")          # the memory measurement calls it once more
+    forward_outside = 1 if mode == "bwd" else 0             # bwd: one forward before timing
+    assert spy.calls == 1 + forward_outside + runs_in_timed_fn * timed_calls
+    assert set(spy.inputs) == {((1, 2, 48, 32), True, mode != "fwd")}       # [B, H, S, D]
+
+
+def test_progress_lines(device):
+    lines = []
+    run_all([small(seqlen_q=32, seqlen_k=32), small(causal=True)], [Naive(), Sdpa("math")], FakeTimer(),
+            device, progress=lines.append)
+    assert lines == ["[1/2] S=32 D=32 non-causal provider=naive",
+                     "[1/2] S=32 D=32 non-causal provider=sdpa-math",
+                     "[2/2] S=64 D=32 causal provider=naive",
+                     "[2/2] S=64 D=32 causal provider=sdpa-math"]
+
+
+def test_decode_providers_on_a_small_cache(device, monkeypatch):
+    monkeypatch.delattr(triflash, "flash_attn_with_kvcache", raising=False)
+    wl = W.Workload("decode", 2, 4, 2, 1, 40, 16, "fp16", False)
+    results = by_provider(run_all([wl], [TriflashKVCache(paged=True), SdpaDecode("math")], FakeTimer(0.01),
+                                  device, progress=lambda s: None))
+    assert results["triflash-paged"].status == "unavailable"
+    assert "flash_attn_with_kvcache" in results["triflash-paged"].detail
+    assert results["sdpa-math"].status == "ok", results["sdpa-math"].detail
+    assert results["sdpa-math"].gbps == pytest.approx(wl.kv_bytes / 1e-5 / 1e9)
+
+
+# --------------------------------------------------------------------------------------------------
+# tables and JSON from a fake result set
+# --------------------------------------------------------------------------------------------------
+
+def fake_results():
+    """Made-up numbers for two sequence lengths, every status, and one decode point."""
+    res = []
+    for s in (1024, 2048):
+        wl = W.Workload("fwd", 16384 // s, 16, 16, s, s, 128, "fp16", True)
+        res += [Result(wl, "triflash", "ok", "out max error 1e-03 <= 3e-03", 1e-3, 3e-3, 1.0 * s / 1024,
+                       0.9, 1.1, 50.0),
+                Result(wl, "naive", "ok", "", 2e-3, 3e-3, 4.0 * s / 1024, 3.9, 4.1, 2000.0),
+                Result(wl, "sdpa-flash", "ok", "", 1e-3, 3e-3, 1.25 * s / 1024, 1.2, 1.3, 50.0),
+                Result(wl, "sdpa-math", "oom", "CUDA out of memory"),
+                Result(wl, "fa3", "wrong", "out max error 0.5 > tolerance 0.003", 0.5, 3e-3),
+                Result(wl, "fa2", "unavailable", "No module named 'flash_attn'")]
+    dec = W.Workload("decode", 16, 32, 8, 1, 8192, 128, "fp16", False)
+    res += [Result(dec, "triflash-paged", "ok", "", 1e-4, 1e-3, 0.05, 0.049, 0.051, 1.0),
+            Result(dec, "sdpa-flash", "ok", "", 1e-4, 1e-3, 0.1, 0.09, 0.11, 1.0),
+            Result(dec, "sdpa-math", "ok", "", 1e-4, 1e-3, 0.2, 0.19, 0.21, 1.0)]
+    add_speedups(res)
+    return res
+
+
+def test_speedups_use_naive_and_the_best_sdpa_backend():
+    res = by_provider(r for r in fake_results() if r.workload.seqlen_q == 1024)
+    assert res["triflash"].speedup_naive == pytest.approx(4.0)
+    assert res["triflash"].speedup_sdpa == pytest.approx(1.25)
+    assert res["naive"].speedup_naive == pytest.approx(1.0)
+    assert res["fa3"].speedup_naive is None and res["sdpa-math"].speedup_sdpa is None
+    dec = by_provider(r for r in fake_results() if r.workload.mode == "decode")
+    assert dec["triflash-paged"].speedup_sdpa == pytest.approx(2.0)    # best SDPA: flash, 0.1 ms
+    assert dec["triflash-paged"].speedup_naive is None
+
+
+def test_markdown_tables_from_fake_results():
+    text = markdown(fake_results(), "# header")
+    assert text.startswith("# header")
+    assert "## fwd, fp16, D=128, causal" in text and "## decode, fp16, D=128" in text
+    lines = text.splitlines()
+    row = next(line for line in lines if line.startswith("| 2048 |") and "| triflash |" in line)
+    flops = W.attention_flops(8, 16, 2048, 2048, 128, True)
+    assert row.split(" | ")[4:10] == ["2.000", "0.900-1.100", f"{flops / 2e-3 / 1e12:.1f}", "4.00x",
+                                      "1.25x", "50.0"]
+    assert any("| fa3 |" in line and "WRONG: out max error 0.5 > tolerance 0.003" in line for line in lines)
+    assert any("| sdpa-math |" in line and "OOM: CUDA out of memory" in line for line in lines)
+    assert not any("| fa2 |" in line for line in lines)          # unavailable: listed below instead
+    assert "- fa2: unavailable: No module named 'flash_attn' (2 of 3 workloads)" in text
+    dec_row = next(line for line in lines if "| triflash-paged |" in line)
+    gbps = 2 * 16 * 8192 * 8 * 128 * 2 / 0.05e-3 / 1e9
+    assert dec_row.split(" | ")[4:8] == ["50.0", "49.0-51.0", f"{gbps:.0f}", "2.00x"]
+
+
+def test_json_has_every_number(tmp_path):
+    results = fake_results()
+    results[0].max_err = float("nan")
+    write_json(tmp_path / "results.json", results, FAKE_ENV, "triflash bench --sweep", 25, 100)
+    data = json.loads((tmp_path / "results.json").read_text())
+    assert data["command"] == "triflash bench --sweep" and data["environment"]["gpu"].startswith("FAKE")
+    assert "4·B·H·Sq·Sk·D" in data["conventions"]["flops"]
+    assert "do_bench" in data["conventions"]["timing"]
+    assert len(data["results"]) == len(results)
+    first = data["results"][0]
+    assert first["max_err"] is None                            # NaN -> null, the file stays valid JSON
+    assert (first["provider"], first["seqlen_q"], first["batch"], first["causal"]) == ("triflash", 1024,
+                                                                                        16, True)
+    assert first["ms"] == 1.0 and first["ms_p20"] == 0.9 and first["ms_p80"] == 1.1
+    assert first["tflops"] == pytest.approx(first["flops"] / 1e-3 / 1e12)
+    assert first["speedup_naive"] == pytest.approx(4.0) and first["peak_mib"] == 50.0
+    assert data["results"][-1]["gbps"] == pytest.approx(2 * 16 * 8192 * 8 * 128 * 2 / 0.2e-3 / 1e9)
+    assert {r["status"] for r in data["results"]} == {"ok", "oom", "wrong", "unavailable"}
+
+
+# --------------------------------------------------------------------------------------------------
+# plots
+# --------------------------------------------------------------------------------------------------
+
+def test_plots_from_fake_results(tmp_path):
+    pytest.importorskip("matplotlib")
+    from triflash.bench.plotting import plot_results
+
+    single = W.Workload("bwd", 4, 16, 16, 4096, 4096, 64, "bf16", False)
+    extra = [Result(single, "triflash", "ok", "", 1e-3, 3e-3, 2.0, 1.9, 2.1, 10.0),
+             Result(single, "naive", "ok", "", 1e-3, 3e-3, 5.0, 4.9, 5.1, 900.0)]
+    add_speedups(extra)
+    paths = plot_results(fake_results() + extra, FAKE_ENV, tmp_path)
+    assert sorted(p.name for p in paths) == ["bwd-bf16-d64-noncausal.png", "decode-fp16-d128.png",
+                                             "fwd-fp16-d128-causal.png"]
+    for p in paths:
+        assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and p.stat().st_size > 20_000
+
+
+def test_plots_skipped_without_matplotlib(tmp_path, monkeypatch):
+    from triflash.bench.plotting import plot_results
+
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
+    assert plot_results(fake_results(), FAKE_ENV, tmp_path) is None
+    assert list(tmp_path.iterdir()) == []
+
+
+# --------------------------------------------------------------------------------------------------
+# the command, end to end (fake timer on the current device; the real one needs a GPU)
+# --------------------------------------------------------------------------------------------------
+
+def test_run_benchmark_writes_table_json_and_plots(tmp_path, device, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "flash_attn", None)
+    argv = ["--batch", "1", "--heads", "2", "--seqlen", "64", "128", "--headdim", "32", "--causal", "yes",
+            "--providers", "triflash,naive,sdpa-math,fa2", "--out", str(tmp_path)]
+    rc = cli.run_benchmark(cli.parse_args(argv), argv, device, FakeTimer(), FAKE_ENV)
+    out, err = capsys.readouterr()
+    assert rc == 0
+    assert out.count("| triflash |") == 2 and out.count("| naive |") == 2
+    assert "- fa2: unavailable" in out and "[2/2] S=128 D=32 causal provider=sdpa-math" in err
+    data = json.loads((tmp_path / "results.json").read_text())
+    assert len(data["results"]) == 2 * 4
+    assert (tmp_path / "results.md").read_text() + "\n" == out           # print() adds one newline
+    triflash_rows = [r for r in data["results"] if r["provider"] == "triflash"]
+    assert all(r["status"] == "ok" and r["max_err"] <= r["tol"] for r in triflash_rows)
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert "Plots: skipped, matplotlib is not installed" in err
+    else:
+        assert (tmp_path / "fwd-fp16-d32-causal.png").exists()
+
+
+def test_exit_status_is_1_when_triflash_is_wrong(tmp_path, device, monkeypatch, capsys):
+    monkeypatch.setattr(triflash, "flash_attn_func", lambda q, k, v, causal: q * 0)
+    argv = ["--batch", "1", "--heads", "2", "--seqlen", "64", "--headdim", "32", "--causal", "no",
+            "--providers", "triflash", "--out", str(tmp_path), "--no-plots"]
+    assert cli.run_benchmark(cli.parse_args(argv), argv, device, FakeTimer(), FAKE_ENV) == 1
+    assert "WRONG" in capsys.readouterr().out
+
+
+# --------------------------------------------------------------------------------------------------
+# without a GPU
+# --------------------------------------------------------------------------------------------------
+
+def test_no_gpu_command_checks_the_kernel_in_the_interpreter(tmp_path):
+    """`python -m triflash.bench` with CUDA hidden and TRITON_INTERPRET unset: it must say there is no
+    GPU, switch to the interpreter itself (a fresh process), find the kernel correct, time nothing."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO / "src"), env.get("PYTHONPATH")]))
+    run = subprocess.run([sys.executable, "-m", "triflash.bench"], env=env, cwd=tmp_path,
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "No CUDA GPU found" in run.stdout
+    assert "Triton's interpreter" in run.stdout
+    checks = [line for line in run.stdout.splitlines() if "max error" in line]
+    assert len(checks) == 2 and all(line.endswith(": correct") for line in checks)
+    assert "causal" in checks[1] and "non-causal" in checks[0]
+    assert "TFLOP" not in run.stdout and " ms" not in run.stdout and "GB/s" not in run.stdout
+    assert list(tmp_path.iterdir()) == []                         # nothing written without a GPU
+
+
+def test_no_gpu_check_reports_wrong_kernels():
+    from io import StringIO
+
+    out = StringIO()
+    assert not report_without_gpu((False, True), fn=lambda q, k, v, causal: q, out=out)
+    text = out.getvalue()
+    assert text.count("WRONG") == 2 and "Some checks FAILED." in text
+
+    def crash(q, k, v, causal):
+        raise RuntimeError("kernel exploded")
+
+    out = StringIO()
+    assert not report_without_gpu((True,), fn=crash, out=out)
+    assert "WRONG (RuntimeError: kernel exploded)" in out.getvalue()
+
+
+def test_dense_case_references_agree_with_naive(device):
+    case = make_dense_case(small(causal=True), device)
+    got = naive_attention(*(t.transpose(1, 2) for t in (case.q, case.k, case.v)),
+                          causal=True).transpose(1, 2)
+    exp = case.expected[0]
+    assert exp.name == "out" and 0 < exp.tol < 0.05
+    assert (got.to(exp.ref.dtype) - exp.ref).abs().max().item() <= exp.tol
