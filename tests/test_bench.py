@@ -19,7 +19,7 @@ from triflash.bench import workloads as W
 from triflash.bench.checking import (decode_reference, make_decode_case, make_dense_case,
                                      reference_forward_backward)
 from triflash.bench.decode import SdpaDecode, TriflashKVCache
-from triflash.bench.interpreter import report_without_gpu
+from triflash.bench.interpreter import interpreter_blocker, report_without_gpu
 from triflash.bench.providers import FlashAttn2, Naive, Provider, Sdpa
 from triflash.bench.report import markdown, write_json
 from triflash.bench.runner import Result, add_speedups, run_all
@@ -448,14 +448,26 @@ def test_no_gpu_command_checks_the_kernel_in_the_interpreter(tmp_path):
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO / "src"), env.get("PYTHONPATH")]))
     run = subprocess.run([sys.executable, "-m", "triflash.bench"], env=env, cwd=tmp_path,
                          capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stdout + run.stderr
     assert "No CUDA GPU found" in run.stdout
+    blocker = interpreter_blocker()
+    if blocker:
+        # An environment whose interpreter cannot work (Triton 3.6 with numpy >= 2.4, as on our GPU
+        # image): the command must say why and how to fix it, and fail.
+        assert run.returncode != 0 and blocker in run.stdout, run.stdout + run.stderr
+        return
+    assert run.returncode == 0, run.stdout + run.stderr
     assert "Triton's interpreter" in run.stdout
     checks = [line for line in run.stdout.splitlines() if "max error" in line]
     assert len(checks) == 2 and all(line.endswith(": correct") for line in checks)
     assert "causal" in checks[1] and "non-causal" in checks[0]
     assert "TFLOP" not in run.stdout and " ms" not in run.stdout and "GB/s" not in run.stdout
     assert list(tmp_path.iterdir()) == []                         # nothing written without a GPU
+
+
+def test_interpreter_blocker_versions():
+    assert "numpy < 2.4" in interpreter_blocker("3.6.0", "2.5.2")
+    assert interpreter_blocker("3.6.0", "2.3.5") is None
+    assert interpreter_blocker("3.9.0", "2.5.2") is None
 
 
 def test_no_gpu_check_reports_wrong_kernels():

@@ -51,3 +51,17 @@ def test_many_heads_grid(device):
     same = flash_attn_ref(q[-100:], q[-100:], q[-100:], causal=True, compute_dtype=None)
     assert_2x_rule("out", out[-100:], ref, same, torch.float16)
     assert not torch.isnan(out).any()
+
+
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(4, 4099), (4096, 4096)])
+def test_long_fp32(device, seqlen_q, seqlen_k):
+    """fp32 is held to fp32 PyTorch: long key ranges stress the row sum and the LSE's one log."""
+    dtype = torch.float32
+    q = torch.randn(2, seqlen_q, 8, 40, dtype=dtype, device=device)
+    k = torch.randn(2, seqlen_k, 1, 40, dtype=dtype, device=device)
+    v = torch.randn(2, seqlen_k, 1, 40, dtype=dtype, device=device)
+    out, lse = triflash.flash_attn_func(q, k, v, return_lse=True)
+    ref, ref_lse = flash_attn_ref(q, k, v, return_lse=True)
+    same, same_lse = flash_attn_ref(q, k, v, compute_dtype=None, return_lse=True)
+    assert_2x_rule("out", out, ref, same, dtype)
+    assert_2x_rule("lse", lse, ref_lse, same_lse, dtype, LSE_FLOOR)

@@ -47,6 +47,27 @@ def rerun_with_interpreter(argv: list[str]) -> int:
     return subprocess.run([sys.executable, "-m", "triflash.bench", *argv], env=env).returncode
 
 
+def interpreter_blocker(triton_version: str | None = None, numpy_version: str | None = None) -> str | None:
+    """Why Triton's interpreter cannot run here, or None. Triton 3.6's interpreter breaks on
+    numpy 2.4+ ("only 0-dimensional arrays can be converted to Python scalars"); 3.7+ is fine."""
+    if triton_version is None:
+        import triton
+
+        triton_version = triton.__version__
+    if numpy_version is None:
+        import numpy
+
+        numpy_version = numpy.__version__
+
+    def major_minor(v):
+        return tuple(int(x) for x in v.split(".")[:2])
+
+    if major_minor(triton_version) < (3, 7) and major_minor(numpy_version) >= (2, 4):
+        return (f"Triton {triton_version}'s interpreter needs numpy < 2.4, but numpy {numpy_version} is "
+                f"installed: pip install 'numpy<2.4' (or triflash[bench], which pins it)")
+    return None
+
+
 def check_small(causal: bool, fn=None) -> CheckResult:
     """triflash.flash_attn_func (or ``fn``, same signature) on SMALL, against the reference."""
     if fn is None:
@@ -67,6 +88,10 @@ def report_without_gpu(causal_flags, fn=None, out=sys.stdout) -> bool:
     print("No CUDA GPU found (torch.cuda.is_available() is False), so nothing is timed.", file=out)
     print("Checking triflash's forward kernel in Triton's interpreter (TRITON_INTERPRET=1, on the CPU) "
           "against the float64 reference instead:", file=out)
+    blocker = interpreter_blocker() if fn is None else None
+    if blocker:
+        print(f"  cannot run the check: {blocker}", file=out)
+        return False
     all_ok = True
     for causal in causal_flags:
         result = check_small(causal, fn)

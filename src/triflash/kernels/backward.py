@@ -9,7 +9,7 @@ With P = softmax(S * scale) recomputed from the saved LSE (no S x S tensor is ev
 Three launches, no atomics, so the result is bit-for-bit deterministic:
 
 1. ``_bwd_preprocess_kernel``: delta per query row, and the LSE turned into base 2 (lse * log2(e)) so the
-   recomputation is one FMA and one exp2 per score. Rows that saw no key (lse = -inf) get +inf there,
+   recomputation is one FMA and one exp2 per score (fp32 keeps the natural-log LSE, see _recompute_p). Rows that saw no key (lse = -inf) get +inf there,
    which makes every recomputed p of that row exp2(-inf) = 0: their gradients are 0, never NaN.
 2. ``_bwd_dkdv_kernel``: one program per (batch, KV head, key block). It keeps K, V, dK, dV of its block
    in registers and walks over the query blocks of every query head in its GQA group, so dK and dV of a
@@ -41,6 +41,7 @@ def _bwd_preprocess_kernel(
     stride_dob, stride_dos, stride_doh,
     num_heads, seqlen_q, num_m_blocks,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, HAS_DLSE: tl.constexpr,
+    PRECISE_P: tl.constexpr,
 ):
     pid = tl.program_id(0)
     pid_m = pid % num_m_blocks
@@ -64,8 +65,21 @@ def _bwd_preprocess_kernel(
         delta -= tl.load(DLSE + row, mask=m_ok, other=0.0)
     tl.store(Delta + row, delta, mask=m_ok)
     lse = tl.load(LSE + row, mask=m_ok, other=0.0)
-    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+    if not PRECISE_P:
+        lse = lse * 1.4426950408889634                         # to base 2 for one-FMA recomputation
+    lse2 = tl.where(lse == float("-inf"), float("inf"), lse)
     tl.store(LSE2 + row, lse2, mask=m_ok)
+
+
+@triton.jit
+def _recompute_p(s, lse, sm_scale, qk_scale, PRECISE_P: tl.constexpr):
+    """P from raw scores and the row LSE. fp16/bf16: one FMA in base 2 (lse was turned into base 2).
+    fp32: subtract in natural units first, s * scale - lse (which cancels to near 0 for the largest
+    scores), then scale by log2(e): two roundings of a small number instead of one of a large one."""
+    if PRECISE_P:
+        return tl.math.exp2((s * sm_scale - lse) * 1.4426950408889634)
+    else:
+        return tl.math.exp2(s * qk_scale - lse)
 
 
 @triton.jit
@@ -73,9 +87,9 @@ def _dkdv_inner(
     dk, dv, k, v,                             # [BN, BD] accumulators and the kept K/V tiles
     Q, DO, LSE2, Delta,                       # Q/DO: this (batch, query head); LSE2/Delta: its rows
     stride_qs, stride_dos,
-    offs_n, offs_d, lo, hi, seqlen_q, causal_offset, qk_scale,
+    offs_n, offs_d, lo, hi, seqlen_q, causal_offset, sm_scale, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-    MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr, PRECISE_P: tl.constexpr,
 ):
     d_ok = offs_d < HEAD_DIM
     for start_m in range(lo, hi, BLOCK_M):
@@ -90,7 +104,7 @@ def _dkdv_inner(
         lse2 = tl.load(LSE2 + offs_m, mask=m_ok, other=float("inf"))      # [BM]
         delta = tl.load(Delta + offs_m, mask=m_ok, other=0.0)             # [BM]
         s_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)       # [BN, BM] = (Q K^T)^T
-        p_t = tl.math.exp2(s_t * qk_scale - lse2[None, :])                # [BN, BM]
+        p_t = _recompute_p(s_t, lse2[None, :], sm_scale, qk_scale, PRECISE_P)   # [BN, BM]
         if MASKED:
             p_t = tl.where(offs_n[:, None] <= offs_m[None, :] + causal_offset, p_t, 0.0)
         dv += tl.dot(p_t.to(do.dtype), do, input_precision=DOT_PRECISION)             # [BN, BD]
@@ -100,7 +114,7 @@ def _dkdv_inner(
     return dk, dv
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["seqlen_q", "seqlen_k", "num_n_blocks"])
 def _bwd_dkdv_kernel(
     Q, K, V, DO, LSE2, Delta, DK, DV,
     stride_qb, stride_qs, stride_qh,
@@ -112,7 +126,7 @@ def _bwd_dkdv_kernel(
     num_heads_q, num_heads_k, kv_group_size, seqlen_q, seqlen_k, num_n_blocks,
     sm_scale, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr, PRECISE_P: tl.constexpr,
 ):
     pid = tl.program_id(0)
     pid_n = pid % num_n_blocks
@@ -152,10 +166,12 @@ def _bwd_dkdv_kernel(
         do_ptr = DO + off_b.to(tl.int64) * stride_dob + off_h.to(tl.int64) * stride_doh
         dk, dv = _dkdv_inner(dk, dv, k, v, q_ptr, do_ptr, LSE2 + row0, Delta + row0,
                              stride_qs, stride_dos, offs_n, offs_d, lo, full_from, seqlen_q,
-                             causal_offset, qk_scale, HEAD_DIM, BLOCK_M, IS_CAUSAL, DOT_PRECISION)
+                             causal_offset, sm_scale, qk_scale, HEAD_DIM, BLOCK_M, IS_CAUSAL, DOT_PRECISION,
+                             PRECISE_P)
         dk, dv = _dkdv_inner(dk, dv, k, v, q_ptr, do_ptr, LSE2 + row0, Delta + row0,
                              stride_qs, stride_dos, offs_n, offs_d, full_from, q_blocks_end, seqlen_q,
-                             causal_offset, qk_scale, HEAD_DIM, BLOCK_M, False, DOT_PRECISION)
+                             causal_offset, sm_scale, qk_scale, HEAD_DIM, BLOCK_M, False, DOT_PRECISION,
+                             PRECISE_P)
 
     dk *= sm_scale
     tl.store(DK + off_b.to(tl.int64) * stride_dkb + off_hk.to(tl.int64) * stride_dkh
@@ -168,9 +184,9 @@ def _bwd_dkdv_kernel(
 def _dq_inner(
     dq, q, do, lse2, delta,                   # [BM, BD] accumulator, kept tiles, [BM] row stats
     K, V, stride_ks, stride_vs,
-    offs_m, offs_d, lo, hi, seqlen_k, causal_offset, qk_scale,
+    offs_m, offs_d, lo, hi, seqlen_k, causal_offset, sm_scale, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
-    MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr, PRECISE_P: tl.constexpr,
 ):
     offs_n = tl.arange(0, BLOCK_N)
     d_ok = offs_d < HEAD_DIM
@@ -183,7 +199,7 @@ def _dq_inner(
         k = tl.load(K + cols[:, None] * stride_ks + offs_d[None, :], mask=kv_mask, other=0.0)  # [BN, BD]
         v = tl.load(V + cols[:, None] * stride_vs + offs_d[None, :], mask=kv_mask, other=0.0)  # [BN, BD]
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)          # [BM, BN]
-        p = tl.math.exp2(s * qk_scale - lse2[:, None])                     # [BM, BN]
+        p = _recompute_p(s, lse2[:, None], sm_scale, qk_scale, PRECISE_P)  # [BM, BN]
         if MASKED:
             visible = cols[None, :] < seqlen_k
             if IS_CAUSAL:
@@ -195,7 +211,7 @@ def _dq_inner(
     return dq
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["seqlen_q", "seqlen_k", "num_m_blocks"])
 def _bwd_dq_kernel(
     Q, K, V, DO, LSE2, Delta, DQ,
     stride_qb, stride_qs, stride_qh,
@@ -206,7 +222,7 @@ def _bwd_dq_kernel(
     num_heads_q, kv_group_size, seqlen_q, seqlen_k, num_m_blocks,
     sm_scale, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr, PRECISE_P: tl.constexpr,
 ):
     pid = tl.program_id(0)
     pid_m = pid % num_m_blocks
@@ -244,11 +260,11 @@ def _bwd_dq_kernel(
     k_ptr = K + off_b.to(tl.int64) * stride_kb + off_hk.to(tl.int64) * stride_kh
     v_ptr = V + off_b.to(tl.int64) * stride_vb + off_hk.to(tl.int64) * stride_vh
     dq = _dq_inner(dq, q, do, lse2, delta, k_ptr, v_ptr, stride_ks, stride_vs, offs_m, offs_d,
-                   0, off_band_end, seqlen_k, causal_offset, qk_scale,
-                   HEAD_DIM, BLOCK_N, False, IS_CAUSAL, DOT_PRECISION)
+                   0, off_band_end, seqlen_k, causal_offset, sm_scale, qk_scale,
+                   HEAD_DIM, BLOCK_N, False, IS_CAUSAL, DOT_PRECISION, PRECISE_P)
     dq = _dq_inner(dq, q, do, lse2, delta, k_ptr, v_ptr, stride_ks, stride_vs, offs_m, offs_d,
-                   off_band_end, hi, seqlen_k, causal_offset, qk_scale,
-                   HEAD_DIM, BLOCK_N, True, IS_CAUSAL, DOT_PRECISION)
+                   off_band_end, hi, seqlen_k, causal_offset, sm_scale, qk_scale,
+                   HEAD_DIM, BLOCK_N, True, IS_CAUSAL, DOT_PRECISION, PRECISE_P)
     dq *= sm_scale
     tl.store(DQ + off_b.to(tl.int64) * stride_dqb + off_h.to(tl.int64) * stride_dqh
              + offs_m[:, None] * stride_dqs + offs_d[None, :], dq.to(DQ.dtype.element_ty), mask=mask)
@@ -298,6 +314,8 @@ def backward(dout, q, k, v, out, lse, sm_scale: float, causal: bool, *, dlse=Non
         config = configs.backward_config(head_dim=head_dim, dtype=q.dtype, causal=causal, device=q.device)
     dkdv_cfg, dq_cfg = config
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    # fp32 gradients are compared with fp32 PyTorch: recompute P without the base-2 round trip.
+    precise_p = q.dtype == torch.float32
 
     delta = torch.empty((batch, heads_q, seqlen_q), dtype=torch.float32, device=q.device)
     lse2 = torch.empty_like(delta)
@@ -309,6 +327,7 @@ def backward(dout, q, k, v, out, lse, sm_scale: float, causal: bool, *, dlse=Non
         out, dout, lse.contiguous(), dlse, delta, lse2, *_s(out), *_s(dout),
         heads_q, seqlen_q, pre_blocks,
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=pre_block, HAS_DLSE=dlse is not None,
+        PRECISE_P=precise_p,
     )
     group = heads_q // heads_k
     if need_dkdv:
@@ -319,7 +338,7 @@ def backward(dout, q, k, v, out, lse, sm_scale: float, causal: bool, *, dlse=Non
             heads_q, heads_k, group, seqlen_q, seqlen_k, n_blocks,
             sm_scale, sm_scale * LOG2E,
             HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=dkdv_cfg.block_m, BLOCK_N=dkdv_cfg.block_n,
-            IS_CAUSAL=causal, DOT_PRECISION=precision,
+            IS_CAUSAL=causal, DOT_PRECISION=precision, PRECISE_P=precise_p,
             num_warps=dkdv_cfg.num_warps, num_stages=dkdv_cfg.num_stages,
         )
     if need_dq:
@@ -330,7 +349,7 @@ def backward(dout, q, k, v, out, lse, sm_scale: float, causal: bool, *, dlse=Non
             heads_q, group, seqlen_q, seqlen_k, m_blocks,
             sm_scale, sm_scale * LOG2E,
             HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=dq_cfg.block_m, BLOCK_N=dq_cfg.block_n,
-            IS_CAUSAL=causal, DOT_PRECISION=precision,
+            IS_CAUSAL=causal, DOT_PRECISION=precision, PRECISE_P=precise_p,
             num_warps=dq_cfg.num_warps, num_stages=dq_cfg.num_stages,
         )
     return dq, dk, dv

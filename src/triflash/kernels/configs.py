@@ -77,11 +77,15 @@ def backward_config(*, head_dim: int, dtype, causal: bool, device) -> tuple[BwdC
         return INTERPRETER_BWD
     block_d = head_dim_block(head_dim)
     if dtype == torch.float32:
-        return BwdConfig(32, 32, 4, 1), BwdConfig(32, 32, 4, 1)
+        # IEEE fp32 dots are unrolled FMA code: small tiles keep registers and compile times sane.
+        if block_d <= 64:
+            return BwdConfig(32, 32, 4, 1), BwdConfig(32, 32, 4, 1)
+        return BwdConfig(16, 32, 4, 1), BwdConfig(32, 16, 4, 1)
+    # Measured on the H200 (docs/performance-notes.md, run 2), fp16 at B4 H16 S4096.
     if block_d <= 64:
-        return BwdConfig(32, 128, 4, 3), BwdConfig(128, 32, 4, 3)
+        return BwdConfig(32, 128, 4, 3), BwdConfig(128, 64, 8, 2)
     if block_d <= 128:
-        return BwdConfig(32, 128, 8, 2), BwdConfig(128, 32, 8, 2)
+        return BwdConfig(64, 64, 4, 2), (BwdConfig(64, 64, 4, 2) if causal else BwdConfig(128, 32, 4, 3))
     return BwdConfig(16, 64, 4, 1), BwdConfig(64, 16, 4, 1)
 
 
@@ -111,16 +115,22 @@ def forward_config(*, head_dim: int, dtype, causal: bool, batch_heads: int, seql
         if block_d <= 64:
             return FwdConfig(64, 32, 4, 2, tma=tma)
         return FwdConfig(32, 32, 4, 1, tma=tma)
+    # Measured on the H200 (docs/performance-notes.md, runs 1-2): fp16 at B4 H16 S4096 and B16 H16
+    # S1024. Causal favours 64-row query blocks (less work on the masked diagonal, more programs for
+    # the short causal rows); D=128 non-causal favours 128x128 tiles with 8 warps.
     if block_d <= 64:
-        cfg = FwdConfig(128, 64, 4, 3, tma=tma)
+        cfg = FwdConfig(64, 64, 4, 3, tma=tma) if causal else FwdConfig(128, 64, 4, 3, tma=tma)
     elif block_d <= 128:
-        cfg = FwdConfig(128, 64, 4, 2, tma=tma)
+        if causal and seqlen_q <= 2048:
+            cfg = FwdConfig(64, 64, 4, 3, tma=tma)
+        else:
+            cfg = FwdConfig(128, 128, 8, 3, tma=tma)
     else:
         cfg = FwdConfig(64, 64, 4, 2, tma=tma)
-    # Short problems: halve BLOCK_M when the grid would leave most multiprocessors idle.
+    # Short problems: 64-row query blocks when the grid would leave multiprocessors idle.
     sm_count = torch.cuda.get_device_properties(device).multi_processor_count
     if cfg.block_m > 64 and batch_heads * triton.cdiv(seqlen_q, cfg.block_m) < sm_count:
-        cfg = FwdConfig(64, cfg.block_n, 4, cfg.num_stages, cfg.tma)
+        cfg = FwdConfig(64, 64, 4, 3, cfg.tma)
     return cfg
 
 

@@ -46,6 +46,7 @@ import triton
 import triton.language as tl
 
 from . import configs
+from .common import PRECISE_LOG, natural_log
 from .configs import DecodeConfig
 from .merge import merge as _merge_launch
 
@@ -226,7 +227,7 @@ def _decode_kernel(
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
     out = acc / l_safe[:, None]
-    lse = tl.where(empty, float("-inf"), m_i * sm_scale + tl.math.log2(l_safe) * 0.6931471805599453)
+    lse = tl.where(empty, float("-inf"), m_i * sm_scale + natural_log(l_safe, PRECISE_LOG))
     heads = head0 + offs_g                                             # [BM] query head of each row
     o_base = split.to(tl.int64) * stride_on + off_b.to(tl.int64) * stride_ob
     o_ptrs = O + o_base + offs_i[:, None] * stride_os + heads[:, None] * stride_oh + offs_d[None, :]

@@ -36,6 +36,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from . import configs
+from .common import PRECISE_LOG, natural_log
 from .configs import FwdConfig
 
 LOG2E = math.log2(math.e)
@@ -203,7 +204,7 @@ def _attn_fwd_kernel(
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
     out = acc / l_safe[:, None]
-    lse = tl.where(empty, float("-inf"), m_i * sm_scale + tl.math.log2(l_safe) * 0.6931471805599453)
+    lse = tl.where(empty, float("-inf"), m_i * sm_scale + natural_log(l_safe, PRECISE_LOG))
     lse_ptrs = LSE + pid_bh.to(tl.int64) * seqlen_q + offs_m
     tl.store(lse_ptrs, lse, mask=m_ok)
     if TMA == 1:
