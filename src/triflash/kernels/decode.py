@@ -124,7 +124,10 @@ def _decode_inner(
             m_new = tl.maximum(m_i, tl.max(qk, 1))
             m_scaled = m_new * qk_scale
         p = tl.math.exp2(qk * qk_scale - m_scaled[:, None])            # [BM, BN]
-        alpha = tl.math.exp2(m_i * qk_scale - m_scaled)                # [BM]
+        # From the difference of raw maxima: exactly 1 while the max stands. (exp2(m_i*c - m_new*c)
+        # is not: the compiler fuses it into an FMA that leaves the rounding error of m*c, and that
+        # factor then compounds over every key block.) Rows still at -inf get 0 instead of NaN.
+        alpha = tl.math.exp2(tl.where(m_new == float("-inf"), 0.0, (m_i - m_new) * qk_scale))  # [BM]
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
         # -- V tile [BN, BD] --

@@ -28,7 +28,6 @@ import triton
 import triton.language as tl
 
 from . import configs
-from .common import PRECISE_LOG, natural_log
 
 
 @triton.jit
@@ -87,7 +86,7 @@ def _merge_kernel(
     empty = total == 0.0
     t_safe = tl.where(empty, 1.0, total)
     out = acc / t_safe[:, None]
-    lse = tl.where(empty, float("-inf"), m_safe + natural_log(t_safe, PRECISE_LOG))
+    lse = tl.where(empty, float("-inf"), m_safe + tl.math.log2(t_safe) * 0.6931471805599453)
     o_ptrs = O + (off_b * stride_ob + off_s * stride_os + off_h * stride_oh)[:, None] + offs_d[None, :]
     tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=r_ok[:, None] & d_ok[None, :])
     tl.store(LSE + off_b * stride_lb + off_h * stride_lh + off_s * stride_ls, lse, mask=r_ok)
