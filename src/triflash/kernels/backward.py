@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 
 from . import configs
+from .common import causal_key_range
 from .configs import BwdConfig
 
 LOG2E = math.log2(math.e)
@@ -249,14 +250,7 @@ def _bwd_dq_kernel(
 
     # Same key ranges as the forward: unmasked off-band blocks, then masked on-band blocks.
     causal_offset = seqlen_k - seqlen_q
-    full_blocks_end = (seqlen_k // BLOCK_N) * BLOCK_N
-    if IS_CAUSAL:
-        first_row_end = tl.maximum(start_m + causal_offset + 1, 0)
-        off_band_end = tl.minimum((first_row_end // BLOCK_N) * BLOCK_N, full_blocks_end)
-        hi = tl.minimum(tl.maximum(start_m + BLOCK_M + causal_offset, 0), seqlen_k)
-    else:
-        off_band_end = full_blocks_end
-        hi = seqlen_k
+    off_band_end, hi = causal_key_range(start_m, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, IS_CAUSAL)
     k_ptr = K + off_b.to(tl.int64) * stride_kb + off_hk.to(tl.int64) * stride_kh
     v_ptr = V + off_b.to(tl.int64) * stride_vb + off_hk.to(tl.int64) * stride_vh
     dq = _dq_inner(dq, q, do, lse2, delta, k_ptr, v_ptr, stride_ks, stride_vs, offs_m, offs_d,

@@ -19,3 +19,52 @@ def natural_log(x, PRECISE: tl.constexpr):
         return libdevice.log(x)
     else:
         return tl.log(x)
+
+
+@triton.jit
+def causal_key_range(start_m, seqlen_q, seqlen_k, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     IS_CAUSAL: tl.constexpr):
+    """Key ranges of the query block [start_m, start_m + BLOCK_M): (off_band_end, hi).
+
+    Keys [0, off_band_end) come in whole BLOCK_N blocks that every row of the block sees: no mask.
+    Keys [off_band_end, hi) need the element mask (the causal diagonal, the ragged end of the keys).
+    No key from hi on is visible to any row, so those blocks are never visited. Causal masking is
+    bottom-right aligned: row i sees key j when j <= i + (seqlen_k - seqlen_q)."""
+    causal_offset = seqlen_k - seqlen_q
+    full_blocks_end = (seqlen_k // BLOCK_N) * BLOCK_N
+    if IS_CAUSAL:
+        # Off-band: keys the first row of the block already sees, so every row sees them.
+        first_row_end = tl.maximum(start_m + causal_offset + 1, 0)
+        off_band_end = tl.minimum((first_row_end // BLOCK_N) * BLOCK_N, full_blocks_end)
+        # Nothing past the last row's diagonal.
+        hi = tl.minimum(tl.maximum(start_m + BLOCK_M + causal_offset, 0), seqlen_k)
+    else:
+        off_band_end = full_blocks_end
+        hi = seqlen_k
+    return off_band_end, hi
+
+
+@triton.jit
+def online_softmax_step(qk, visible, m_i, l_i, acc, qk_scale, MASKED: tl.constexpr):
+    """Fold one tile of raw scores qk [BM, BN] into the running state.
+
+    m_i [BM]: running max of the raw scores; l_i [BM]: running sum of exp(score - max); acc [BM, BD]:
+    running sum of exp(score - max) * v. Returns (p, m_new, l_new, acc rescaled): the caller adds
+    p @ v to acc. Exponentials are base 2 with qk_scale = sm_scale * log2(e) folded into one FMA.
+    MASKED: ``visible`` [BM, BN] (or broadcastable) hides scores; rows that have seen no key keep
+    m = -inf, l = 0, and never produce NaN."""
+    if MASKED:
+        qk = tl.where(visible, qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))                         # [BM]
+        # Subtract 0 from a row still at -inf, so exp2(-inf - (-inf)) = NaN never happens.
+        m_scaled = tl.where(m_new == float("-inf"), 0.0, m_new * qk_scale)
+    else:
+        m_new = tl.maximum(m_i, tl.max(qk, 1))                         # every score is real here
+        m_scaled = m_new * qk_scale
+    p = tl.math.exp2(qk * qk_scale - m_scaled[:, None])                # [BM, BN]
+    # alpha from the difference of raw maxima: exactly 1 while the max stands. (exp2(m_i*c - m_new*c)
+    # is not: the compiler fuses it into an FMA that keeps the rounding error of m*c, and that factor
+    # then compounds over every key block.) Rows still at -inf get 0 instead of NaN.
+    alpha = tl.math.exp2(tl.where(m_new == float("-inf"), 0.0, (m_i - m_new) * qk_scale))  # [BM]
+    l_new = l_i * alpha + tl.sum(p, 1)
+    return p, m_new, l_new, acc * alpha[:, None]

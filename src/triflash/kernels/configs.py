@@ -224,8 +224,8 @@ def merge_config(*, block_d: int, num_parts: int, num_rows: int, device) -> tupl
     fit, else as many as fit; then as many rows as fit, but never so many that fewer than ~2 programs
     per multiprocessor remain (few rows: one row per program, many parts per step)."""
     tile = MERGE_TILE_INTERPRETER if INTERPRET else MERGE_TILE
-    block_p = min(triton.next_power_of_2(max(1, num_parts)), max(1, tile // block_d))
-    block_r = max(1, tile // (block_p * block_d))
+    block_p = min(triton.next_power_of_2(max(1, num_parts)), max(1, tile // block_d), MERGE_MAX_PAIRS)
+    block_r = max(1, min(tile // (block_p * block_d), MERGE_MAX_PAIRS // block_p))
     if INTERPRET:
         return block_r, block_p, 1
     import torch
@@ -238,3 +238,7 @@ def merge_config(*, block_d: int, num_parts: int, num_rows: int, device) -> tupl
 
 MERGE_TILE = 4096
 MERGE_TILE_INTERPRETER = 8192
+# Triton 3.6 fails to compile the merge's [BLOCK_R, BLOCK_P, BLOCK_D] reductions for sm_90 once
+# BLOCK_R * BLOCK_P reaches 256 (TritonGPUOptimizeThreadLocality; found with
+# scripts/compile_check.py, e.g. [1, 256, 16] and [2, 128, 32]); 128 compiles at every head dim.
+MERGE_MAX_PAIRS = 128

@@ -46,7 +46,7 @@ import triton
 import triton.language as tl
 
 from . import configs
-from .common import PRECISE_LOG, natural_log
+from .common import PRECISE_LOG, natural_log, online_softmax_step
 from .configs import DecodeConfig
 from .merge import merge as _merge_launch
 
@@ -112,24 +112,12 @@ def _decode_inner(
         else:
             k = tl.load(k_ptrs)
         qk = tl.dot(q, k, input_precision=DOT_PRECISION)               # [BM, BN] raw scores
+        visible = None
         if MASKED:
             visible = n_ok[None, :]                                    # [1, BN]
             if IS_CAUSAL:
                 visible = visible & (cols[None, :] <= offs_i[:, None] + causal_offset)   # [BM, BN]
-            qk = tl.where(visible, qk, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(qk, 1))                     # [BM]
-            # A row with no visible key so far keeps m = -inf: subtract 0 so p and alpha are 0, not NaN.
-            m_scaled = tl.where(m_new == float("-inf"), 0.0, m_new * qk_scale)
-        else:
-            m_new = tl.maximum(m_i, tl.max(qk, 1))
-            m_scaled = m_new * qk_scale
-        p = tl.math.exp2(qk * qk_scale - m_scaled[:, None])            # [BM, BN]
-        # From the difference of raw maxima: exactly 1 while the max stands. (exp2(m_i*c - m_new*c)
-        # is not: the compiler fuses it into an FMA that leaves the rounding error of m*c, and that
-        # factor then compounds over every key block.) Rows still at -inf get 0 instead of NaN.
-        alpha = tl.math.exp2(tl.where(m_new == float("-inf"), 0.0, (m_i - m_new) * qk_scale))  # [BM]
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
+        p, m_new, l_i, acc = online_softmax_step(qk, visible, m_i, l_i, acc, qk_scale, MASKED)
         # -- V tile [BN, BD] --
         v_ptrs = V + v_off[:, None] + offs_d[None, :]
         if MASKED:

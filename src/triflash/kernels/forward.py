@@ -36,7 +36,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from . import configs
-from .common import PRECISE_LOG, natural_log
+from .common import PRECISE_LOG, causal_key_range, natural_log, online_softmax_step
 from .configs import FwdConfig
 
 LOG2E = math.log2(math.e)
@@ -77,26 +77,12 @@ def _fwd_inner(
         # m_i is the running max of the *raw* scores; the scale is applied inside the exp2's FMA.
         # (Keeping m unscaled lets the epilogue form the LSE as m * sm_scale + log(l) with one
         # rounding, as PyTorch does, instead of going through base 2 and back.)
+        visible = None
         if MASKED:
             visible = cols[None, :] < seqlen_k                         # [1, BN]
             if IS_CAUSAL:
                 visible = visible & (cols[None, :] <= offs_m[:, None] + causal_offset)  # [BM, BN]
-            qk = tl.where(visible, qk, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(qk, 1))                     # [BM]
-            # A row that has seen no key yet keeps m = -inf; subtract 0 instead so that
-            # exp2(-inf - (-inf)) = NaN never happens: p and alpha both come out 0.
-            m_scaled = tl.where(m_new == float("-inf"), 0.0, m_new * qk_scale)
-        else:
-            # Every score is real here.
-            m_new = tl.maximum(m_i, tl.max(qk, 1))
-            m_scaled = m_new * qk_scale
-        p = tl.math.exp2(qk * qk_scale - m_scaled[:, None])            # [BM, BN], one FMA each
-        # From the difference of raw maxima: exactly 1 while the max stands. (exp2(m_i*c - m_new*c)
-        # is not: the compiler fuses it into an FMA that leaves the rounding error of m*c, and that
-        # factor then compounds over every key block.) Rows still at -inf get 0 instead of NaN.
-        alpha = tl.math.exp2(tl.where(m_new == float("-inf"), 0.0, (m_i - m_new) * qk_scale))  # [BM]
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
+        p, m_new, l_i, acc = online_softmax_step(qk, visible, m_i, l_i, acc, qk_scale, MASKED)
         # -- V tile [BN, BD] --
         if TMA == 1:
             v = V.load([start_n, 0])
@@ -180,19 +166,9 @@ def _attn_fwd_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
-    # -- key range of this query block --
-    # Bottom-right causal: row i sees keys j <= i + causal_offset.
+    # -- key range of this query block: unmasked off-band blocks, then masked on-band blocks --
     causal_offset = seqlen_k - seqlen_q
-    full_blocks_end = (seqlen_k // BLOCK_N) * BLOCK_N       # keys in whole blocks
-    if IS_CAUSAL:
-        # Off-band: keys the first row of the block already sees, so every row sees them.
-        first_row_end = tl.maximum(start_m + causal_offset + 1, 0)
-        off_band_end = tl.minimum((first_row_end // BLOCK_N) * BLOCK_N, full_blocks_end)
-        # Nothing past the last row's diagonal is visited.
-        hi = tl.minimum(tl.maximum(start_m + BLOCK_M + causal_offset, 0), seqlen_k)
-    else:
-        off_band_end = full_blocks_end
-        hi = seqlen_k
+    off_band_end, hi = causal_key_range(start_m, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, IS_CAUSAL)
 
     acc, l_i, m_i = _fwd_inner(
         acc, l_i, m_i, q, K, V, off_b, off_hk, stride_ks, stride_vs,

@@ -1,0 +1,208 @@
+"""Compile every kernel variant the launchers produce for sm_90 (Hopper) on a machine without a GPU.
+
+The launchers are run on CPU tensors with each @triton.jit kernel swapped for a recorder; the recorded
+arguments become a signature for ``triton.compile(..., target=GPUTarget("cuda", 90, 32))``, which runs
+Triton's whole pipeline and ptxas (bundled with the triton wheel). This catches code-generation
+errors the interpreter cannot see, and reports registers, spills and shared memory per variant; with
+--sass it also counts HGMMA (Hopper tensor-core) instructions in the disassembly.
+
+    PYTHONPATH=src python scripts/compile_check.py [--sass] [--only forward|backward|decode|merge]
+"""
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+os.environ.pop("TRITON_INTERPRET", None)
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: E402
+
+from triflash.kernels import backward as B  # noqa: E402
+from triflash.kernels import configs  # noqa: E402
+from triflash.kernels import decode as DEC  # noqa: E402
+from triflash.kernels import forward as F  # noqa: E402
+from triflash.kernels import merge as M  # noqa: E402
+
+TARGET = GPUTarget("cuda", 90, 32)
+
+
+class _H200:
+    """What the config choosers read from the device, as an H200 reports it."""
+    multi_processor_count = 132
+
+
+# The choosers ask the (absent) GPU for its properties: answer as an H200 would.
+torch.cuda.get_device_properties = lambda *args, **kwargs: _H200()
+torch.cuda.get_device_capability = lambda *args, **kwargs: (9, 0)
+TYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.int32: "i32",
+         torch.int64: "i64", torch.int8: "i8"}
+
+
+class Recorder:
+    """Stands in for a JITFunction: ``kernel[grid](*args, **kwargs)`` records instead of launching."""
+
+    def __init__(self, fn, calls):
+        self.fn, self.calls = fn, calls
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.calls.append((self.fn, args, kwargs))
+
+
+def signature(fn, args, kwargs):
+    sig, const = {}, {}
+    values = dict(zip(fn.arg_names, args))
+    values.update({k: v for k, v in kwargs.items() if k in fn.arg_names})
+    for name in fn.arg_names:
+        v = values[name]
+        param = fn.params[fn.arg_names.index(name)]
+        if param.is_constexpr or v is None:
+            sig[name] = "constexpr"
+            const[name] = v
+        elif isinstance(v, TensorDescriptor):
+            sig[name] = f"tensordesc<{TYPES[v.base.dtype]}[{','.join(str(b) for b in v.block_shape)}]>"
+        elif isinstance(v, torch.Tensor):
+            sig[name] = "*" + TYPES[v.dtype]
+        elif isinstance(v, bool):
+            sig[name] = "i1"
+        elif isinstance(v, int):
+            sig[name] = "i64" if abs(v) >= 2**31 else "i32"
+        elif isinstance(v, float):
+            sig[name] = "fp32"
+        else:
+            raise TypeError(f"{name}: cannot type {type(v)}")
+    options = {k: kwargs[k] for k in ("num_warps", "num_stages") if k in kwargs}
+    return sig, const, options
+
+
+def compile_calls(label, run, sass):
+    """Run ``run()`` with every kernel module's kernels replaced by recorders; compile what they record."""
+    calls = []
+    saved = []
+    for mod in (F, B, DEC, M):
+        for name in dir(mod):
+            obj = getattr(mod, name)
+            if isinstance(obj, triton.runtime.jit.JITFunction) and name.endswith("_kernel"):
+                saved.append((mod, name, obj))
+                setattr(mod, name, Recorder(obj, calls))
+    try:
+        run()
+    finally:
+        for mod, name, obj in saved:
+            setattr(mod, name, obj)
+    ok = True
+    for fn, args, kwargs in calls:
+        sig, const, options = signature(fn, args, kwargs)
+        try:
+            k = triton.compile(ASTSource(fn, sig, const), target=TARGET, options=options)
+            usage = cuobjdump(k.asm["cubin"], "--dump-resource-usage")
+            regs = re.search(r"REG:(\d+)", usage)
+            local = re.search(r"LOCAL:(\d+)", usage)
+            info = (f"regs {regs.group(1) if regs else '?':>3} local(spill) bytes "
+                    f"{local.group(1) if local else '?':>4} smem {k.metadata.shared:6d}")
+            if sass:
+                info += f" HGMMA {cuobjdump(k.asm['cubin'], '--dump-sass').count('HGMMA'):4d}"
+            print(f"  ok   {label:<44} {fn.__name__:<24} {info}", flush=True)
+        except Exception as e:  # noqa: BLE001 - report and go on
+            ok = False
+            msg = str(e).strip().splitlines()
+            msg = next((m for m in msg if "error" in m.lower()), msg[-1] if msg else type(e).__name__)
+            print(f"  FAIL {label:<44} {fn.__name__:<24} {msg[:160]}", flush=True)
+    return ok
+
+
+def cuobjdump(cubin: bytes, flag: str) -> str:
+    """Run the cuobjdump that ships with the triton wheel on a cubin."""
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        return subprocess.run([tool, flag, f.name], capture_output=True, text=True).stdout
+
+
+def qkv(b, sq, sk, hq, hkv, d, dtype):
+    return (torch.randn(b, sq, hq, d, dtype=dtype), torch.randn(b, sk, hkv, d, dtype=dtype),
+            torch.randn(b, sk, hkv, d, dtype=dtype))
+
+
+def forward_cases():
+    for dtype in (torch.float16, torch.bfloat16, torch.float32):
+        for d in (64, 128, 40, 256):
+            for causal in (False, True):
+                q, k, v = qkv(2, 300, 300, 4, 2, d, dtype)
+                # What the chooser picks on an H200 (132 SMs), for a long and a short problem.
+                for sq in (4096, 512):
+                    cfg = choose_forward(d, dtype, causal, 2 * 4, sq)
+                    yield f"fwd {TYPES[dtype]} D{d} {'causal' if causal else 'full'} S{sq} {cfg.tma}", \
+                        (lambda q=q, k=k, v=v, cfg=cfg, causal=causal: F.forward(q, k, v, 0.1, causal, config=cfg))
+
+
+def choose_forward(d, dtype, causal, bh, sq):
+    return configs.forward_config(head_dim=d, dtype=dtype, causal=causal, batch_heads=bh, seqlen_q=sq,
+                                  seqlen_k=sq, device="cuda")
+
+
+def backward_cases():
+    for dtype in (torch.float16, torch.bfloat16, torch.float32):
+        for d in (64, 128, 256):
+            for causal in (False, True):
+                q, k, v = qkv(2, 300, 300, 4, 2, d, dtype)
+                out = torch.randn_like(q)
+                lse = torch.randn(2, 4, 300)
+                cfg = configs.backward_config(head_dim=d, dtype=dtype, causal=causal, device="cuda")
+                yield f"bwd {TYPES[dtype]} D{d} {'causal' if causal else 'full'}", \
+                    (lambda q=q, k=k, v=v, out=out, lse=lse, causal=causal, cfg=cfg:
+                     B.backward(torch.randn_like(q), q, k, v, out, lse, 0.1, causal, config=cfg))
+
+
+def decode_cases():
+    for dtype in (torch.float16, torch.float32):
+        for paged, page in ((False, 1), (True, 16), (True, 256), (True, 5)):
+            q = torch.randn(4, 1, 32, 128, dtype=dtype)
+            cache = torch.randn(64 if paged else 4, page if paged else 1024, 8, 128, dtype=dtype)
+            table = torch.arange(64, dtype=torch.int32).view(4, 16) if paged else None
+            seqlens = torch.full((4,), 200, dtype=torch.int32)
+            for splits in (1, 8):
+                cfg = configs.DecodeConfig(block_m=16 if dtype != torch.float32 else 16,
+                                           block_n=64 if dtype != torch.float32 else 32,
+                                           num_warps=4, num_stages=3 if dtype != torch.float32 else 2,
+                                           num_splits=splits)
+                yield f"decode {TYPES[dtype]} {'page' + str(page) if paged else 'contig'} splits{splits}", \
+                    (lambda q=q, c=cache, t=table, s=seqlens, cfg=cfg:
+                     DEC.decode(q, c, c, s, t, 0, 200, 0.1, False, config=cfg))
+
+
+def merge_cases():
+    for d in (16, 32, 64, 128, 256):
+        for parts in (2, 8, 150):
+            for rows in (4, 32768):                     # one decode step; a long prefill's merge
+                o = torch.empty(parts, 1, rows // 4, 4, d)
+                lse = torch.empty(parts, 1, 4, rows // 4)
+                yield f"merge D{d} parts{parts} rows{rows}", (lambda o=o, lse=lse: M.merge(o, lse))
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--sass", action="store_true")
+    ap.add_argument("--only", choices=["forward", "backward", "decode", "merge"])
+    a = ap.parse_args()
+    groups = {"forward": forward_cases, "backward": backward_cases, "decode": decode_cases, "merge": merge_cases}
+    ok = True
+    for name, cases in groups.items():
+        if a.only and a.only != name:
+            continue
+        print(f"== {name}")
+        for label, run in cases():
+            ok &= compile_calls(label, run, a.sass)
+    print("all compiled" if ok else "SOME FAILED")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
