@@ -54,3 +54,14 @@ def assert_2x_rule(name, got, ref64, ref_same_dtype, dtype, floor_table=FLOOR, r
 
 def randn(*shape, dtype, device):
     return torch.randn(*shape, dtype=dtype, device=device)
+
+
+def assert_matches_reference(out, lse, q, k, v, causal=False, softmax_scale=None):
+    """The forward's out and lse ([B, S, H, D] inputs) against the float64 reference, by the 2x rule."""
+    from triflash.reference import flash_attn_ref
+
+    kwargs = dict(causal=causal, softmax_scale=softmax_scale, return_lse=True)
+    ref, ref_lse = flash_attn_ref(q, k, v, **kwargs)
+    same, same_lse = flash_attn_ref(q, k, v, compute_dtype=None, **kwargs)
+    assert_2x_rule("out", out, ref, same, q.dtype)
+    assert_2x_rule("lse", lse, ref_lse, same_lse, q.dtype, LSE_FLOOR, relative_floor=True)
