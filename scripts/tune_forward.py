@@ -22,8 +22,8 @@ DEFAULT_SHAPES = ["4,16,4096,64", "4,16,4096,128", "16,16,1024,128"]
 
 
 def candidates(head_dim):
-    """(block_m, block_n, warps, stages, tma, warp_specialize). Run 1 (docs/performance-notes.md) found
-    host-built descriptors fastest and warp specialization failing or slower, so the sweep is over
+    """(block_m, block_n, warps, stages, tma). Run 1 (docs/performance-notes.md) found host-built
+    descriptors fastest (and Triton's warp specialization failing or slower), so the sweep is over
     host-descriptor tiles, with the pointer and in-kernel-descriptor paths at two tiles for reference."""
     out = []
     bns = [64, 128] if head_dim <= 128 else [32, 64]
@@ -32,9 +32,9 @@ def candidates(head_dim):
             continue
         if head_dim > 128 and (s == 4 or bm == 128 and bn == 64 and w == 4):
             continue
-        out.append((bm, bn, w, s, "host", False))
+        out.append((bm, bn, w, s, "host"))
     for tma in ("none", "device"):
-        out += [(128, 64, 4, 3, tma, False), (128, 64, 4, 2, tma, False)]
+        out += [(128, 64, 4, 3, tma), (128, 64, 4, 2, tma)]
     return out
 
 
@@ -51,7 +51,7 @@ def run_cfg(args):
 
     dtype = getattr(torch, dtype_name)
     q, k, v = make_inputs(shape, dtype)
-    cfg = FwdConfig(cand[0], cand[1], cand[2], cand[3], tma=cand[4], warp_specialize=cand[5])
+    cfg = FwdConfig(*cand[:4], tma=cand[4])
     try:
         forward(q, k, v, shape[3] ** -0.5, causal, config=cfg)
         torch.cuda.synchronize()
@@ -121,21 +121,21 @@ def main():
                                  error=str(e)[:100]))
         tol = 2 * max(e for _, e in peer.values()) + 1e-3 if peer else 1e-2
         for cand, cerr in items:
-            name = "M{}-N{}-w{}-s{}-{}{}".format(*cand[:5], "-ws" if cand[5] else "")
+            name = "M{}-N{}-w{}-s{}-{}".format(*cand)
             row = dict(shape=shape, dtype=dtype_name, causal=causal, name=name)
             if cerr:
                 row["error"] = cerr
             elif time.time() - t0 > a.budget:
                 row["error"] = "skipped: time budget"
             else:
-                cfg = FwdConfig(cand[0], cand[1], cand[2], cand[3], tma=cand[4], warp_specialize=cand[5])
+                cfg = FwdConfig(*cand[:4], tma=cand[4])
                 out, _ = forward(q, k, v, d ** -0.5, causal, config=cfg)
                 err = (out.float() - ref).abs().max().item()
                 row["err"] = err
                 if not err <= tol:
                     row["error"] = f"WRONG: max err {err:.3g} > {tol:.3g}"
                 else:
-                    ms = triton.testing.do_bench(lambda: forward(q, k, v, d ** -0.5, causal, config=cfg),
+                    ms = triton.testing.do_bench(lambda q=q, k=k, v=v: forward(q, k, v, d ** -0.5, causal, config=cfg),
                                                  warmup=50, rep=250, return_mode="median")
                     row.update(ms=ms, tflops=flops / ms * 1e-9)
             rows.append(row)

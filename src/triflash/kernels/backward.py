@@ -22,17 +22,14 @@ blocks on the diagonal or at the ragged end of the keys pay for an element mask.
 
 from __future__ import annotations
 
-import math
 
 import torch
 import triton
 import triton.language as tl
 
 from . import configs
-from .common import causal_key_range
+from .common import LOG2E, causal_key_range
 from .configs import BwdConfig
-
-LOG2E = math.log2(math.e)
 
 
 @triton.jit

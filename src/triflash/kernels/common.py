@@ -1,10 +1,14 @@
-"""Small @triton.jit helpers shared by the kernels."""
+"""Small @triton.jit helpers (and host constants) shared by the kernels."""
+
+import math
 
 import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
 from . import configs
+
+LOG2E = math.log2(math.e)   # host side: qk_scale = sm_scale * LOG2E, rounded once to fp32
 
 # On the GPU, tl.log / tl.math.log2 become the MUFU's approximate lg2 (a few ulps off); the LSE is an
 # output users compare and merge, so its one log per row goes through libdevice's accurate log. The
@@ -68,3 +72,28 @@ def online_softmax_step(qk, visible, m_i, l_i, acc, qk_scale, MASKED: tl.constex
     alpha = tl.math.exp2(tl.where(m_new == float("-inf"), 0.0, (m_i - m_new) * qk_scale))  # [BM]
     l_new = l_i * alpha + tl.sum(p, 1)
     return p, m_new, l_new, acc * alpha[:, None]
+
+
+@triton.jit
+def load_kv_tile(ptrs, n_ok, d_ok, MASKED: tl.constexpr, PAD_D: tl.constexpr):
+    """Load a K or V tile. n_ok / d_ok are the key-row and head-dim masks already broadcast to the
+    tile's orientation ([1, BN] and [BD, 1] for a transposed K tile, [BN, 1] and [1, BD] for V).
+    MASKED: keys past the end are read as 0; PAD_D: lanes past HEAD_DIM (BLOCK_D > HEAD_DIM) too.
+    Off-band tiles of a power-of-two head dim load with no mask at all."""
+    if MASKED:
+        return tl.load(ptrs, mask=d_ok & n_ok, other=0.0)
+    elif PAD_D:
+        return tl.load(ptrs, mask=d_ok, other=0.0)
+    else:
+        return tl.load(ptrs)
+
+
+@triton.jit
+def finish_rows(acc, l_i, m_i, sm_scale):
+    """Epilogue of the online softmax: (out [BM, BD] = acc / l, lse [BM] = m * sm_scale + ln l).
+    A row that saw no key (l = 0) gets out = 0 and lse = -inf, never NaN."""
+    empty = l_i == 0.0
+    l_safe = tl.where(empty, 1.0, l_i)
+    out = acc / l_safe[:, None]
+    lse = tl.where(empty, float("-inf"), m_i * sm_scale + natural_log(l_safe, PRECISE_LOG))
+    return out, lse

@@ -29,8 +29,7 @@ class FwdConfig:
     the multiprocessor: "none" (pointer loads, any GPU), "device" (tensor descriptors built in the
     kernel, one 2-D view per head) or "host" (4-D descriptors built by the launcher); both descriptor
     modes use Hopper's TMA engine. The launcher falls back to "none" where the GPU or the tensor
-    strides do not allow descriptors. warp_specialize: ask Triton to split the off-band loop into
-    producer (loads) and consumer (math) warps.
+    strides do not allow descriptors.
     """
 
     block_m: int
@@ -38,7 +37,6 @@ class FwdConfig:
     num_warps: int
     num_stages: int
     tma: str = "none"
-    warp_specialize: bool = False
 
     def __post_init__(self):
         if self.tma not in TMA_MODES:

@@ -39,18 +39,15 @@ is read through its strides, with no block table.
 
 from __future__ import annotations
 
-import math
 
 import torch
 import triton
 import triton.language as tl
 
 from . import configs
-from .common import PRECISE_LOG, natural_log, online_softmax_step
+from .common import LOG2E, finish_rows, load_kv_tile, online_softmax_step
 from .configs import DecodeConfig
 from .merge import merge as _merge_launch
-
-LOG2E = math.log2(math.e)
 
 
 @triton.jit
@@ -104,13 +101,8 @@ def _decode_inner(
                                     stride_kp, stride_ks, stride_vp, stride_vs, stride_btp,
                                     PAGED, PAGE_SIZE, BLOCK_N)
         # -- K^T tile [BD, BN]: key on the columns, head dim (contiguous) on the rows --
-        k_ptrs = K + k_off[None, :] + offs_d[:, None]
-        if MASKED:
-            k = tl.load(k_ptrs, mask=d_ok[:, None] & n_ok[None, :], other=0.0)
-        elif BLOCK_D != HEAD_DIM:
-            k = tl.load(k_ptrs, mask=d_ok[:, None], other=0.0)
-        else:
-            k = tl.load(k_ptrs)
+        k = load_kv_tile(K + k_off[None, :] + offs_d[:, None], n_ok[None, :], d_ok[:, None],
+                         MASKED, BLOCK_D != HEAD_DIM)
         qk = tl.dot(q, k, input_precision=DOT_PRECISION)               # [BM, BN] raw scores
         visible = None
         if MASKED:
@@ -119,13 +111,8 @@ def _decode_inner(
                 visible = visible & (cols[None, :] <= offs_i[:, None] + causal_offset)   # [BM, BN]
         p, m_new, l_i, acc = online_softmax_step(qk, visible, m_i, l_i, acc, qk_scale, MASKED)
         # -- V tile [BN, BD] --
-        v_ptrs = V + v_off[:, None] + offs_d[None, :]
-        if MASKED:
-            v = tl.load(v_ptrs, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
-        elif BLOCK_D != HEAD_DIM:
-            v = tl.load(v_ptrs, mask=d_ok[None, :], other=0.0)
-        else:
-            v = tl.load(v_ptrs)
+        v = load_kv_tile(V + v_off[:, None] + offs_d[None, :], n_ok[:, None], d_ok[None, :],
+                         MASKED, BLOCK_D != HEAD_DIM)
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
         m_i = m_new
     return acc, l_i, m_i
@@ -215,10 +202,7 @@ def _decode_kernel(
         HEAD_DIM, BLOCK_D, BLOCK_N, PAGED, PAGE_SIZE, True, IS_CAUSAL, DOT_PRECISION, 1)
 
     # -- epilogue: normalise; no visible key (empty split, L = 0, causal rows) -> out 0, lse -inf --
-    empty = l_i == 0.0
-    l_safe = tl.where(empty, 1.0, l_i)
-    out = acc / l_safe[:, None]
-    lse = tl.where(empty, float("-inf"), m_i * sm_scale + natural_log(l_safe, PRECISE_LOG))
+    out, lse = finish_rows(acc, l_i, m_i, sm_scale)
     heads = head0 + offs_g                                             # [BM] query head of each row
     o_base = split.to(tl.int64) * stride_on + off_b.to(tl.int64) * stride_ob
     o_ptrs = O + o_base + offs_i[:, None] * stride_os + heads[:, None] * stride_oh + offs_d[None, :]

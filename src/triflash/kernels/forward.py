@@ -28,7 +28,6 @@ and q/k/v unbound from a packed qkv tensor are all read in place.
 
 from __future__ import annotations
 
-import math
 
 import torch
 import triton
@@ -36,10 +35,8 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from . import configs
-from .common import PRECISE_LOG, causal_key_range, natural_log, online_softmax_step
+from .common import LOG2E, causal_key_range, finish_rows, load_kv_tile, online_softmax_step
 from .configs import FwdConfig
-
-LOG2E = math.log2(math.e)
 
 
 @triton.jit
@@ -51,12 +48,12 @@ def _fwd_inner(
     lo, hi, seqlen_k, causal_offset, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, TMA: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     """Fold key blocks [lo, hi) into the online-softmax state. MASKED selects the on-band version."""
     offs_n = tl.arange(0, BLOCK_N)
     d_ok = offs_d < HEAD_DIM                                           # [BD]
-    for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
+    for start_n in range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         cols = start_n + offs_n                                        # [BN] key positions
         # -- K^T tile [BD, BN] --
@@ -66,13 +63,8 @@ def _fwd_inner(
             k = K.load([off_b, start_n, off_hk, 0]).reshape(BLOCK_N, BLOCK_D).T
         else:
             # Read transposed through the strides: key position on the columns, head dim on the rows.
-            k_ptrs = K + cols[None, :] * stride_ks + offs_d[:, None]
-            if MASKED:
-                k = tl.load(k_ptrs, mask=d_ok[:, None] & (cols[None, :] < seqlen_k), other=0.0)
-            elif BLOCK_D != HEAD_DIM:
-                k = tl.load(k_ptrs, mask=d_ok[:, None], other=0.0)
-            else:
-                k = tl.load(k_ptrs)
+            k = load_kv_tile(K + cols[None, :] * stride_ks + offs_d[:, None], cols[None, :] < seqlen_k,
+                             d_ok[:, None], MASKED, BLOCK_D != HEAD_DIM)
         qk = tl.dot(q, k, input_precision=DOT_PRECISION)               # [BM, BN] raw scores
         # m_i is the running max of the *raw* scores; the scale is applied inside the exp2's FMA.
         # (Keeping m unscaled lets the epilogue form the LSE as m * sm_scale + log(l) with one
@@ -89,13 +81,8 @@ def _fwd_inner(
         elif TMA == 2:
             v = V.load([off_b, start_n, off_hk, 0]).reshape(BLOCK_N, BLOCK_D)
         else:
-            v_ptrs = V + cols[:, None] * stride_vs + offs_d[None, :]
-            if MASKED:
-                v = tl.load(v_ptrs, mask=(cols[:, None] < seqlen_k) & d_ok[None, :], other=0.0)
-            elif BLOCK_D != HEAD_DIM:
-                v = tl.load(v_ptrs, mask=d_ok[None, :], other=0.0)
-            else:
-                v = tl.load(v_ptrs)
+            v = load_kv_tile(V + cols[:, None] * stride_vs + offs_d[None, :], cols[:, None] < seqlen_k,
+                             d_ok[None, :], MASKED, BLOCK_D != HEAD_DIM)
         # p is in [0, 1]: cast to the input dtype for the tensor cores, accumulate in fp32.
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
         m_i = m_new
@@ -114,7 +101,6 @@ def _attn_fwd_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_CAUSAL: tl.constexpr, TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    WARP_SPECIALIZE: tl.constexpr,
 ):
     """TMA selects how tiles move: 0 pointer loads/stores (any GPU, the interpreter); 1 tensor
     descriptors built in the kernel, one 2-D [seqlen, head_dim] view per (batch, head); 2 4-D
@@ -173,17 +159,14 @@ def _attn_fwd_kernel(
     acc, l_i, m_i = _fwd_inner(
         acc, l_i, m_i, q, K, V, off_b, off_hk, stride_ks, stride_vs,
         offs_m, offs_d, 0, off_band_end, seqlen_k, causal_offset, qk_scale,
-        HEAD_DIM, BLOCK_D, BLOCK_N, False, IS_CAUSAL, TMA, DOT_PRECISION, WARP_SPECIALIZE)
+        HEAD_DIM, BLOCK_D, BLOCK_N, False, IS_CAUSAL, TMA, DOT_PRECISION)
     acc, l_i, m_i = _fwd_inner(
         acc, l_i, m_i, q, K, V, off_b, off_hk, stride_ks, stride_vs,
         offs_m, offs_d, off_band_end, hi, seqlen_k, causal_offset, qk_scale,
-        HEAD_DIM, BLOCK_D, BLOCK_N, True, IS_CAUSAL, TMA, DOT_PRECISION, False)
+        HEAD_DIM, BLOCK_D, BLOCK_N, True, IS_CAUSAL, TMA, DOT_PRECISION)
 
     # -- epilogue: normalise; a row that saw no key gets out = 0 and lse = -inf --
-    empty = l_i == 0.0
-    l_safe = tl.where(empty, 1.0, l_i)
-    out = acc / l_safe[:, None]
-    lse = tl.where(empty, float("-inf"), m_i * sm_scale + natural_log(l_safe, PRECISE_LOG))
+    out, lse = finish_rows(acc, l_i, m_i, sm_scale)
     lse_ptrs = LSE + pid_bh.to(tl.int64) * seqlen_q + offs_m
     tl.store(lse_ptrs, lse, mask=m_ok)
     if TMA == 1:
@@ -274,7 +257,6 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float, 
         IS_CAUSAL=causal, TMA=configs.TMA_MODES[tma],
         # fp32 inputs: full IEEE fp32 products (Triton's default would be tf32, ~1e-3 relative error).
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        WARP_SPECIALIZE=config.warp_specialize,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return out, lse
