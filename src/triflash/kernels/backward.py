@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from . import configs
-from .common import LOG2E, causal_key_range
+from .common import LOG2E, causal_key_range, on_input_device
 from .configs import BwdConfig
 
 
@@ -270,6 +270,7 @@ def _s(t):
     return t.stride(0), t.stride(1), t.stride(2)
 
 
+@on_input_device
 def backward(dout, q, k, v, out, lse, sm_scale: float, causal: bool, *, dlse=None,
              dq=None, dk=None, dv=None, need_dq=True, need_dkdv=True,
              config: tuple[BwdConfig, BwdConfig] | None = None):

@@ -1,12 +1,28 @@
 """Small @triton.jit helpers (and host constants) shared by the kernels."""
 
+import functools
 import math
 
+import torch
 import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
 from . import configs
+
+def on_input_device(launcher):
+    """Run a launcher with its first tensor argument's GPU as the current device. Triton launches on
+    the current device, so without this, tensors on another GPU (cuda:1 while cuda:0 is current)
+    would be handed to a kernel running on the wrong one."""
+    @functools.wraps(launcher)
+    def wrapped(*args, **kwargs):
+        first = next(a for a in args if isinstance(a, torch.Tensor))
+        if first.device.type != "cuda":
+            return launcher(*args, **kwargs)
+        with torch.cuda.device(first.device):
+            return launcher(*args, **kwargs)
+    return wrapped
+
 
 LOG2E = math.log2(math.e)   # host side: qk_scale = sm_scale * LOG2E, rounded once to fp32
 

@@ -45,7 +45,7 @@ import triton
 import triton.language as tl
 
 from . import configs
-from .common import LOG2E, finish_rows, load_kv_tile, online_softmax_step
+from .common import LOG2E, finish_rows, load_kv_tile, on_input_device, online_softmax_step
 from .configs import DecodeConfig
 from .merge import merge as _merge_launch
 
@@ -215,6 +215,7 @@ def _decode_kernel(
 # Launcher
 # --------------------------------------------------------------------------------------------------
 
+@on_input_device
 def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
            cache_seqlens: torch.Tensor | None, block_table: torch.Tensor | None, seqlen_new: int,
            max_seqlen: int, sm_scale: float, causal: bool, num_splits: int = 0,

@@ -35,7 +35,8 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from . import configs
-from .common import LOG2E, causal_key_range, finish_rows, load_kv_tile, online_softmax_step
+from .common import (LOG2E, causal_key_range, finish_rows, load_kv_tile, on_input_device,
+                     online_softmax_step)
 from .configs import FwdConfig
 
 
@@ -207,6 +208,7 @@ def tma_compatible(*tensors: torch.Tensor) -> bool:
     return True
 
 
+@on_input_device
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float, causal: bool,
             out: torch.Tensor | None = None, config: FwdConfig | None = None):
     """Launch the forward kernel on validated [B, S, H, D] views (last stride 1).

@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 
 from . import configs
+from .common import on_input_device
 
 
 @triton.jit
@@ -92,6 +93,7 @@ def _merge_kernel(
     tl.store(LSE + off_b * stride_lb + off_h * stride_lh + off_s * stride_ls, lse, mask=r_ok)
 
 
+@on_input_device
 def merge(out_partials: torch.Tensor, lse_partials: torch.Tensor, out: torch.Tensor | None = None,
           lse: torch.Tensor | None = None):
     """Launch the merge on validated tensors: out_partials [N, B, S, H, D] (last stride 1),
