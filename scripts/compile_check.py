@@ -145,7 +145,7 @@ def forward_cases():
 
 def choose_forward(d, dtype, causal, bh, sq):
     return configs.forward_config(head_dim=d, dtype=dtype, causal=causal, batch_heads=bh, seqlen_q=sq,
-                                  seqlen_k=sq, device="cuda")
+                                  device="cuda")
 
 
 def backward_cases():

@@ -36,6 +36,12 @@ def assert_no_nan(name, t):
     assert not bad.any(), f"{name}: {bad.sum().item()} of {t.numel()} elements are NaN (unwritten or NaN math)"
 
 
+def relative(floor, ref):
+    """floor x max(1, largest finite |ref|): a floor for values whose rounding error scales with size."""
+    finite = ref[torch.isfinite(ref)]
+    return floor * max(1.0, finite.abs().max().item() if finite.numel() else 0.0)
+
+
 def assert_2x_rule(name, got, ref64, ref_same_dtype, dtype, floor_table=FLOOR, relative_floor=False):
     """relative_floor: scale the floor by max(1, max |ref|). Used for the LSE, whose size grows with
     the scores and log(Sk): its rounding error is relative. (On the H200, fp32 LSE with one key and
@@ -44,16 +50,17 @@ def assert_2x_rule(name, got, ref64, ref_same_dtype, dtype, floor_table=FLOOR, r
     assert_no_nan(name, got)
     err = max_err(got, ref64)
     base = max_err(ref_same_dtype, ref64)
-    floor = floor_table[dtype]
-    if relative_floor:
-        finite = ref64[torch.isfinite(ref64)]
-        floor *= max(1.0, finite.abs().max().item() if finite.numel() else 0.0)
+    floor = relative(floor_table[dtype], ref64) if relative_floor else floor_table[dtype]
     assert err <= 2 * base + floor, (
         f"{name}: max error {err:.3e} > 2 x PyTorch same-dtype error {base:.3e} + floor {floor:.1e}")
 
 
-def randn(*shape, dtype, device):
-    return torch.randn(*shape, dtype=dtype, device=device)
+def make_qkv(batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, dtype, device, requires_grad=False):
+    """Random q [B, Sq, Hq, D] and k, v [B, Sk, Hkv, D] (FlashAttention's layout)."""
+    def randn(seqlen, heads):
+        return torch.randn(batch, seqlen, heads, head_dim, dtype=dtype, device=device,
+                           requires_grad=requires_grad)
+    return randn(seqlen_q, heads_q), randn(seqlen_k, heads_kv), randn(seqlen_k, heads_kv)
 
 
 def assert_matches_reference(out, lse, q, k, v, causal=False, softmax_scale=None):

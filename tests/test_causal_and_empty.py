@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from helpers import assert_2x_rule, assert_matches_reference, assert_no_nan
+from helpers import assert_2x_rule, assert_matches_reference, assert_no_nan, make_qkv
 
 import triflash
 from triflash.reference import causal_visible, flash_attn_ref, naive_attention
@@ -10,9 +10,7 @@ from triflash.reference import causal_visible, flash_attn_ref, naive_attention
 
 def test_bottom_right_alignment_by_hand(device):
     """Sq=3, Sk=5: query i sees keys 0..i+2. Checked against a softmax written out by hand."""
-    q = torch.randn(1, 3, 1, 16, dtype=torch.float32, device=device)
-    k = torch.randn(1, 5, 1, 16, dtype=torch.float32, device=device)
-    v = torch.randn(1, 5, 1, 16, dtype=torch.float32, device=device)
+    q, k, v = make_qkv(1, 3, 5, 1, 1, 16, torch.float32, device)
     out = triflash.flash_attn_func(q, k, v, causal=True).double()
     qd, kd, vd = q[0, :, 0].double(), k[0, :, 0].double(), v[0, :, 0].double()
     for i in range(3):
@@ -31,9 +29,7 @@ def test_bottom_right_alignment_by_hand(device):
 def test_rows_with_no_visible_key(device, seqlen_q, seqlen_k):
     """Causal with Sq > Sk: the first Sq - Sk rows see nothing and get out = 0, lse = -inf, no NaN."""
     dtype = torch.float16
-    q = torch.randn(2, seqlen_q, 4, 64, dtype=dtype, device=device)
-    k = torch.randn(2, seqlen_k, 2, 64, dtype=dtype, device=device)
-    v = torch.randn(2, seqlen_k, 2, 64, dtype=dtype, device=device)
+    q, k, v = make_qkv(2, seqlen_q, seqlen_k, 4, 2, 64, dtype, device)
     out, lse = triflash.flash_attn_func(q, k, v, causal=True, return_lse=True)
     assert_no_nan("out", out)
     assert_no_nan("lse", lse)

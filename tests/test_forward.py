@@ -10,7 +10,7 @@ import itertools
 import pytest
 import torch
 from conftest import DTYPES, ON_GPU
-from helpers import DTYPE_ID, HEAD_DIMS, HEADS, HEADS_ID, SEQLENS, assert_matches_reference
+from helpers import DTYPE_ID, HEAD_DIMS, HEADS, HEADS_ID, SEQLENS, assert_matches_reference, make_qkv
 
 import triflash
 from triflash.kernels.configs import FwdConfig
@@ -39,9 +39,7 @@ def _cases():
 @pytest.mark.parametrize("batch,seqlen_q,seqlen_k,head_dim,causal,dtype,heads", _cases())
 def test_forward_matches_reference(device, batch, seqlen_q, seqlen_k, head_dim, causal, dtype, heads):
     hq, hkv = heads
-    q = torch.randn(batch, seqlen_q, hq, head_dim, dtype=dtype, device=device)
-    k = torch.randn(batch, seqlen_k, hkv, head_dim, dtype=dtype, device=device)
-    v = torch.randn(batch, seqlen_k, hkv, head_dim, dtype=dtype, device=device)
+    q, k, v = make_qkv(batch, seqlen_q, seqlen_k, hq, hkv, head_dim, dtype, device)
 
     out, lse = triflash.flash_attn_func(q, k, v, causal=causal, return_lse=True)
 
@@ -53,9 +51,7 @@ def test_forward_matches_reference(device, batch, seqlen_q, seqlen_k, head_dim, 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_bhsd_layout_matches_bshd(device, causal):
     """attention() on [B, H, S, D] is flash_attn_func on the transposed view, bit for bit."""
-    q = torch.randn(2, 6, 113, 64, dtype=torch.float16, device=device)
-    k = torch.randn(2, 2, 203, 64, dtype=torch.float16, device=device)
-    v = torch.randn(2, 2, 203, 64, dtype=torch.float16, device=device)
+    q, k, v = make_qkv(2, 6, 2, 113, 203, 64, torch.float16, device)
     out, lse = triflash.attention(q, k, v, causal=causal, return_lse=True)
     assert out.shape == q.shape and out.is_contiguous()
     out2, lse2 = triflash.flash_attn_func(q.transpose(1, 2).contiguous(), k.transpose(1, 2).contiguous(),
@@ -98,8 +94,6 @@ def test_forward_block_shapes(device, config, causal, seqlen_q, seqlen_k):
     if ON_GPU and config.tma != "none" and torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("tensor descriptors need sm_90+")
     dtype = torch.float16
-    q = torch.randn(2, seqlen_q, 4, 80, dtype=dtype, device=device)
-    k = torch.randn(2, seqlen_k, 2, 80, dtype=dtype, device=device)
-    v = torch.randn(2, seqlen_k, 2, 80, dtype=dtype, device=device)
+    q, k, v = make_qkv(2, seqlen_q, seqlen_k, 4, 2, 80, dtype, device)
     out, lse = forward(q, k, v, 80 ** -0.5, causal, config=config)
     assert_matches_reference(out, lse, q, k, v, causal=causal)

@@ -3,7 +3,7 @@
 import pytest
 import torch
 from conftest import ON_GPU
-from helpers import assert_2x_rule, assert_matches_reference
+from helpers import assert_2x_rule, assert_matches_reference, make_qkv
 
 import triflash
 from triflash.reference import flash_attn_ref
@@ -20,9 +20,7 @@ pytestmark = pytest.mark.skipif(not ON_GPU, reason="long sequences run on the GP
     pytest.param(1, 16384, 2, 1, 128, id="B1-S16384-D128-mqa"),
 ])
 def test_long_sequence(device, batch, seqlen, heads_q, heads_kv, head_dim, causal, dtype):
-    q = torch.randn(batch, seqlen, heads_q, head_dim, dtype=dtype, device=device)
-    k = torch.randn(batch, seqlen, heads_kv, head_dim, dtype=dtype, device=device)
-    v = torch.randn(batch, seqlen, heads_kv, head_dim, dtype=dtype, device=device)
+    q, k, v = make_qkv(batch, seqlen, seqlen, heads_q, heads_kv, head_dim, dtype, device)
     out, lse = triflash.flash_attn_func(q, k, v, causal=causal, return_lse=True)
     assert_matches_reference(out, lse, q, k, v, causal=causal)
 
@@ -30,9 +28,7 @@ def test_long_sequence(device, batch, seqlen, heads_q, heads_kv, head_dim, causa
 @pytest.mark.parametrize("seqlen_q,seqlen_k", [(4096, 16384), (16384, 4096), (4095, 4097)])
 def test_long_unequal_causal(device, seqlen_q, seqlen_k):
     dtype = torch.bfloat16
-    q = torch.randn(1, seqlen_q, 2, 64, dtype=dtype, device=device)
-    k = torch.randn(1, seqlen_k, 2, 64, dtype=dtype, device=device)
-    v = torch.randn(1, seqlen_k, 2, 64, dtype=dtype, device=device)
+    q, k, v = make_qkv(1, seqlen_q, seqlen_k, 2, 2, 64, dtype, device)
     out, lse = triflash.flash_attn_func(q, k, v, causal=True, return_lse=True)
     assert_matches_reference(out, lse, q, k, v, causal=True)
 
@@ -51,8 +47,6 @@ def test_many_heads_grid(device):
 def test_long_fp32(device, seqlen_q, seqlen_k):
     """fp32 is held to fp32 PyTorch: long key ranges stress the row sum and the LSE's one log."""
     dtype = torch.float32
-    q = torch.randn(2, seqlen_q, 8, 40, dtype=dtype, device=device)
-    k = torch.randn(2, seqlen_k, 1, 40, dtype=dtype, device=device)
-    v = torch.randn(2, seqlen_k, 1, 40, dtype=dtype, device=device)
+    q, k, v = make_qkv(2, seqlen_q, seqlen_k, 8, 1, 40, dtype, device)
     out, lse = triflash.flash_attn_func(q, k, v, return_lse=True)
     assert_matches_reference(out, lse, q, k, v)

@@ -73,13 +73,16 @@ def _setup_context(ctx, inputs, output):
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse)
     ctx.softmax_scale, ctx.causal, ctx.bhsd = softmax_scale, causal, bhsd
+    # An unused output's gradient arrives as None instead of a tensor of zeros: the usual loss never
+    # touches lse, and its dlse would otherwise be read (as zeros) by every backward.
+    ctx.set_materialize_grads(False)
 
 
 def _backward(ctx, dout, dlse):
     q, k, v, out, lse = ctx.saved_tensors
     need_dq = ctx.needs_input_grad[0]
     need_dkdv = ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
-    if dout is None:
+    if dout is None:                       # a loss on lse alone
         dout = torch.zeros_like(out)
     dq, dk, dv = attn_bwd(dout, q, k, v, out, lse, dlse, ctx.softmax_scale, ctx.causal, ctx.bhsd,
                           need_dq, need_dkdv)

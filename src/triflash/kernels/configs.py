@@ -99,7 +99,7 @@ def _is_hopper_or_newer(device) -> bool:
 
 
 def forward_config(*, head_dim: int, dtype, causal: bool, batch_heads: int, seqlen_q: int,
-                   seqlen_k: int, device) -> FwdConfig:
+                   device) -> FwdConfig:
     """Pick the forward kernel's launch parameters for one problem shape."""
     import torch
 

@@ -233,7 +233,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float, 
     if config is None:
         config = configs.forward_config(head_dim=head_dim, dtype=q.dtype, causal=causal,
                                         batch_heads=batch * heads_q, seqlen_q=seqlen_q,
-                                        seqlen_k=seqlen_k, device=q.device)
+                                        device=q.device)
     tma = config.tma if tma_compatible(q, k, v, out) else "none"
     block_d = configs.head_dim_block(head_dim)
     Q, K, V, O = q, k, v, out
