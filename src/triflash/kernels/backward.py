@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from . import configs
-from .common import LOG2E, causal_key_range, on_input_device
+from .common import LOG2E, add_rn, causal_key_range, mul_rn, on_input_device
 from .configs import BwdConfig
 
 
@@ -72,10 +72,11 @@ def _bwd_preprocess_kernel(
 @triton.jit
 def _recompute_p(s, lse, sm_scale, qk_scale, PRECISE_P: tl.constexpr):
     """P from raw scores and the row LSE. fp16/bf16: one FMA in base 2 (lse was turned into base 2).
-    fp32: subtract in natural units first, s * scale - lse (which cancels to near 0 for the largest
-    scores), then scale by log2(e): two roundings of a small number instead of one of a large one."""
+    fp32: subtract in natural units first, round(s * scale) - lse, then scale by log2(e). The product
+    is rounded on its own (mul_rn), exactly as the forward rounded max * scale into the LSE, so a row
+    whose softmax has one term (one key) cancels to 0 and gets p = 1 exactly, like PyTorch's."""
     if PRECISE_P:
-        return tl.math.exp2((s * sm_scale - lse) * 1.4426950408889634)
+        return tl.math.exp2((mul_rn(s, sm_scale) - lse) * 1.4426950408889634)
     else:
         return tl.math.exp2(s * qk_scale - lse)
 
@@ -105,10 +106,17 @@ def _dkdv_inner(
         p_t = _recompute_p(s_t, lse2[None, :], sm_scale, qk_scale, PRECISE_P)   # [BN, BM]
         if MASKED:
             p_t = tl.where(offs_n[:, None] <= offs_m[None, :] + causal_offset, p_t, 0.0)
-        dv += tl.dot(p_t.to(do.dtype), do, input_precision=DOT_PRECISION)             # [BN, BD]
+        # fp32 (PRECISE_P): each block's sum on its own, then added (add_rn): short rounding chains.
+        if PRECISE_P:
+            dv = add_rn(dv, tl.dot(p_t, do, input_precision=DOT_PRECISION))
+        else:
+            dv += tl.dot(p_t.to(do.dtype), do, input_precision=DOT_PRECISION)         # [BN, BD]
         dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)                 # [BN, BM]
         ds_t = p_t * (dp_t - delta[None, :])
-        dk += tl.dot(ds_t.to(q.dtype), q, input_precision=DOT_PRECISION)              # [BN, BD]
+        if PRECISE_P:
+            dk = add_rn(dk, tl.dot(ds_t, q, input_precision=DOT_PRECISION))
+        else:
+            dk += tl.dot(ds_t.to(q.dtype), q, input_precision=DOT_PRECISION)          # [BN, BD]
     return dk, dv
 
 
@@ -205,7 +213,10 @@ def _dq_inner(
             p = tl.where(visible, p, 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)        # [BM, BN]
         ds = p * (dp - delta[:, None])
-        dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PRECISION)     # [BM, BD]
+        if PRECISE_P:
+            dq = add_rn(dq, tl.dot(ds, k, input_precision=DOT_PRECISION))   # fp32: see _dkdv_inner
+        else:
+            dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PRECISION)  # [BM, BD]
     return dq
 
 

@@ -32,6 +32,32 @@ LOG2E = math.log2(math.e)   # host side: qk_scale = sm_scale * LOG2E, rounded on
 PRECISE_LOG = tl.constexpr(not configs.INTERPRET)
 
 
+# fp32 paths need a few products rounded on their own, never fused by the compiler into an FMA with the
+# next addition (ptxas contracts a * b + c; libdevice's mul_rn / add_rn are never contracted). The
+# interpreter's numpy never fuses, and has no libdevice.
+NO_CONTRACT = tl.constexpr(not configs.INTERPRET)
+
+
+@triton.jit
+def mul_rn(a, b):
+    """a * b rounded to fp32 once, never fused into a following addition."""
+    if NO_CONTRACT:
+        return libdevice.mul_rn(a, b)
+    else:
+        return a * b
+
+
+@triton.jit
+def add_rn(a, b):
+    """a + b as its own rounded addition: a block's partial sum (a dot with no accumulator) added to
+    a running total, instead of Triton folding the addition into the dot, which for IEEE fp32 dots
+    would make the whole total one long sequential chain of FMAs."""
+    if NO_CONTRACT:
+        return libdevice.add_rn(a, b)
+    else:
+        return a + b
+
+
 @triton.jit
 def natural_log(x, PRECISE: tl.constexpr):
     """ln(x), elementwise, accurate to about an ulp on the GPU when PRECISE."""
@@ -65,23 +91,32 @@ def causal_key_range(start_m, seqlen_q, seqlen_k, BLOCK_M: tl.constexpr, BLOCK_N
 
 
 @triton.jit
-def online_softmax_step(qk, visible, m_i, l_i, acc, qk_scale, MASKED: tl.constexpr):
+def online_softmax_step(qk, visible, m_i, l_i, acc, qk_scale, MASKED: tl.constexpr,
+                        PRECISE: tl.constexpr):
     """Fold one tile of raw scores qk [BM, BN] into the running state.
 
     m_i [BM]: running max of the raw scores; l_i [BM]: running sum of exp(score - max); acc [BM, BD]:
     running sum of exp(score - max) * v. Returns (p, m_new, l_new, acc rescaled): the caller adds
     p @ v to acc. Exponentials are base 2 with qk_scale = sm_scale * log2(e) folded into one FMA.
     MASKED: ``visible`` [BM, BN] (or broadcastable) hides scores; rows that have seen no key keep
-    m = -inf, l = 0, and never produce NaN."""
+    m = -inf, l = 0, and never produce NaN.
+    PRECISE (fp32): p = exp2((score - max) * qk_scale) instead, one more instruction per score. The
+    row's largest score then gets p = 1 exactly, as in PyTorch's softmax, where the fused form
+    exp2(fma(score, qk_scale, -round(max * qk_scale))) keeps the rounding error of max * qk_scale.
+    (With one key, the fused form gives l = 1 + ~1e-7, and every p the backward recomputes from the
+    LSE inherits it.)"""
     if MASKED:
         qk = tl.where(visible, qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))                         # [BM]
         # Subtract 0 from a row still at -inf, so exp2(-inf - (-inf)) = NaN never happens.
-        m_scaled = tl.where(m_new == float("-inf"), 0.0, m_new * qk_scale)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     else:
         m_new = tl.maximum(m_i, tl.max(qk, 1))                         # every score is real here
-        m_scaled = m_new * qk_scale
-    p = tl.math.exp2(qk * qk_scale - m_scaled[:, None])                # [BM, BN]
+        m_safe = m_new
+    if PRECISE:
+        p = tl.math.exp2((qk - m_safe[:, None]) * qk_scale)            # [BM, BN]
+    else:
+        p = tl.math.exp2(qk * qk_scale - (m_safe * qk_scale)[:, None])  # [BM, BN]
     # alpha from the difference of raw maxima: exactly 1 while the max stands. (exp2(m_i*c - m_new*c)
     # is not: the compiler fuses it into an FMA that keeps the rounding error of m*c, and that factor
     # then compounds over every key block.) Rows still at -inf get 0 instead of NaN.

@@ -87,7 +87,7 @@ def _decode_inner(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
     MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    NUM_STAGES: tl.constexpr,
+    PRECISE: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):
     """Fold key blocks [lo, hi) into the online-softmax state. MASKED: keys at or past ``hi`` and
     (causal) keys after a row's diagonal are hidden; otherwise every key of every block is seen."""
@@ -109,7 +109,7 @@ def _decode_inner(
             visible = n_ok[None, :]                                    # [1, BN]
             if IS_CAUSAL:
                 visible = visible & (cols[None, :] <= offs_i[:, None] + causal_offset)   # [BM, BN]
-        p, m_new, l_i, acc = online_softmax_step(qk, visible, m_i, l_i, acc, qk_scale, MASKED)
+        p, m_new, l_i, acc = online_softmax_step(qk, visible, m_i, l_i, acc, qk_scale, MASKED, PRECISE)
         # -- V tile [BN, BD] --
         v = load_kv_tile(V + v_off[:, None] + offs_d[None, :], n_ok[:, None], d_ok[None, :],
                          MASKED, BLOCK_D != HEAD_DIM)
@@ -132,7 +132,8 @@ def _decode_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, HAS_SEQLENS: tl.constexpr,
-    IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr, PRECISE: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
 ):
     """SEQLENS: cache_seqlens [B] (the keys attended are cache_seqlens[b] + seqlen_new); without it
     every sequence has seqlen_k keys. BLOCK_TABLE: [B, max_pages] int32 when PAGED."""
@@ -195,11 +196,12 @@ def _decode_kernel(
     acc, l_i, m_i = _decode_inner(
         acc, l_i, m_i, q, K, V, BT, k_base, v_base, stride_kb, stride_ks, stride_vb, stride_vs,
         stride_btp, offs_i, offs_d, lo, mid, causal_offset, qk_scale,
-        HEAD_DIM, BLOCK_D, BLOCK_N, PAGED, PAGE_SIZE, False, IS_CAUSAL, DOT_PRECISION, NUM_STAGES)
+        HEAD_DIM, BLOCK_D, BLOCK_N, PAGED, PAGE_SIZE, False, IS_CAUSAL, DOT_PRECISION, PRECISE,
+        NUM_STAGES)
     acc, l_i, m_i = _decode_inner(
         acc, l_i, m_i, q, K, V, BT, k_base, v_base, stride_kb, stride_ks, stride_vb, stride_vs,
         stride_btp, offs_i, offs_d, mid, hi, causal_offset, qk_scale,
-        HEAD_DIM, BLOCK_D, BLOCK_N, PAGED, PAGE_SIZE, True, IS_CAUSAL, DOT_PRECISION, 1)
+        HEAD_DIM, BLOCK_D, BLOCK_N, PAGED, PAGE_SIZE, True, IS_CAUSAL, DOT_PRECISION, PRECISE, 1)
 
     # -- epilogue: normalise; no visible key (empty split, L = 0, causal rows) -> out 0, lse -inf --
     out, lse = finish_rows(acc, l_i, m_i, sm_scale)
@@ -273,6 +275,7 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         PAGED=paged, PAGE_SIZE=k_cache.shape[1] if paged else 1, HAS_SEQLENS=has_seqlens,
         IS_CAUSAL=causal,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        PRECISE=q.dtype == torch.float32,
         NUM_STAGES=config.num_stages,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )

@@ -49,7 +49,7 @@ def _fwd_inner(
     lo, hi, seqlen_k, causal_offset, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, TMA: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, PRECISE: tl.constexpr,
 ):
     """Fold key blocks [lo, hi) into the online-softmax state. MASKED selects the on-band version."""
     offs_n = tl.arange(0, BLOCK_N)
@@ -75,7 +75,7 @@ def _fwd_inner(
             visible = cols[None, :] < seqlen_k                         # [1, BN]
             if IS_CAUSAL:
                 visible = visible & (cols[None, :] <= offs_m[:, None] + causal_offset)  # [BM, BN]
-        p, m_new, l_i, acc = online_softmax_step(qk, visible, m_i, l_i, acc, qk_scale, MASKED)
+        p, m_new, l_i, acc = online_softmax_step(qk, visible, m_i, l_i, acc, qk_scale, MASKED, PRECISE)
         # -- V tile [BN, BD] --
         if TMA == 1:
             v = V.load([start_n, 0])
@@ -101,7 +101,7 @@ def _attn_fwd_kernel(
     sm_scale, qk_scale,                      # qk_scale = sm_scale * log2(e), rounded once on the host
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    IS_CAUSAL: tl.constexpr, TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, PRECISE: tl.constexpr,
 ):
     """TMA selects how tiles move: 0 pointer loads/stores (any GPU, the interpreter); 1 tensor
     descriptors built in the kernel, one 2-D [seqlen, head_dim] view per (batch, head); 2 4-D
@@ -160,11 +160,11 @@ def _attn_fwd_kernel(
     acc, l_i, m_i = _fwd_inner(
         acc, l_i, m_i, q, K, V, off_b, off_hk, stride_ks, stride_vs,
         offs_m, offs_d, 0, off_band_end, seqlen_k, causal_offset, qk_scale,
-        HEAD_DIM, BLOCK_D, BLOCK_N, False, IS_CAUSAL, TMA, DOT_PRECISION)
+        HEAD_DIM, BLOCK_D, BLOCK_N, False, IS_CAUSAL, TMA, DOT_PRECISION, PRECISE)
     acc, l_i, m_i = _fwd_inner(
         acc, l_i, m_i, q, K, V, off_b, off_hk, stride_ks, stride_vs,
         offs_m, offs_d, off_band_end, hi, seqlen_k, causal_offset, qk_scale,
-        HEAD_DIM, BLOCK_D, BLOCK_N, True, IS_CAUSAL, TMA, DOT_PRECISION)
+        HEAD_DIM, BLOCK_D, BLOCK_N, True, IS_CAUSAL, TMA, DOT_PRECISION, PRECISE)
 
     # -- epilogue: normalise; a row that saw no key gets out = 0 and lse = -inf --
     out, lse = finish_rows(acc, l_i, m_i, sm_scale)
@@ -259,6 +259,8 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float, 
         IS_CAUSAL=causal, TMA=configs.TMA_MODES[tma],
         # fp32 inputs: full IEEE fp32 products (Triton's default would be tf32, ~1e-3 relative error).
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        # fp32: the softmax's largest score gets p = 1 exactly (see online_softmax_step).
+        PRECISE=q.dtype == torch.float32,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return out, lse
