@@ -71,3 +71,46 @@ def test_opcheck_backward(device):
     dout = torch.randn_like(out)
     torch.library.opcheck(torch.ops.triflash.attn_bwd.default,
                           (dout, q, k, v, out, lse, None, 0.2, False, False, True, True))
+
+
+def test_plain_eager_calls_skip_the_op_but_autograd_and_dispatch_modes_see_it(device, monkeypatch):
+    """A call that records no graph goes straight to the launcher (less host time per call); one that
+    autograd, torch.compile or a dispatch mode must see goes through triflash::attn_fwd."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    through_op = []
+    real_op = triflash.autograd.attn_fwd
+
+    def counting_op(*args):
+        through_op.append(args)
+        return real_op(*args)
+
+    monkeypatch.setattr(triflash.autograd, "attn_fwd", counting_op)
+    q = torch.randn(1, 20, 2, 32, device=device, dtype=torch.float16)
+    k = torch.randn(1, 24, 2, 32, device=device, dtype=torch.float16)
+    v = torch.randn(1, 24, 2, 32, device=device, dtype=torch.float16)
+
+    direct = triflash.flash_attn_func(q, k, v, causal=True)
+    assert len(through_op) == 0
+    assert torch.equal(direct, real_op(q, k, v, 32 ** -0.5, True, False)[0])
+
+    with torch.no_grad():
+        triflash.flash_attn_func(q.requires_grad_(), k, v)
+    assert len(through_op) == 0                      # requires_grad, but no graph is recorded
+    out = triflash.flash_attn_func(q, k, v, causal=True)
+    assert len(through_op) == 1 and out.grad_fn is not None
+    assert torch.equal(out.detach(), direct)
+
+    class Recorder(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(func)
+            return func(*args, **(kwargs or {}))
+
+    with torch.no_grad(), Recorder() as recorder:
+        triflash.attention(q.detach().transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+    assert len(through_op) == 2
+    assert torch.ops.triflash.attn_fwd.default in recorder.ops

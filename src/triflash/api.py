@@ -5,8 +5,9 @@ Two layouts, one kernel:
 * ``flash_attn_func``: FlashAttention's [batch, seqlen, heads, head_dim].
 * ``attention``: the seeds' (and SDPA's) [batch, heads, seqlen, head_dim].
 
-Both go through the same custom op (``triflash.autograd``), which hands [B, S, H, D] *views* (no
-copies) to the kernel launchers; the kernels read every tensor through its strides. Only a tensor whose
+Both go through the same custom op (``triflash.autograd``; a plain eager call that records no autograd
+graph skips the op's dispatch and calls the same implementation directly), which hands [B, S, H, D]
+*views* (no copies) to the kernel launchers; the kernels read every tensor through its strides. Only a tensor whose
 last dimension is not contiguous is copied. Both functions are differentiable in q, k, v (and through
 the returned lse) and work under torch.compile.
 """
@@ -135,7 +136,7 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, return_lse=False)
     """
     scale = validate_qkv(q, k, v, "bshd", "softmax_scale", softmax_scale, causal)
     q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
-    out, lse = _autograd.attn_fwd(q, k, v, scale, causal, False)
+    out, lse = _autograd.forward(q, k, v, scale, causal, False)
     return (out, lse) if return_lse else out
 
 
@@ -152,5 +153,5 @@ def attention(q, k, v, causal=False, sm_scale=None, return_lse=False):
     """
     scale = validate_qkv(q, k, v, "bhsd", "sm_scale", sm_scale, causal)
     q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
-    out, lse = _autograd.attn_fwd(q, k, v, scale, causal, True)
+    out, lse = _autograd.forward(q, k, v, scale, causal, True)
     return (out, lse) if return_lse else out

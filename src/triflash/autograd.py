@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
+from torch.utils._python_dispatch import _get_current_dispatch_mode as _current_dispatch_mode
 
 from .kernels.backward import backward as _backward_launch
 from .kernels.forward import forward as _forward_launch
@@ -26,14 +27,42 @@ def _bshd(t: Tensor, bhsd: bool) -> Tensor:
     return t.transpose(1, 2) if bhsd else t
 
 
-@torch.library.custom_op("triflash::attn_fwd", mutates_args=())
-def attn_fwd(q: Tensor, k: Tensor, v: Tensor, softmax_scale: float, causal: bool,
-             bhsd: bool) -> tuple[Tensor, Tensor]:
+def forward_impl(q: Tensor, k: Tensor, v: Tensor, softmax_scale: float, causal: bool,
+                 bhsd: bool) -> tuple[Tensor, Tensor]:
     """Forward on validated inputs. Returns (out in q's layout, lse [B, Hq, Sq] float32)."""
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     _, lse = _forward_launch(_bshd(q, bhsd), _bshd(k, bhsd), _bshd(v, bhsd), softmax_scale, causal,
                              out=_bshd(out, bhsd))
     return out, lse
+
+
+@torch.library.custom_op("triflash::attn_fwd", mutates_args=())
+def attn_fwd(q: Tensor, k: Tensor, v: Tensor, softmax_scale: float, causal: bool,
+             bhsd: bool) -> tuple[Tensor, Tensor]:
+    """Forward on validated inputs. Returns (out in q's layout, lse [B, Hq, Sq] float32)."""
+    return forward_impl(q, k, v, softmax_scale, causal, bhsd)
+
+
+def forward(q: Tensor, k: Tensor, v: Tensor, softmax_scale: float, causal: bool,
+            bhsd: bool) -> tuple[Tensor, Tensor]:
+    """The forward through the custom op, or straight to the launcher when nothing needs the op.
+
+    The op is what autograd, torch.compile, torch.export and dispatch modes (FlopCounterMode, fake
+    tensors, ...) see. A plain eager call that records no graph needs none of that, and skipping the
+    op's dispatch saves host time that, at short sequences, is a visible part of every call."""
+    if _needs_op(q, k, v):
+        return attn_fwd(q, k, v, softmax_scale, causal, bhsd)
+    return forward_impl(q, k, v, softmax_scale, causal, bhsd)
+
+
+def _needs_op(q: Tensor, k: Tensor, v: Tensor) -> bool:
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        return True
+    if torch.compiler.is_compiling():
+        return True
+    if type(q) is not Tensor or type(k) is not Tensor or type(v) is not Tensor:
+        return True                        # FakeTensor, DTensor, other subclasses
+    return _current_dispatch_mode() is not None
 
 
 @attn_fwd.register_fake

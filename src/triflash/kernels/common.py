@@ -17,7 +17,7 @@ def on_input_device(launcher):
     @functools.wraps(launcher)
     def wrapped(*args, **kwargs):
         first = next(a for a in args if isinstance(a, torch.Tensor))
-        if first.device.type != "cuda":
+        if first.device.type != "cuda" or first.device.index == torch.cuda.current_device():
             return launcher(*args, **kwargs)
         with torch.cuda.device(first.device):
             return launcher(*args, **kwargs)

@@ -11,6 +11,7 @@ The launchers never hard-code a block size: they ask this module. There are thre
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 
@@ -92,10 +93,22 @@ def head_dim_block(head_dim: int) -> int:
     return max(16, triton.next_power_of_2(head_dim))
 
 
-def _is_hopper_or_newer(device) -> bool:
+@functools.lru_cache(maxsize=None)
+def _device_facts(device) -> tuple[int, int]:
+    """(compute capability major, multiprocessor count) of a CUDA device, asked once per device:
+    the launchers run on every call, and at short sequences their host time is what gets measured."""
     import torch
 
-    return torch.cuda.get_device_capability(device)[0] >= 9
+    props = torch.cuda.get_device_properties(device)
+    return props.major, props.multi_processor_count
+
+
+def _is_hopper_or_newer(device) -> bool:
+    return _device_facts(device)[0] >= 9
+
+
+def sm_count(device) -> int:
+    return _device_facts(device)[1]
 
 
 def forward_config(*, head_dim: int, dtype, causal: bool, batch_heads: int, seqlen_q: int,
@@ -126,8 +139,7 @@ def forward_config(*, head_dim: int, dtype, causal: bool, batch_heads: int, seql
     else:
         cfg = FwdConfig(64, 64, 4, 2, tma=tma)
     # Short problems: 64-row query blocks when the grid would leave multiprocessors idle.
-    sm_count = torch.cuda.get_device_properties(device).multi_processor_count
-    if cfg.block_m > 64 and batch_heads * triton.cdiv(seqlen_q, cfg.block_m) < sm_count:
+    if cfg.block_m > 64 and batch_heads * triton.cdiv(seqlen_q, cfg.block_m) < sm_count(device):
         cfg = FwdConfig(64, 64, 4, 3, cfg.tma)
     return cfg
 
@@ -175,13 +187,8 @@ def decode_num_splits(*, programs: int, max_seqlen: int, block_n: int, device) -
     every multiprocessor DECODE_PROGRAMS_PER_SM of them, but at least DECODE_MIN_BLOCKS_PER_SPLIT key
     blocks per split. ``programs`` is the count before splitting, ``max_seqlen`` the longest sequence
     (keys attended, after an append)."""
-    if INTERPRET:
-        sm_count = INTERPRETER_SM_COUNT
-    else:
-        import torch
-
-        sm_count = torch.cuda.get_device_properties(device).multi_processor_count
-    want = triton.cdiv(DECODE_PROGRAMS_PER_SM * sm_count, max(1, programs))
+    sms = INTERPRETER_SM_COUNT if INTERPRET else sm_count(device)
+    want = triton.cdiv(DECODE_PROGRAMS_PER_SM * sms, max(1, programs))
     by_length = triton.cdiv(max(1, max_seqlen), block_n) // DECODE_MIN_BLOCKS_PER_SPLIT
     return max(1, min(want, by_length, DECODE_MAX_SPLITS))
 
@@ -226,10 +233,7 @@ def merge_config(*, block_d: int, num_parts: int, num_rows: int, device) -> tupl
     block_r = max(1, min(tile // (block_p * block_d), MERGE_MAX_PAIRS // block_p))
     if INTERPRET:
         return block_r, block_p, 1
-    import torch
-
-    sm_count = torch.cuda.get_device_properties(device).multi_processor_count
-    rows_for_two_waves = max(1, num_rows // (2 * sm_count))
+    rows_for_two_waves = max(1, num_rows // (2 * sm_count(device)))
     block_r = min(block_r, 1 << (rows_for_two_waves.bit_length() - 1))   # a power of two
     return block_r, block_p, 4
 

@@ -28,6 +28,7 @@ and q/k/v unbound from a packed qkv tensor are all read in place.
 
 from __future__ import annotations
 
+import dataclasses
 
 import torch
 import triton
@@ -195,6 +196,24 @@ def _ensure_allocator():
         triton.set_allocator(_tma_allocator)
 
 
+def host_descriptor(t: torch.Tensor, block_shape: list[int]) -> TensorDescriptor:
+    """A host-built TMA descriptor of t (which ``tma_compatible`` accepted). Built without
+    TensorDescriptor's own re-validation: at short sequences the forward's host time per call is
+    what a benchmark measures, and the four descriptors' checks were a fifth of it."""
+    if not _PLAIN_DESCRIPTOR:
+        return TensorDescriptor.from_tensor(t, block_shape)
+    desc = object.__new__(TensorDescriptor)
+    desc.base, desc.shape, desc.strides = t, t.shape, t.stride()
+    desc.block_shape, desc.padding = block_shape, "zero"
+    return desc
+
+
+# The shortcut above fills exactly these fields; a Triton whose descriptor has others takes the
+# validating constructor.
+_PLAIN_DESCRIPTOR = {f.name for f in dataclasses.fields(TensorDescriptor)} == {
+    "base", "shape", "strides", "block_shape", "padding"}
+
+
 def tma_compatible(*tensors: torch.Tensor) -> bool:
     """TMA needs 16-byte aligned base addresses, unit stride on head_dim and positive 16-byte aligned
     strides on every other dim. Contiguous tensors, transposed views and packed qkv pass whenever
@@ -240,10 +259,10 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float, 
     if tma == "device" and not configs.INTERPRET:
         _ensure_allocator()
     elif tma == "host":
-        Q = TensorDescriptor.from_tensor(q, [1, config.block_m, 1, block_d])
-        K = TensorDescriptor.from_tensor(k, [1, config.block_n, 1, block_d])
-        V = TensorDescriptor.from_tensor(v, [1, config.block_n, 1, block_d])
-        O = TensorDescriptor.from_tensor(out, [1, config.block_m, 1, block_d])
+        Q = host_descriptor(q, [1, config.block_m, 1, block_d])
+        K = host_descriptor(k, [1, config.block_n, 1, block_d])
+        V = host_descriptor(v, [1, config.block_n, 1, block_d])
+        O = host_descriptor(out, [1, config.block_m, 1, block_d])
     num_m_blocks = triton.cdiv(seqlen_q, config.block_m)
     grid = (num_m_blocks * batch * heads_q,)
     _attn_fwd_kernel[grid](
