@@ -16,10 +16,17 @@ import time
 import torch
 import triton
 
-DKDV = [(32, 128, 4, 3), (64, 128, 8, 2), (64, 64, 4, 3), (32, 64, 4, 3), (64, 128, 4, 2), (32, 128, 8, 2),
-        (64, 64, 4, 2), (128, 128, 8, 2)]
-DQ = [(128, 32, 4, 3), (64, 64, 4, 3), (128, 64, 8, 2), (64, 32, 4, 3), (128, 64, 4, 2), (128, 32, 8, 2),
-      (64, 64, 4, 2), (128, 128, 8, 2)]
+# (block_m, block_n, warps, stages, tma): pointer loads, and the same tiles with host-built TMA
+# descriptors for the walked tiles (Q/dO in dK/dV, K/V in dQ).
+_DKDV = [(32, 128, 4, 3), (64, 128, 8, 2), (64, 64, 4, 3), (32, 64, 4, 3), (64, 128, 4, 2), (32, 128, 8, 2),
+         (64, 64, 4, 2), (128, 128, 8, 2)]
+_DQ = [(128, 32, 4, 3), (64, 64, 4, 3), (128, 64, 8, 2), (64, 32, 4, 3), (128, 64, 4, 2), (128, 32, 8, 2),
+       (64, 64, 4, 2), (128, 128, 8, 2)]
+DKDV = [c + (tma,) for c in _DKDV for tma in (False, True)]
+DQ = [c + (tma,) for c in _DQ for tma in (False, True)]
+# --quick: the four best of each from run 2, with and without descriptors.
+QUICK_DKDV = [c + (tma,) for c in _DKDV[:4] for tma in (False, True)]
+QUICK_DQ = [c + (tma,) for c in [_DQ[0], _DQ[1], _DQ[2], _DQ[6]] for tma in (False, True)]
 
 
 def make(shape, dtype, seed=0):
@@ -52,7 +59,9 @@ def main():
     ap.add_argument("--shapes", nargs="*", default=["4,16,4096,64", "4,16,4096,128"])
     ap.add_argument("--out", default="tune_bwd.json")
     ap.add_argument("--budget", type=float, default=240)
+    ap.add_argument("--quick", action="store_true", help="fewer tiles (QUICK_DKDV / QUICK_DQ)")
     a = ap.parse_args()
+    dkdv_cands, dq_cands = (QUICK_DKDV, QUICK_DQ) if a.quick else (DKDV, DQ)
     t0 = time.time()
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -62,8 +71,8 @@ def main():
 
     shapes = [tuple(int(x) for x in s.split(",")) for s in a.shapes]
     jobs = [(s, c, w, cand) for s in shapes for c in (False, True)
-            for w, cands in (("dkdv", DKDV), ("dq", DQ)) for cand in cands]
-    with mp.get_context("spawn").Pool(12) as pool:
+            for w, cands in (("dkdv", dkdv_cands), ("dq", dq_cands)) for cand in cands]
+    with mp.get_context("spawn").Pool(14) as pool:
         errs = pool.map(run, jobs)
     print(f"compiled {len(jobs)} backward variants in {time.time() - t0:.0f}s", flush=True)
     rows = []
@@ -93,7 +102,7 @@ def main():
         for (js, jc, which, cand), err in zip(jobs, errs):
             if js != shape or jc != causal:
                 continue
-            name = f"{which}-M{cand[0]}-N{cand[1]}-w{cand[2]}-s{cand[3]}"
+            name = f"{which}-M{cand[0]}-N{cand[1]}-w{cand[2]}-s{cand[3]}{'-tma' if cand[4] else ''}"
             row = dict(shape=shape, causal=causal, name=name, which=which)
             if err:
                 row["error"] = err

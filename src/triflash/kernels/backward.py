@@ -30,6 +30,7 @@ import triton.language as tl
 from . import configs
 from .common import LOG2E, add_rn, causal_key_range, mul_rn, on_input_device
 from .configs import BwdConfig
+from .forward import host_descriptor, tma_compatible
 
 
 @triton.jit
@@ -84,21 +85,26 @@ def _recompute_p(s, lse, sm_scale, qk_scale, PRECISE_P: tl.constexpr):
 @triton.jit
 def _dkdv_inner(
     dk, dv, k, v,                             # [BN, BD] accumulators and the kept K/V tiles
-    Q, DO, LSE2, Delta,                       # Q/DO: this (batch, query head); LSE2/Delta: its rows
-    stride_qs, stride_dos,
+    Q, DO, LSE2, Delta,                       # Q/DO: this (batch, query head), or 4-D descriptors (TMA)
+    stride_qs, stride_dos, off_b, off_h,      # LSE2/Delta: this (batch, query head)'s rows
     offs_n, offs_d, lo, hi, seqlen_q, causal_offset, sm_scale, qk_scale,
-    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-    MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr, PRECISE_P: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+    MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr, PRECISE_P: tl.constexpr, TMA: tl.constexpr,
 ):
     d_ok = offs_d < HEAD_DIM
     for start_m in range(lo, hi, BLOCK_M):
         start_m = tl.multiple_of(start_m, BLOCK_M)
         offs_m = start_m + tl.arange(0, BLOCK_M)                         # [BM]
         m_ok = offs_m < seqlen_q
-        q = tl.load(Q + offs_m[:, None] * stride_qs + offs_d[None, :],
-                    mask=m_ok[:, None] & d_ok[None, :], other=0.0)          # [BM, BD]
-        do = tl.load(DO + offs_m[:, None] * stride_dos + offs_d[None, :],
-                     mask=m_ok[:, None] & d_ok[None, :], other=0.0)         # [BM, BD]
+        if TMA:
+            # Host-built [B, S, H, D] descriptors: rows past seqlen_q and lanes past HEAD_DIM read 0.
+            q = Q.load([off_b, start_m, off_h, 0]).reshape(BLOCK_M, BLOCK_D)              # [BM, BD]
+            do = DO.load([off_b, start_m, off_h, 0]).reshape(BLOCK_M, BLOCK_D)            # [BM, BD]
+        else:
+            q = tl.load(Q + offs_m[:, None] * stride_qs + offs_d[None, :],
+                        mask=m_ok[:, None] & d_ok[None, :], other=0.0)      # [BM, BD]
+            do = tl.load(DO + offs_m[:, None] * stride_dos + offs_d[None, :],
+                         mask=m_ok[:, None] & d_ok[None, :], other=0.0)     # [BM, BD]
         # Rows past seqlen_q read lse2 = +inf, so their p is 0.
         lse2 = tl.load(LSE2 + offs_m, mask=m_ok, other=float("inf"))      # [BM]
         delta = tl.load(Delta + offs_m, mask=m_ok, other=0.0)             # [BM]
@@ -132,8 +138,9 @@ def _bwd_dkdv_kernel(
     num_heads_q, num_heads_k, kv_group_size, seqlen_q, seqlen_k, num_n_blocks,
     sm_scale, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr, PRECISE_P: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr, PRECISE_P: tl.constexpr, TMA: tl.constexpr,
 ):
+    """TMA: Q and DO are host-built 4-D tensor descriptors instead of pointers."""
     pid = tl.program_id(0)
     pid_n = pid % num_n_blocks
     pid_bh = pid // num_n_blocks
@@ -168,16 +175,19 @@ def _bwd_dkdv_kernel(
     for g in range(kv_group_size):
         off_h = off_hk * kv_group_size + g
         row0 = (off_b * num_heads_q + off_h).to(tl.int64) * seqlen_q
-        q_ptr = Q + off_b.to(tl.int64) * stride_qb + off_h.to(tl.int64) * stride_qh
-        do_ptr = DO + off_b.to(tl.int64) * stride_dob + off_h.to(tl.int64) * stride_doh
-        dk, dv = _dkdv_inner(dk, dv, k, v, q_ptr, do_ptr, LSE2 + row0, Delta + row0,
-                             stride_qs, stride_dos, offs_n, offs_d, lo, full_from, seqlen_q,
-                             causal_offset, sm_scale, qk_scale, HEAD_DIM, BLOCK_M, IS_CAUSAL, DOT_PRECISION,
-                             PRECISE_P)
-        dk, dv = _dkdv_inner(dk, dv, k, v, q_ptr, do_ptr, LSE2 + row0, Delta + row0,
-                             stride_qs, stride_dos, offs_n, offs_d, full_from, q_blocks_end, seqlen_q,
-                             causal_offset, sm_scale, qk_scale, HEAD_DIM, BLOCK_M, False, DOT_PRECISION,
-                             PRECISE_P)
+        if TMA:
+            q_src, do_src = Q, DO
+        else:
+            q_src = Q + off_b.to(tl.int64) * stride_qb + off_h.to(tl.int64) * stride_qh
+            do_src = DO + off_b.to(tl.int64) * stride_dob + off_h.to(tl.int64) * stride_doh
+        dk, dv = _dkdv_inner(dk, dv, k, v, q_src, do_src, LSE2 + row0, Delta + row0,
+                             stride_qs, stride_dos, off_b, off_h, offs_n, offs_d, lo, full_from, seqlen_q,
+                             causal_offset, sm_scale, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_M, IS_CAUSAL,
+                             DOT_PRECISION, PRECISE_P, TMA)
+        dk, dv = _dkdv_inner(dk, dv, k, v, q_src, do_src, LSE2 + row0, Delta + row0,
+                             stride_qs, stride_dos, off_b, off_h, offs_n, offs_d, full_from, q_blocks_end,
+                             seqlen_q, causal_offset, sm_scale, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_M, False,
+                             DOT_PRECISION, PRECISE_P, TMA)
 
     dk *= sm_scale
     tl.store(DK + off_b.to(tl.int64) * stride_dkb + off_hk.to(tl.int64) * stride_dkh
@@ -189,21 +199,26 @@ def _bwd_dkdv_kernel(
 @triton.jit
 def _dq_inner(
     dq, q, do, lse2, delta,                   # [BM, BD] accumulator, kept tiles, [BM] row stats
-    K, V, stride_ks, stride_vs,
+    K, V, stride_ks, stride_vs, off_b, off_hk,   # K/V: this (batch, KV head), or 4-D descriptors (TMA)
     offs_m, offs_d, lo, hi, seqlen_k, causal_offset, sm_scale, qk_scale,
-    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr, PRECISE_P: tl.constexpr,
+    TMA: tl.constexpr,
 ):
     offs_n = tl.arange(0, BLOCK_N)
     d_ok = offs_d < HEAD_DIM
     for start_n in range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         cols = start_n + offs_n                                             # [BN]
-        kv_mask = d_ok[None, :]
-        if MASKED:
-            kv_mask = kv_mask & (cols[:, None] < seqlen_k)
-        k = tl.load(K + cols[:, None] * stride_ks + offs_d[None, :], mask=kv_mask, other=0.0)  # [BN, BD]
-        v = tl.load(V + cols[:, None] * stride_vs + offs_d[None, :], mask=kv_mask, other=0.0)  # [BN, BD]
+        if TMA:
+            k = K.load([off_b, start_n, off_hk, 0]).reshape(BLOCK_N, BLOCK_D)             # [BN, BD]
+            v = V.load([off_b, start_n, off_hk, 0]).reshape(BLOCK_N, BLOCK_D)             # [BN, BD]
+        else:
+            kv_mask = d_ok[None, :]
+            if MASKED:
+                kv_mask = kv_mask & (cols[:, None] < seqlen_k)
+            k = tl.load(K + cols[:, None] * stride_ks + offs_d[None, :], mask=kv_mask, other=0.0)
+            v = tl.load(V + cols[:, None] * stride_vs + offs_d[None, :], mask=kv_mask, other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)          # [BM, BN]
         p = _recompute_p(s, lse2[:, None], sm_scale, qk_scale, PRECISE_P)  # [BM, BN]
         if MASKED:
@@ -231,8 +246,9 @@ def _bwd_dq_kernel(
     num_heads_q, kv_group_size, seqlen_q, seqlen_k, num_m_blocks,
     sm_scale, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr, PRECISE_P: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr, PRECISE_P: tl.constexpr, TMA: tl.constexpr,
 ):
+    """TMA: K and V are host-built 4-D tensor descriptors instead of pointers."""
     pid = tl.program_id(0)
     pid_m = pid % num_m_blocks
     if IS_CAUSAL:
@@ -259,14 +275,17 @@ def _bwd_dq_kernel(
     # Same key ranges as the forward: unmasked off-band blocks, then masked on-band blocks.
     causal_offset = seqlen_k - seqlen_q
     off_band_end, hi = causal_key_range(start_m, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, IS_CAUSAL)
-    k_ptr = K + off_b.to(tl.int64) * stride_kb + off_hk.to(tl.int64) * stride_kh
-    v_ptr = V + off_b.to(tl.int64) * stride_vb + off_hk.to(tl.int64) * stride_vh
-    dq = _dq_inner(dq, q, do, lse2, delta, k_ptr, v_ptr, stride_ks, stride_vs, offs_m, offs_d,
+    if TMA:
+        k_src, v_src = K, V
+    else:
+        k_src = K + off_b.to(tl.int64) * stride_kb + off_hk.to(tl.int64) * stride_kh
+        v_src = V + off_b.to(tl.int64) * stride_vb + off_hk.to(tl.int64) * stride_vh
+    dq = _dq_inner(dq, q, do, lse2, delta, k_src, v_src, stride_ks, stride_vs, off_b, off_hk, offs_m, offs_d,
                    0, off_band_end, seqlen_k, causal_offset, sm_scale, qk_scale,
-                   HEAD_DIM, BLOCK_N, False, IS_CAUSAL, DOT_PRECISION, PRECISE_P)
-    dq = _dq_inner(dq, q, do, lse2, delta, k_ptr, v_ptr, stride_ks, stride_vs, offs_m, offs_d,
+                   HEAD_DIM, BLOCK_D, BLOCK_N, False, IS_CAUSAL, DOT_PRECISION, PRECISE_P, TMA)
+    dq = _dq_inner(dq, q, do, lse2, delta, k_src, v_src, stride_ks, stride_vs, off_b, off_hk, offs_m, offs_d,
                    off_band_end, hi, seqlen_k, causal_offset, sm_scale, qk_scale,
-                   HEAD_DIM, BLOCK_N, True, IS_CAUSAL, DOT_PRECISION, PRECISE_P)
+                   HEAD_DIM, BLOCK_D, BLOCK_N, True, IS_CAUSAL, DOT_PRECISION, PRECISE_P, TMA)
     dq *= sm_scale
     tl.store(DQ + off_b.to(tl.int64) * stride_dqb + off_h.to(tl.int64) * stride_dqh
              + offs_m[:, None] * stride_dqs + offs_d[None, :], dq.to(DQ.dtype.element_ty), mask=mask)
@@ -335,24 +354,34 @@ def backward(dout, q, k, v, out, lse, sm_scale: float, causal: bool, *, dlse=Non
     group = heads_q // heads_k
     if need_dkdv:
         n_blocks = triton.cdiv(seqlen_k, dkdv_cfg.block_n)
+        tma = dkdv_cfg.tma and tma_compatible(q, dout)
+        Q, DO = q, dout
+        if tma:
+            Q = host_descriptor(q, [1, dkdv_cfg.block_m, 1, block_d])
+            DO = host_descriptor(dout, [1, dkdv_cfg.block_m, 1, block_d])
         _bwd_dkdv_kernel[(n_blocks * batch * heads_k,)](
-            q, k, v, dout, lse2, delta, dk, dv,
+            Q, k, v, DO, lse2, delta, dk, dv,
             *_s(q), *_s(k), *_s(v), *_s(dout), *_s(dk), *_s(dv),
             heads_q, heads_k, group, seqlen_q, seqlen_k, n_blocks,
             sm_scale, sm_scale * LOG2E,
             HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=dkdv_cfg.block_m, BLOCK_N=dkdv_cfg.block_n,
-            IS_CAUSAL=causal, DOT_PRECISION=precision, PRECISE_P=precise_p,
+            IS_CAUSAL=causal, DOT_PRECISION=precision, PRECISE_P=precise_p, TMA=tma,
             num_warps=dkdv_cfg.num_warps, num_stages=dkdv_cfg.num_stages,
         )
     if need_dq:
         m_blocks = triton.cdiv(seqlen_q, dq_cfg.block_m)
+        tma = dq_cfg.tma and tma_compatible(k, v)
+        K, V = k, v
+        if tma:
+            K = host_descriptor(k, [1, dq_cfg.block_n, 1, block_d])
+            V = host_descriptor(v, [1, dq_cfg.block_n, 1, block_d])
         _bwd_dq_kernel[(m_blocks * batch * heads_q,)](
-            q, k, v, dout, lse2, delta, dq,
+            q, K, V, dout, lse2, delta, dq,
             *_s(q), *_s(k), *_s(v), *_s(dout), *_s(dq),
             heads_q, group, seqlen_q, seqlen_k, m_blocks,
             sm_scale, sm_scale * LOG2E,
             HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=dq_cfg.block_m, BLOCK_N=dq_cfg.block_n,
-            IS_CAUSAL=causal, DOT_PRECISION=precision, PRECISE_P=precise_p,
+            IS_CAUSAL=causal, DOT_PRECISION=precision, PRECISE_P=precise_p, TMA=tma,
             num_warps=dq_cfg.num_warps, num_stages=dq_cfg.num_stages,
         )
     return dq, dk, dv

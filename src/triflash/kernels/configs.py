@@ -55,12 +55,15 @@ INTERPRETER_FWD = FwdConfig(block_m=64, block_n=32, num_warps=1, num_stages=1, t
 
 @dataclass(frozen=True)
 class BwdConfig:
-    """Launch parameters of one backward kernel (dK/dV or dQ): tile sizes, warps, pipeline stages."""
+    """Launch parameters of one backward kernel (dK/dV or dQ): tile sizes, warps, pipeline stages,
+    and tma: stream the walked tiles (Q and dO for dK/dV, K and V for dQ) through host-built TMA
+    descriptors (Hopper) instead of pointer loads; the launcher falls back where strides forbid it."""
 
     block_m: int
     block_n: int
     num_warps: int
     num_stages: int
+    tma: bool = False
 
 
 # dK/dV keeps BLOCK_N keys and walks query blocks; dQ keeps BLOCK_M queries and walks key blocks.
@@ -80,11 +83,14 @@ def backward_config(*, head_dim: int, dtype, causal: bool, device) -> tuple[BwdC
         if block_d <= 64:
             return BwdConfig(32, 32, 4, 1), BwdConfig(32, 32, 4, 1)
         return BwdConfig(16, 32, 4, 1), BwdConfig(32, 16, 4, 1)
-    # Measured on the H200 (docs/performance-notes.md, run 2), fp16 at B4 H16 S4096.
+    # Measured on the H200 (docs/performance-notes.md, runs 2 and 8), fp16 at B4 H16 S4096. TMA
+    # descriptors help the dQ kernel's K/V stream by 2-4%; the dK/dV kernel's Q/dO stream is as fast
+    # or faster with pointer loads.
+    tma = _is_hopper_or_newer(device)
     if block_d <= 64:
-        return BwdConfig(32, 128, 4, 3), BwdConfig(128, 64, 8, 2)
+        return BwdConfig(32, 128, 4, 3), BwdConfig(64, 64, 4, 3, tma)
     if block_d <= 128:
-        return BwdConfig(64, 64, 4, 2), (BwdConfig(64, 64, 4, 2) if causal else BwdConfig(128, 32, 4, 3))
+        return BwdConfig(32, 64, 4, 3), BwdConfig(64, 64, 4, 2, tma)
     return BwdConfig(16, 64, 4, 1), BwdConfig(64, 16, 4, 1)
 
 
