@@ -36,12 +36,13 @@ TARGET = GPUTarget("cuda", 90, 32)
 class _H200:
     """What the config choosers read from the device, as an H200 reports it."""
     multi_processor_count = 132
+    major, minor = 9, 0
 
 
 # The choosers ask the (absent) GPU for its properties: answer as an H200 would.
 torch.cuda.get_device_properties = lambda *args, **kwargs: _H200()
 torch.cuda.get_device_capability = lambda *args, **kwargs: (9, 0)
-TYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.int32: "i32",
+TYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.float64: "fp64", torch.int32: "i32",
          torch.int64: "i64", torch.int8: "i8"}
 
 

@@ -24,7 +24,8 @@ Triton's on-disk cache), so the timing pass only loads binaries.
     PYTHONPATH=src python3 scripts/tune_decode.py --dry-run      # list the variants (no GPU needed)
 
 Full results (every variant) go to --out as JSON; a Markdown summary is printed last on stdout;
-progress goes to stderr.
+progress goes to stderr. With the defaults: 36 precompile jobs (18 tiles x 2 layouts) and about 660
+timed variants; expected to take about 2 minutes, and --budget (170 s) caps the timing pass.
 """
 
 import argparse
@@ -62,6 +63,7 @@ FEW_SEQ_BATCH = 8                              # batches below this use FEW_SEQ_
 # Precompiles run on caches this long (every integer the kernels specialise on stays in the same
 # class: multiples of 16), with the real batch sizes (the merge's tiles depend on the row count).
 WARM_CONTEXT = 512
+WARM_DEVICE = "cuda"
 
 
 # --------------------------------------------------------------------------------------------------
@@ -98,13 +100,16 @@ class ShapePlan:
 
 def plan_shape(batch: int, context: int, device) -> ShapePlan:
     rows = GROUP * 1
+    # The contiguous cache's pick labels the plan; each cache kind's own pick is timed as "auto".
     auto = configs.decode_config(head_dim=HEAD_DIM, dtype=torch.float16, rows=rows, batch=batch,
-                                 heads_kv=HEADS_KV, max_seqlen=context, num_splits=0, device=device)
+                                 heads_kv=HEADS_KV, max_seqlen=context, num_splits=0, paged=False,
+                                 device=device)
     plan = ShapePlan(batch, context, auto, auto.block_m)
     programs = batch * HEADS_KV * triton.cdiv(rows, auto.block_m)
     for tile in TILES:
         bn = tile[0]
-        a = configs.decode_num_splits(programs=programs, max_seqlen=context, block_n=bn, device=device)
+        a = configs.decode_num_splits(programs=programs, max_seqlen=context, block_n=bn, per_sm=2,
+                                      sms=configs.sm_count(device))
         plan.auto_splits[tile] = a
         for s in dict.fromkeys((a, 2 * a)):
             if s == a or fits(s, context, bn):
@@ -124,11 +129,12 @@ def small_case(batch: int, device):
     return make_decode_case(wl, device)
 
 
-def decode_args(case, kind: str, paged=None):
-    """(q, k_cache, v_cache, cache_seqlens, block_table) of a case for one cache kind."""
+def decode_args(case, kind: str):
+    """(q, k_cache, v_cache, cache_seqlens, block_table) of a case for one cache kind (paged: the
+    bench's copy, page size 16, pages shuffled in the block table)."""
     if kind == "contiguous":
         return (case.q, case.k_cache, case.v_cache, case.cache_seqlens, None)
-    paged = paged or case.paged(PAGE_SIZE)
+    paged = case.paged(PAGE_SIZE)
     return (case.q, paged.k_pages, paged.v_pages, case.cache_seqlens, paged.block_table)
 
 
@@ -145,30 +151,38 @@ def _error_text(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text.splitlines()[0][:200] if text else ''}"
 
 
+def _sync(device):
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def warm_job(job):
     """Worker: launch what one job needs on small inputs (compiling into Triton's disk cache).
-    Returns {failure key: message}; never raises."""
+    Returns {failure key: message}; never raises. Only failures of the launches themselves are
+    keyed ("tile" / "call", and the timing pass skips those variants); anything else (making the
+    inputs, a broken worker) is keyed "job" and only reported."""
+    dev = WARM_DEVICE
     try:
         if job[0] == "merge":
             _, batch, splits = job
             from triflash.kernels.merge import merge
 
             # Exactly the tensors decode() hands the merge (see kernels/decode.py).
-            o_part = torch.zeros((splits, batch, 1, HEADS, HEAD_DIM), dtype=torch.float32, device="cuda")
-            l_part = torch.zeros((splits, batch, HEADS, 1), dtype=torch.float32, device="cuda")
-            out = torch.empty((batch, 1, HEADS, HEAD_DIM), dtype=torch.float16, device="cuda")
-            lse = torch.empty((batch, HEADS, 1), dtype=torch.float32, device="cuda")
+            o_part = torch.zeros((splits, batch, 1, HEADS, HEAD_DIM), dtype=torch.float32, device=dev)
+            l_part = torch.zeros((splits, batch, HEADS, 1), dtype=torch.float32, device=dev)
+            out = torch.empty((batch, 1, HEADS, HEAD_DIM), dtype=torch.float16, device=dev)
+            lse = torch.empty((batch, HEADS, 1), dtype=torch.float32, device=dev)
             merge(o_part, l_part, out=out, lse=lse)
-            torch.cuda.synchronize()
+            _sync(dev)
             return {}
         _, kind, tile, block_m, by_batch = job
         failures = {}
         for batch, splits in by_batch:
-            args = decode_args(small_case(batch, "cuda"), kind)
+            args = decode_args(small_case(batch, dev), kind)
             for s in splits:
                 try:
                     run_decode(args, DecodeConfig(block_m, *tile, num_splits=s), WARM_CONTEXT)
-                    torch.cuda.synchronize()
+                    _sync(dev)
                 except Exception as exc:  # noqa: BLE001 - reported per variant
                     failures[("call", kind, tile, batch, s)] = _error_text(exc)
                     # A tile that cannot compile (shared memory, ...) fails the same at every split:
@@ -355,7 +369,9 @@ def run_shapes(plans: list[ShapePlan], kinds, sdpa_backends, timer, device, fail
             deadline = time.time() + max(0.0, end_time - time.time()) / groups_left
             groups_left -= 1
             args = decode_args(case, kind)
+            start = time.time()
             rows += tune_group(plan, kind, case, args, timer, device, deadline, failures, top, progress)
+            progress(f"  [{plan.label} {kind}] done in {time.time() - start:.1f}s")
             del args
             free_memory(device)
         del case
@@ -426,9 +442,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--out", default="tune_decode.json")
     ap.add_argument("--workers", type=int, default=min(12, os.cpu_count() or 1),
                     help="precompile worker processes (0: compile on first use, in the timing pass)")
-    ap.add_argument("--compile-timeout", type=float, default=150.0, metavar="S",
+    ap.add_argument("--compile-timeout", type=float, default=120.0, metavar="S",
                     help="stop precompiling after this many seconds")
-    ap.add_argument("--budget", type=float, default=190.0, metavar="S",
+    ap.add_argument("--budget", type=float, default=170.0, metavar="S",
                     help="seconds from the start after which no more variants are timed (auto and SDPA "
                          "always are); shared fairly between the (shape, cache) groups")
     ap.add_argument("--warmup", type=float, default=10.0, metavar="MS", help="do_bench warmup")

@@ -11,6 +11,7 @@ import itertools
 
 import pytest
 import torch
+import triton
 from conftest import DTYPES, ON_GPU
 from helpers import FLOOR, LSE_FLOOR, assert_2x_rule, assert_no_nan, make_qkv, max_err, relative
 
@@ -148,7 +149,7 @@ def test_decode_matches_references(device, page_size, num_splits, seqlen_q, caus
     if num_splits == 0:
         chosen = configs.decode_config(head_dim=head_dim, dtype=dtype, rows=hq // hkv * seqlen_q,
                                        batch=batch, heads_kv=hkv, max_seqlen=max(LENGTHS),
-                                       num_splits=0, device=device)
+                                       num_splits=0, paged=page_size is not None, device=device)
         assert chosen.num_splits > 1, "the auto split count should split these sequences"
     check_against_references(out, lse, q, k_cache, v_cache, lengths, block_table, causal, dtype)
     # Rows with no key: every row of a length-0 sequence.
@@ -288,21 +289,38 @@ def test_decode_block_shapes(device, config, page_size):
 
 
 def test_auto_splits_fill_the_machine(device):
-    """num_splits=0 splits one long sequence over many programs, but never below two key blocks."""
-    sms = (configs.INTERPRETER_SM_COUNT if not ON_GPU
-           else torch.cuda.get_device_properties(device).multi_processor_count)
-    cfg = configs.decode_config(head_dim=128, dtype=torch.float16, rows=4, batch=1, heads_kv=8,
-                                max_seqlen=131072, num_splits=0, device=device)
-    assert cfg.num_splits > 1 and 8 * cfg.num_splits >= sms
-    few = configs.decode_config(head_dim=128, dtype=torch.float16, rows=4, batch=1, heads_kv=8,
-                                max_seqlen=cfg.block_n, num_splits=0, device=device)
-    assert few.num_splits == 1
-    busy = configs.decode_config(head_dim=128, dtype=torch.float16, rows=4, batch=4096, heads_kv=8,
-                                 max_seqlen=131072, num_splits=0, device=device)
-    assert busy.num_splits == 1
-    fixed = configs.decode_config(head_dim=128, dtype=torch.float16, rows=4, batch=1, heads_kv=8,
-                                  max_seqlen=131072, num_splits=3, device=device)
-    assert fixed.num_splits == 3
+    """num_splits=0 splits one long sequence over many programs (one full wave of resident programs),
+    never below two key blocks per split, and never leaves a split without keys."""
+    from triflash.kernels.configs import decode_config
+
+    sms = configs.INTERPRETER_SM_COUNT if not ON_GPU else configs.sm_count(torch.device(device))
+    common = dict(head_dim=128, dtype=torch.float16, rows=4, heads_kv=8, device=device)
+    for paged in (False, True):
+        cfg = decode_config(batch=1, max_seqlen=131072, num_splits=0, paged=paged, **common)
+        assert cfg.num_splits > 1 and 8 * cfg.num_splits >= sms
+        few = decode_config(batch=1, max_seqlen=cfg.block_n, num_splits=0, paged=paged, **common)
+        assert few.num_splits == 1
+        busy = decode_config(batch=4096, max_seqlen=131072, num_splits=0, paged=paged, **common)
+        assert busy.num_splits == 1
+        fixed = decode_config(batch=1, max_seqlen=131072, num_splits=3, paged=paged, **common)
+        assert fixed.num_splits == 3
+        # 1000 key blocks in 3 splits of 334; asking for 600 splits gives 500 of 2 (none empty).
+        odd = decode_config(batch=1, max_seqlen=1000 * cfg.block_n, num_splits=600, paged=paged, **common)
+        assert odd.num_splits == 500
+
+
+def test_effective_splits_never_leave_a_split_empty():
+    for blocks in (1, 2, 7, 64, 1000, 1024):
+        for asked in (1, 2, 3, 5, 66, 132, 600):
+            got = configs.effective_splits(asked, blocks * 32, 32)
+            per = triton.cdiv(blocks, got)
+            assert got <= asked and (got - 1) * per < blocks, (blocks, asked, got)
+            assert per == triton.cdiv(blocks, min(asked, blocks))   # same share as asked for
+
+
+def test_decode_config_rejects_zero_splits():
+    with pytest.raises(ValueError, match="num_splits must be >= 1"):
+        configs.DecodeConfig(16, 32, 4, 2, num_splits=0)
 
 
 def test_without_the_seqlens_check(device, monkeypatch):

@@ -140,8 +140,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
             j <= i + L_b - seqlen_q (the new queries are the last seqlen_q positions). With
             seqlen_q = 1 it changes nothing.
         num_splits: how many programs share one sequence's keys (split-KV, "flash-decoding"):
-            0 = choose from batch, heads and length so that every multiprocessor has work; 1 = no
-            split (no merge pass); n > 1 = exactly n.
+            0 = choose from batch, heads and length so that one wave of programs fills the GPU; 1 = no
+            split (no merge pass); n > 1 = n, or fewer when n would leave some splits without keys
+            (splits share the longest sequence's key blocks evenly, in whole blocks).
         return_lse: also return the log-sum-exp of the scaled scores.
 
     Returns:

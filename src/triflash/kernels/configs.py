@@ -171,36 +171,72 @@ class DecodeConfig:
     num_stages: int
     num_splits: int = 1
 
+    def __post_init__(self):
+        if self.num_splits < 1:
+            raise ValueError(f"DecodeConfig.num_splits must be >= 1 (a count, not 'choose'), got "
+                             f"{self.num_splits}")
 
-# Auto split count: aim for this many decode programs per multiprocessor. One program streams one
-# K/V head of one key range; a few resident per SM keep enough loads in flight to saturate HBM, and
-# several waves soften the tail when lengths differ.
-DECODE_PROGRAMS_PER_SM = 4
+
+# The interpreter has no multiprocessors: pretend to have a few, so auto-splitting happens in tests.
+INTERPRETER_SM_COUNT = 4
 # Never split so finely that a split gets fewer key blocks than this (the merge pass and the
 # per-program prologue/epilogue would start to cost more than the keys).
 DECODE_MIN_BLOCKS_PER_SPLIT = 2
 DECODE_MAX_SPLITS = 256
-# The interpreter has no multiprocessors: pretend to have a few, so auto-splitting happens in tests.
-INTERPRETER_SM_COUNT = 4
 # One small config for the interpreter: BLOCK_N = 32 is a multiple of page size 16 (per-key gather
 # through the block table) and divides page size 256 (one page per key block), so both page paths run;
 # BLOCK_M <= 32 makes an 8:1 group with Sq = 4 exactly one tile and larger groups take several.
 INTERPRETER_DECODE = DecodeConfig(block_m=32, block_n=32, num_warps=1, num_stages=1)
 
 
-def decode_num_splits(*, programs: int, max_seqlen: int, block_n: int, device) -> int:
-    """Split count for ``num_splits=0``: enough (batch, kv head, M block, split) programs to give
-    every multiprocessor DECODE_PROGRAMS_PER_SM of them, but at least DECODE_MIN_BLOCKS_PER_SPLIT key
-    blocks per split. ``programs`` is the count before splitting, ``max_seqlen`` the longest sequence
-    (keys attended, after an append)."""
-    sms = INTERPRETER_SM_COUNT if INTERPRET else sm_count(device)
-    want = triton.cdiv(DECODE_PROGRAMS_PER_SM * sms, max(1, programs))
+@dataclass(frozen=True)
+class _DecodeTile:
+    block_n: int
+    num_warps: int
+    num_stages: int
+    per_sm: int          # programs of this tile resident per multiprocessor (H200, D=128, fp16)
+
+
+# Measured on the H200 with scripts/tune_decode.py (docs/performance-notes.md, run 7), D=128 fp16,
+# Hq=32, Hkv=8. per_sm is read off the timings: a launch of per_sm x 132 programs runs in one wave,
+# one a little larger pays for a second, mostly idle, wave (the odd/even split-count pattern).
+_DECODE_NARROW = _DecodeTile(64, 4, 2, per_sm=4)        # few programs: many splits of a narrow tile
+_DECODE_WIDE = _DecodeTile(128, 4, 2, per_sm=2)         # contiguous caches, many programs
+_DECODE_WIDE_ONE_WAVE = _DecodeTile(128, 4, 3, per_sm=1)
+_DECODE_WIDE_PAGED = _DecodeTile(128, 4, 2, per_sm=3)   # the paged loop keeps fewer buffers
+
+
+def _decode_tile(*, programs: int, paged: bool, sms: int) -> _DecodeTile:
+    """programs: (batch, KV head, M block) programs before splitting."""
+    if programs < sms // 4:
+        return _DECODE_NARROW
+    if paged:
+        return _DECODE_NARROW if programs >= 2 * sms else _DECODE_WIDE_PAGED
+    if sms // 2 <= programs <= sms:
+        return _DECODE_WIDE_ONE_WAVE          # one program per SM, one wave, no merge
+    return _DECODE_WIDE
+
+
+def decode_num_splits(*, programs: int, max_seqlen: int, block_n: int, per_sm: int, sms: int) -> int:
+    """Split count for ``num_splits=0``: as many splits as fill one wave of resident programs
+    (per_sm per multiprocessor) without starting a second one, but at least
+    DECODE_MIN_BLOCKS_PER_SPLIT key blocks per split. ``programs`` is the count before splitting,
+    ``max_seqlen`` the longest sequence (keys attended, after an append)."""
+    want = max(1, (per_sm * sms) // max(1, programs))
     by_length = triton.cdiv(max(1, max_seqlen), block_n) // DECODE_MIN_BLOCKS_PER_SPLIT
     return max(1, min(want, by_length, DECODE_MAX_SPLITS))
 
 
+def effective_splits(num_splits: int, max_seqlen: int, block_n: int) -> int:
+    """Splits get whole key blocks (ceil(blocks / splits) each), so asking for more splits than that
+    share can fill leaves the last ones empty: 66 splits of 1024 blocks are 64 splits of 16 and two
+    empty programs. Return the number that actually get keys of the longest sequence."""
+    blocks = triton.cdiv(max(1, max_seqlen), block_n)
+    return triton.cdiv(blocks, triton.cdiv(blocks, max(1, num_splits)))
+
+
 def decode_config(*, head_dim: int, dtype, rows: int, batch: int, heads_kv: int, max_seqlen: int,
-                  num_splits: int, device) -> DecodeConfig:
+                  num_splits: int, paged: bool, device) -> DecodeConfig:
     """Pick the decode kernel's launch parameters.
 
     rows = (query heads per KV head) x (query positions per sequence): the M dimension of one tile.
@@ -208,24 +244,29 @@ def decode_config(*, head_dim: int, dtype, rows: int, batch: int, heads_kv: int,
     """
     import torch
 
+    sms = INTERPRETER_SM_COUNT if INTERPRET else sm_count(device)
+    block_m_cap = 32
     if INTERPRET:
-        base = INTERPRETER_DECODE
+        tile = _DecodeTile(INTERPRETER_DECODE.block_n, INTERPRETER_DECODE.num_warps,
+                           INTERPRETER_DECODE.num_stages, per_sm=4)
+        block_m_cap = INTERPRETER_DECODE.block_m
+    elif dtype == torch.float32 or head_dim_block(head_dim) > 128:
+        # Large K/V tiles: narrow key blocks, a 2-deep pipeline (untuned beyond D=128 fp16).
+        tile = _DecodeTile(32, 4, 2, per_sm=2)
     else:
-        # Untuned first guesses for a memory-bound loop (to be measured on the H200): wide key blocks
-        # and a 3-deep pipeline for small head dims, narrower ones where a K tile gets large.
-        block_d = head_dim_block(head_dim)
-        wide = dtype == torch.float32 or block_d > 128
-        block_n = 32 if wide else (128 if block_d <= 64 else 64)
-        cap_m = 32 if wide else 64
-        base = DecodeConfig(block_m=cap_m, block_n=block_n, num_warps=4,
-                            num_stages=2 if wide else 3)
-    block_m = max(16, min(triton.next_power_of_2(max(1, rows)), base.block_m))
+        m_blocks = triton.cdiv(max(1, rows), 16)
+        tile = _decode_tile(programs=batch * heads_kv * m_blocks, paged=paged, sms=sms)
+        if head_dim_block(head_dim) <= 64:
+            tile = _DecodeTile(2 * tile.block_n, tile.num_warps, tile.num_stages, tile.per_sm)
+        block_m_cap = 64
+    block_m = max(16, min(triton.next_power_of_2(max(1, rows)), block_m_cap))
     m_blocks = triton.cdiv(max(1, rows), block_m)
     if num_splits == 0:
         num_splits = decode_num_splits(programs=batch * heads_kv * m_blocks, max_seqlen=max_seqlen,
-                                       block_n=base.block_n, device=device)
-    return DecodeConfig(block_m=block_m, block_n=base.block_n, num_warps=base.num_warps,
-                        num_stages=base.num_stages, num_splits=num_splits)
+                                       block_n=tile.block_n, per_sm=tile.per_sm, sms=sms)
+    num_splits = effective_splits(num_splits, max_seqlen, tile.block_n)
+    return DecodeConfig(block_m=block_m, block_n=tile.block_n, num_warps=tile.num_warps,
+                        num_stages=tile.num_stages, num_splits=num_splits)
 
 
 def merge_config(*, block_d: int, num_parts: int, num_rows: int, device) -> tuple[int, int, int]:

@@ -45,7 +45,8 @@ import triton
 import triton.language as tl
 
 from . import configs
-from .common import LOG2E, finish_rows, load_kv_tile, on_input_device, online_softmax_step
+from .common import (LOG2E, PRECISE_LOG, finish_rows, load_kv_tile, natural_log, on_input_device,
+                     online_softmax_step)
 from .configs import DecodeConfig
 from .merge import merge as _merge_launch
 
@@ -87,7 +88,7 @@ def _decode_inner(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
     MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    PRECISE: tl.constexpr, NUM_STAGES: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
 ):
     """Fold key blocks [lo, hi) into the online-softmax state. MASKED: keys at or past ``hi`` and
     (causal) keys after a row's diagonal are hidden; otherwise every key of every block is seen."""
@@ -109,7 +110,8 @@ def _decode_inner(
             visible = n_ok[None, :]                                    # [1, BN]
             if IS_CAUSAL:
                 visible = visible & (cols[None, :] <= offs_i[:, None] + causal_offset)   # [BM, BN]
-        p, m_new, l_i, acc = online_softmax_step(qk, visible, m_i, l_i, acc, qk_scale, MASKED, PRECISE)
+        # PRECISE=False: the fused exp2 form at every dtype (decode feeds no backward needing p = 1).
+        p, m_new, l_i, acc = online_softmax_step(qk, visible, m_i, l_i, acc, qk_scale, MASKED, False)
         # -- V tile [BN, BD] --
         v = load_kv_tile(V + v_off[:, None] + offs_d[None, :], n_ok[:, None], d_ok[None, :],
                          MASKED, BLOCK_D != HEAD_DIM)
@@ -132,8 +134,7 @@ def _decode_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, HAS_SEQLENS: tl.constexpr,
-    IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr, PRECISE: tl.constexpr,
-    NUM_STAGES: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):
     """SEQLENS: cache_seqlens [B] (the keys attended are cache_seqlens[b] + seqlen_new); without it
     every sequence has seqlen_k keys. BLOCK_TABLE: [B, max_pages] int32 when PAGED."""
@@ -196,15 +197,19 @@ def _decode_kernel(
     acc, l_i, m_i = _decode_inner(
         acc, l_i, m_i, q, K, V, BT, k_base, v_base, stride_kb, stride_ks, stride_vb, stride_vs,
         stride_btp, offs_i, offs_d, lo, mid, causal_offset, qk_scale,
-        HEAD_DIM, BLOCK_D, BLOCK_N, PAGED, PAGE_SIZE, False, IS_CAUSAL, DOT_PRECISION, PRECISE,
-        NUM_STAGES)
+        HEAD_DIM, BLOCK_D, BLOCK_N, PAGED, PAGE_SIZE, False, IS_CAUSAL, DOT_PRECISION, NUM_STAGES)
     acc, l_i, m_i = _decode_inner(
         acc, l_i, m_i, q, K, V, BT, k_base, v_base, stride_kb, stride_ks, stride_vb, stride_vs,
         stride_btp, offs_i, offs_d, mid, hi, causal_offset, qk_scale,
-        HEAD_DIM, BLOCK_D, BLOCK_N, PAGED, PAGE_SIZE, True, IS_CAUSAL, DOT_PRECISION, PRECISE, 1)
+        HEAD_DIM, BLOCK_D, BLOCK_N, PAGED, PAGE_SIZE, True, IS_CAUSAL, DOT_PRECISION, 1)
 
     # -- epilogue: normalise; no visible key (empty split, L = 0, causal rows) -> out 0, lse -inf --
     out, lse = finish_rows(acc, l_i, m_i, sm_scale)
+    if LSE.dtype.element_ty == tl.float64:
+        # fp32 split-KV partials: the same m * sm_scale + ln(l), rounded only at float64's precision.
+        l64 = tl.where(l_i == 0.0, 1.0, l_i).to(tl.float64)
+        lse = tl.where(l_i == 0.0, float("-inf"),
+                       m_i.to(tl.float64) * sm_scale + natural_log(l64, PRECISE_LOG))
     heads = head0 + offs_g                                             # [BM] query head of each row
     o_base = split.to(tl.int64) * stride_on + off_b.to(tl.int64) * stride_ob
     o_ptrs = O + o_base + offs_i[:, None] * stride_os + heads[:, None] * stride_oh + offs_d[None, :]
@@ -242,7 +247,8 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     if config is None:
         config = configs.decode_config(head_dim=head_dim, dtype=q.dtype, rows=rows, batch=batch,
                                        heads_kv=heads_kv, max_seqlen=max_seqlen,
-                                       num_splits=num_splits, device=q.device)
+                                       num_splits=num_splits, paged=block_table is not None,
+                                       device=q.device)
     splits = config.num_splits
     num_m_blocks = triton.cdiv(rows, config.block_m)
     if splits == 1:
@@ -251,7 +257,11 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         # Partials in merge_attn_states' convention: [N, B, Sq, Hq, D] fp32, [N, B, Hq, Sq] fp32.
         o_part = torch.empty((splits, batch, seqlen_q, heads_q, head_dim), dtype=torch.float32,
                              device=q.device)
-        l_part = torch.empty((splits, batch, heads_q, seqlen_q), dtype=torch.float32, device=q.device)
+        # fp32 inputs: the partial LSEs in float64. Each merge weight is exp(lse_split - lse_max); an
+        # fp32 LSE of size ~10 carries ~1e-6 of rounding into it, well above fp32 attention's own
+        # error (the merge subtracts in float64 and only then rounds to fp32).
+        l_dtype = torch.float64 if q.dtype == torch.float32 else torch.float32
+        l_part = torch.empty((splits, batch, heads_q, seqlen_q), dtype=l_dtype, device=q.device)
 
     paged = block_table is not None
     has_seqlens = cache_seqlens is not None
@@ -275,7 +285,6 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         PAGED=paged, PAGE_SIZE=k_cache.shape[1] if paged else 1, HAS_SEQLENS=has_seqlens,
         IS_CAUSAL=causal,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        PRECISE=q.dtype == torch.float32,
         NUM_STAGES=config.num_stages,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )

@@ -56,13 +56,15 @@ def _merge_kernel(
     out_row = off_b * stride_pb + off_s * stride_ps + off_h * stride_ph          # [BR] int64
 
     # -- pass 1: the row max of the parts' LSEs --
-    m = tl.full([BLOCK_R], float("-inf"), dtype=tl.float32)
+    # (In the partial LSEs' own dtype: float32, or float64 from fp32 split-KV decode, whose LSEs
+    # then carry no rounding error of their size into the weights.)
+    m = tl.full([BLOCK_R], float("-inf"), dtype=LSE_PART.dtype.element_ty)
     for p0 in range(0, num_parts, BLOCK_P):
         parts = p0 + offs_p                                            # [BP]
         lse_ptrs = LSE_PART + parts[None, :].to(tl.int64) * stride_qn + lse_row[:, None]
         lse_p = tl.load(lse_ptrs, mask=r_ok[:, None] & (parts[None, :] < num_parts),
                         other=float("-inf"))                           # [BR, BP]
-        m = tl.maximum(m, tl.max(lse_p.to(tl.float32), 1))
+        m = tl.maximum(m, tl.max(lse_p, 1))
     # Rows with every part empty keep m = -inf: subtract 0 so their weights are exp2(-inf) = 0.
     m_safe = tl.where(m == float("-inf"), 0.0, m)
 
@@ -73,9 +75,9 @@ def _merge_kernel(
         parts = p0 + offs_p                                            # [BP]
         p_ok = r_ok[:, None] & (parts[None, :] < num_parts)            # [BR, BP]
         lse_ptrs = LSE_PART + parts[None, :].to(tl.int64) * stride_qn + lse_row[:, None]
-        lse_p = tl.load(lse_ptrs, mask=p_ok, other=float("-inf")).to(tl.float32)   # [BR, BP]
+        lse_p = tl.load(lse_ptrs, mask=p_ok, other=float("-inf"))                   # [BR, BP]
         # Subtract first (exact when the LSEs are close), then scale to base 2 for exp2.
-        w = tl.math.exp2((lse_p - m_safe[:, None]) * 1.4426950408889634)            # [BR, BP]
+        w = tl.math.exp2((lse_p - m_safe[:, None]).to(tl.float32) * 1.4426950408889634)  # [BR, BP]
         has = p_ok & (lse_p != float("-inf"))                          # empty parts are never read
         o_ptrs = (O_PART + (parts[None, :].to(tl.int64) * stride_pn + out_row[:, None])[:, :, None]
                   + offs_d[None, None, :])
@@ -87,7 +89,8 @@ def _merge_kernel(
     empty = total == 0.0
     t_safe = tl.where(empty, 1.0, total)
     out = acc / t_safe[:, None]
-    lse = tl.where(empty, float("-inf"), m_safe + tl.math.log2(t_safe) * 0.6931471805599453)
+    lse = tl.where(empty, float("-inf"),
+                   (m_safe + tl.math.log2(t_safe) * 0.6931471805599453).to(tl.float32))
     o_ptrs = O + (off_b * stride_ob + off_s * stride_os + off_h * stride_oh)[:, None] + offs_d[None, :]
     tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=r_ok[:, None] & d_ok[None, :])
     tl.store(LSE + off_b * stride_lb + off_h * stride_lh + off_s * stride_ls, lse, mask=r_ok)
@@ -97,7 +100,8 @@ def _merge_kernel(
 def merge(out_partials: torch.Tensor, lse_partials: torch.Tensor, out: torch.Tensor | None = None,
           lse: torch.Tensor | None = None):
     """Launch the merge on validated tensors: out_partials [N, B, S, H, D] (last stride 1),
-    lse_partials [N, B, H, S] float32. ``out`` [B, S, H, D] (last stride 1; default: new, in
+    lse_partials [N, B, H, S] float32 (or float64: split-KV decode in fp32 keeps its partial LSEs
+    there). ``out`` [B, S, H, D] (last stride 1; default: new, in
     out_partials' dtype) and ``lse`` [B, H, S] float32 may be given to write into.
     Returns (out, lse)."""
     num_parts, batch, seqlen, heads, head_dim = out_partials.shape
