@@ -217,13 +217,18 @@ _PLAIN_DESCRIPTOR = {f.name for f in dataclasses.fields(TensorDescriptor)} == {
 def tma_compatible(*tensors: torch.Tensor) -> bool:
     """TMA needs 16-byte aligned base addresses, unit stride on head_dim and positive 16-byte aligned
     strides on every other dim. Contiguous tensors, transposed views and packed qkv pass whenever
-    head_dim * element size is a multiple of 16 bytes."""
+    head_dim * element size is a multiple of 16 bytes. (Written as plain loops: it runs on every
+    call, and at short sequences the host time per call is what a benchmark sees.)"""
     for t in tensors:
+        if t.data_ptr() % 16:
+            return False
         size = t.element_size()
-        if t.data_ptr() % 16 or t.stride(-1) != 1:
+        strides = t.stride()
+        if strides[-1] != 1:
             return False
-        if any(s <= 0 or (s * size) % 16 for s in t.stride()[:-1]):
-            return False
+        for s in strides[:-1]:
+            if s <= 0 or (s * size) % 16:
+                return False
     return True
 
 
@@ -267,10 +272,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float, 
     grid = (num_m_blocks * batch * heads_q,)
     _attn_fwd_kernel[grid](
         Q, K, V, O, lse,
-        q.stride(0), q.stride(1), q.stride(2),
-        k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2),
-        out.stride(0), out.stride(1), out.stride(2),
+        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
         heads_q, heads_q // heads_k, seqlen_q, seqlen_k, num_m_blocks,
         sm_scale, sm_scale * LOG2E,
         HEAD_DIM=head_dim, BLOCK_D=block_d,
