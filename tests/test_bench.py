@@ -380,7 +380,6 @@ def test_json_has_every_number(tmp_path):
 # --------------------------------------------------------------------------------------------------
 
 def test_plots_from_fake_results(tmp_path):
-    pytest.importorskip("matplotlib")
     from triflash.bench.plotting import plot_results
 
     single = W.Workload("bwd", 4, 16, 16, 4096, 4096, 64, "bf16", False)
