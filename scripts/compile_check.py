@@ -169,14 +169,21 @@ def decode_cases():
             cache = torch.randn(64 if paged else 4, page if paged else 1024, 8, 128, dtype=dtype)
             table = torch.arange(64, dtype=torch.int32).view(4, 16) if paged else None
             seqlens = torch.full((4,), 200, dtype=torch.int32)
+            kind = 'page' + str(page) if paged else 'contig'
             for splits in (1, 8):
                 cfg = configs.DecodeConfig(block_m=16 if dtype != torch.float32 else 16,
                                            block_n=64 if dtype != torch.float32 else 32,
                                            num_warps=4, num_stages=3 if dtype != torch.float32 else 2,
                                            num_splits=splits)
-                yield f"decode {TYPES[dtype]} {'page' + str(page) if paged else 'contig'} splits{splits}", \
+                yield f"decode {TYPES[dtype]} {kind} splits{splits}", \
                     (lambda q=q, c=cache, t=table, s=seqlens, cfg=cfg:
                      DEC.decode(q, c, c, s, t, 0, 200, 0.1, False, config=cfg))
+            # What the chooser picks on an H200 for one long sequence and for a batch of 16.
+            for batch in (1, 16):
+                yield f"decode {TYPES[dtype]} {kind} auto B{batch}", \
+                    (lambda q=q, c=cache, t=table, s=seqlens, b=batch:
+                     DEC.decode(q[:1].expand(b, -1, -1, -1), c, c, s[:1].expand(b), t[:1].expand(b, -1) if t is not None else None,
+                                0, 8192, 0.1, False))
 
 
 def merge_cases():

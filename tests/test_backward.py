@@ -205,11 +205,11 @@ def test_no_s_by_s_tensor_is_saved(device):
 
 @pytest.mark.parametrize("tma", [False, True], ids=["pointers", "descriptors"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_backward_tile_paths_agree(device, causal, tma):
+def test_backward_tile_paths_agree(device, causal, tma, monkeypatch):
     """The launcher's explicit configs: pointer loads and host-built TMA descriptors (the Hopper path;
     the interpreter runs it too) for the walked tiles, on ragged lengths, a head dim below its block
     (40 in 64 lanes) and a GQA group, against the reference."""
-    from triflash.kernels.backward import backward
+    import triflash.kernels.backward as bwd
     from triflash.kernels.configs import BwdConfig
     from triflash.kernels.forward import forward
 
@@ -217,6 +217,10 @@ def test_backward_tile_paths_agree(device, causal, tma):
     dout = torch.randn_like(q)
     scale = 40 ** -0.5
     out, lse = forward(q, k, v, scale, causal)
+    built = []
+    real_descriptor = bwd.host_descriptor
+    monkeypatch.setattr(bwd, "host_descriptor", lambda t, block: built.append(block) or real_descriptor(t, block))
     config = (BwdConfig(32, 64, 4, 2, tma), BwdConfig(64, 32, 4, 2, tma))
-    grads = backward(dout, q, k, v, out, lse, scale, causal, config=config)
+    grads = bwd.backward(dout, q, k, v, out, lse, scale, causal, config=config)
+    assert len(built) == (4 if tma else 0)        # Q, dO for dK/dV; K, V for dQ
     assert_grads_3x(grads, q, k, v, dout, causal, torch.float16)

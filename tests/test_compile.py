@@ -114,3 +114,18 @@ def test_plain_eager_calls_skip_the_op_but_autograd_and_dispatch_modes_see_it(de
         triflash.attention(q.detach().transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
     assert len(through_op) == 2
     assert torch.ops.triflash.attn_fwd.default in recorder.ops
+
+
+def test_vmap_and_jit_trace_go_through_the_op(device):
+    """torch.func.vmap hands batched tensors without storage, and torch.jit.trace records only ops:
+    both must take the custom op (PyTorch's fallback loops vmap over it), never the bare launch."""
+    q = torch.randn(3, 1, 12, 2, 16, device=device, dtype=torch.float16)
+    k = torch.randn(1, 10, 2, 16, device=device, dtype=torch.float16)
+    v = torch.randn(1, 10, 2, 16, device=device, dtype=torch.float16)
+    batched = torch.func.vmap(lambda x: triflash.flash_attn_func(x, k, v, causal=True))(q)
+    looped = torch.stack([triflash.flash_attn_func(x, k, v, causal=True) for x in q])
+    assert torch.equal(batched, looped)
+
+    traced = torch.jit.trace(lambda x: triflash.flash_attn_func(x, k, v), (q[0],), check_trace=False)
+    assert "triflash::attn_fwd" in str(traced.graph)
+    assert torch.equal(traced(q[1]), triflash.flash_attn_func(q[1], k, v))

@@ -47,8 +47,8 @@ def forward(q: Tensor, k: Tensor, v: Tensor, softmax_scale: float, causal: bool,
             bhsd: bool) -> tuple[Tensor, Tensor]:
     """The forward through the custom op, or straight to the launcher when nothing needs the op.
 
-    The op is what autograd, torch.compile, torch.export and dispatch modes (FlopCounterMode, fake
-    tensors, ...) see. A plain eager call that records no graph needs none of that, and skipping the
+    The op is what autograd, torch.compile, torch.export, torch.func transforms, torch.jit.trace and
+    dispatch modes (FlopCounterMode, fake tensors, ...) see. A plain eager call that records no graph needs none of that, and skipping the
     op's dispatch saves host time that, at short sequences, is a visible part of every call."""
     if _needs_op(q, k, v):
         return attn_fwd(q, k, v, softmax_scale, causal, bhsd)
@@ -62,6 +62,10 @@ def _needs_op(q: Tensor, k: Tensor, v: Tensor) -> bool:
         return True
     if type(q) is not Tensor or type(k) is not Tensor or type(v) is not Tensor:
         return True                        # FakeTensor, DTensor, other subclasses
+    if torch._C._are_functorch_transforms_active():
+        return True                        # vmap / jvp / grad: batched or dual tensors, no storage
+    if torch.jit.is_tracing():
+        return True                        # the tracer records ops; a bare kernel launch is invisible
     return _current_dispatch_mode() is not None
 
 

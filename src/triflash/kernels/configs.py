@@ -240,27 +240,29 @@ def decode_config(*, head_dim: int, dtype, rows: int, batch: int, heads_kv: int,
     """Pick the decode kernel's launch parameters.
 
     rows = (query heads per KV head) x (query positions per sequence): the M dimension of one tile.
-    num_splits: the caller's request; 0 means choose (``decode_num_splits``).
+    num_splits: the caller's request; 0 means choose (``decode_num_splits``). Either way the count
+    is lowered where some splits would get no key of the longest sequence (``effective_splits``).
     """
     import torch
 
     sms = INTERPRETER_SM_COUNT if INTERPRET else sm_count(device)
-    block_m_cap = 32
+    wide = dtype == torch.float32 or head_dim_block(head_dim) > 128
+    if INTERPRET:
+        block_m_cap = INTERPRETER_DECODE.block_m
+    else:
+        block_m_cap = 32 if wide else 64
+    block_m = max(16, min(triton.next_power_of_2(max(1, rows)), block_m_cap))
+    m_blocks = triton.cdiv(max(1, rows), block_m)
     if INTERPRET:
         tile = _DecodeTile(INTERPRETER_DECODE.block_n, INTERPRETER_DECODE.num_warps,
                            INTERPRETER_DECODE.num_stages, per_sm=4)
-        block_m_cap = INTERPRETER_DECODE.block_m
-    elif dtype == torch.float32 or head_dim_block(head_dim) > 128:
+    elif wide:
         # Large K/V tiles: narrow key blocks, a 2-deep pipeline (untuned beyond D=128 fp16).
         tile = _DecodeTile(32, 4, 2, per_sm=2)
     else:
-        m_blocks = triton.cdiv(max(1, rows), 16)
         tile = _decode_tile(programs=batch * heads_kv * m_blocks, paged=paged, sms=sms)
         if head_dim_block(head_dim) <= 64:
             tile = _DecodeTile(2 * tile.block_n, tile.num_warps, tile.num_stages, tile.per_sm)
-        block_m_cap = 64
-    block_m = max(16, min(triton.next_power_of_2(max(1, rows)), block_m_cap))
-    m_blocks = triton.cdiv(max(1, rows), block_m)
     if num_splits == 0:
         num_splits = decode_num_splits(programs=batch * heads_kv * m_blocks, max_seqlen=max_seqlen,
                                        block_n=tile.block_n, per_sm=tile.per_sm, sms=sms)

@@ -254,12 +254,12 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     if splits == 1:
         o_part, l_part = out.unsqueeze(0), lse.unsqueeze(0)
     else:
-        # Partials in merge_attn_states' convention: [N, B, Sq, Hq, D] fp32, [N, B, Hq, Sq] fp32.
+        # Partials in merge_attn_states' layout: [N, B, Sq, Hq, D] fp32, [N, B, Hq, Sq] (LSE dtype below).
         o_part = torch.empty((splits, batch, seqlen_q, heads_q, head_dim), dtype=torch.float32,
                              device=q.device)
-        # fp32 inputs: the partial LSEs in float64. Each merge weight is exp(lse_split - lse_max); an
-        # fp32 LSE of size ~10 carries ~1e-6 of rounding into it, well above fp32 attention's own
-        # error (the merge subtracts in float64 and only then rounds to fp32).
+        # fp32 inputs: the partial LSEs in float64, so a merge weight exp(lse_split - lse_max) carries
+        # no fp32 rounding of an LSE (~1e-6 at |lse| ~ 10); the merge subtracts in float64 and only
+        # then rounds to fp32. fp16/bf16 outputs are far coarser than that: float32 LSEs.
         l_dtype = torch.float64 if q.dtype == torch.float32 else torch.float32
         l_part = torch.empty((splits, batch, heads_q, seqlen_q), dtype=l_dtype, device=q.device)
 
