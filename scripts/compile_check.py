@@ -104,11 +104,13 @@ def compile_calls(label, run, sass):
             k = triton.compile(ASTSource(fn, sig, const), target=TARGET, options=options)
             usage = cuobjdump(k.asm["cubin"], "--dump-resource-usage")
             regs = re.search(r"REG:(\d+)", usage)
-            local = re.search(r"LOCAL:(\d+)", usage)
-            info = (f"regs {regs.group(1) if regs else '?':>3} local(spill) bytes "
-                    f"{local.group(1) if local else '?':>4} smem {k.metadata.shared:6d}")
+            # ptxas puts register spills in the per-thread stack frame (STACK), not in LOCAL.
+            stack = re.search(r"STACK:(\d+)", usage)
+            info = (f"regs {regs.group(1) if regs else '?':>3} stack(spills) bytes "
+                    f"{stack.group(1) if stack else '?':>5} smem {k.metadata.shared:6d}")
             if sass:
-                info += f" HGMMA {cuobjdump(k.asm['cubin'], '--dump-sass').count('HGMMA'):4d}"
+                dump = cuobjdump(k.asm['cubin'], '--dump-sass')
+                info += f" HGMMA {dump.count('HGMMA'):4d} STL {dump.count('STL'):5d}"
             print(f"  ok   {label:<44} {fn.__name__:<24} {info}", flush=True)
         except Exception as e:  # noqa: BLE001 - report and go on
             ok = False
