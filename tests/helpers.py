@@ -72,3 +72,15 @@ def assert_matches_reference(out, lse, q, k, v, causal=False, softmax_scale=None
     same, same_lse = flash_attn_ref(q, k, v, compute_dtype=None, **kwargs)
     assert_2x_rule("out", out, ref, same, q.dtype)
     assert_2x_rule("lse", lse, ref_lse, same_lse, q.dtype, LSE_FLOOR, relative_floor=True)
+
+
+def assert_raises_naming(exc, words, fn, *args, **kwargs):
+    """fn(*args, **kwargs) raises ``exc``, and its message mentions every one of ``words`` (the
+    argument's name, what was expected, what was received)."""
+    import pytest
+
+    with pytest.raises(exc) as info:
+        fn(*args, **kwargs)
+    msg = str(info.value)
+    for word in words:
+        assert word in msg, f"message {msg!r} should mention {word!r}"

@@ -45,6 +45,52 @@ def _dims(t: torch.Tensor, layout: str) -> _Shape:
     return _Shape(t.shape[0], t.shape[s_dim], t.shape[h_dim], t.shape[3])
 
 
+# -- argument checks shared by every public entry point (here, and kvcache.py) ------------------
+
+def _require_tensor(name: str, t) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+
+
+def _require_rank(name: str, t: torch.Tensor, rank: int, doc: str) -> None:
+    if t.dim() != rank:
+        raise ValueError(f"{name} must be {rank}-D {doc}, got {t.dim()}-D tensor of shape "
+                         f"{tuple(t.shape)}")
+
+
+def _require_float_dtype(name: str, t: torch.Tensor) -> None:
+    if t.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"{name}.dtype must be one of float16, bfloat16, float32, got {t.dtype}")
+
+
+def _require_like_q(name: str, t: torch.Tensor, q: torch.Tensor) -> None:
+    """Same dtype and device as q."""
+    if t.dtype != q.dtype:
+        raise TypeError(f"{name}.dtype must match q.dtype ({q.dtype}), got {t.dtype}")
+    _require_same_device(name, t, q)
+
+
+def _require_same_device(name: str, t: torch.Tensor, q: torch.Tensor) -> None:
+    if t.device != q.device:
+        raise ValueError(f"{name} must be on the same device as q ({q.device}), got {t.device}")
+
+
+def _require_bool(name: str, value) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+
+
+def _check_head_dim(head_dim: int) -> None:
+    if not 1 <= head_dim <= MAX_HEAD_DIM:
+        raise ValueError(f"head_dim must be between 1 and {MAX_HEAD_DIM}, got {head_dim}")
+
+
+def _check_heads(heads_q: int, heads_kv: int) -> None:
+    if heads_kv == 0 or heads_q % heads_kv != 0:
+        raise ValueError(f"the number of query heads must be a multiple of the number of key/value "
+                         f"heads (GQA/MQA): expected Hq % Hkv == 0, got Hq={heads_q}, Hkv={heads_kv}")
+
+
 def _check_device(name: str, t: torch.Tensor) -> None:
     if t.device.type == "cuda":
         return
@@ -78,23 +124,14 @@ def validate_qkv(q, k, v, layout: str, scale_name: str = "softmax_scale", softma
     """
     dims_doc = _LAYOUTS[layout][0]
     for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        _require_tensor(name, t)
     for name, t in (("q", q), ("k", k), ("v", v)):
-        if t.dim() != 4:
-            raise ValueError(f"{name} must be 4-D {dims_doc}, got {t.dim()}-D tensor of shape "
-                             f"{tuple(t.shape)}")
-    if q.dtype not in SUPPORTED_DTYPES:
-        raise TypeError(f"q.dtype must be one of float16, bfloat16, float32, got {q.dtype}")
+        _require_rank(name, t, 4, dims_doc)
+    _require_float_dtype("q", q)
     for name, t in (("k", k), ("v", v)):
-        if t.dtype != q.dtype:
-            raise TypeError(f"{name}.dtype must match q.dtype ({q.dtype}), got {t.dtype}")
-    for name, t in (("k", k), ("v", v)):
-        if t.device != q.device:
-            raise ValueError(f"{name} must be on the same device as q ({q.device}), got {t.device}")
+        _require_like_q(name, t, q)
     _check_device("q", q)
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    _require_bool("causal", causal)
 
     qs, ks = _dims(q, layout), _dims(k, layout)
     if tuple(v.shape) != tuple(k.shape):
@@ -104,11 +141,8 @@ def validate_qkv(q, k, v, layout: str, scale_name: str = "softmax_scale", softma
         raise ValueError(f"k and v batch size must equal q's ({qs.batch}), got {ks.batch}")
     if ks.head_dim != qs.head_dim:
         raise ValueError(f"k and v head_dim must equal q's head_dim ({qs.head_dim}), got {ks.head_dim}")
-    if not 1 <= qs.head_dim <= MAX_HEAD_DIM:
-        raise ValueError(f"head_dim must be between 1 and {MAX_HEAD_DIM}, got {qs.head_dim}")
-    if ks.heads == 0 or qs.heads % ks.heads != 0:
-        raise ValueError(f"the number of query heads must be a multiple of the number of key/value "
-                         f"heads (GQA/MQA): expected Hq % Hkv == 0, got Hq={qs.heads}, Hkv={ks.heads}")
+    _check_head_dim(qs.head_dim)
+    _check_heads(qs.heads, ks.heads)
     return _check_scale(softmax_scale, scale_name, qs.head_dim)
 
 

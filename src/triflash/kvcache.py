@@ -19,7 +19,9 @@ import numbers
 
 import torch
 
-from .api import MAX_HEAD_DIM, SUPPORTED_DTYPES, _check_device, _check_scale, _last_dim_contiguous
+from .api import (_check_device, _check_head_dim, _check_heads, _check_scale, _last_dim_contiguous,
+                  _require_bool, _require_float_dtype, _require_like_q, _require_rank,
+                  _require_same_device, _require_tensor)
 from .kernels.decode import decode as _decode_launch
 from .kernels.merge import merge as _merge_launch
 
@@ -34,27 +36,6 @@ _Q_DOC = "[batch, seqlen_q, heads_q, head_dim]"
 _CACHE_DOC = "[batch, seqlen_cache, heads_kv, head_dim]"
 _PAGED_DOC = "[num_pages, page_size, heads_kv, head_dim]"
 _NEW_DOC = "[batch, seqlen_new, heads_kv, head_dim]"
-
-
-def _require_tensor(name, t):
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-
-
-def _require_rank(name, t, rank, doc):
-    if t.dim() != rank:
-        raise ValueError(f"{name} must be {rank}-D {doc}, got {t.dim()}-D tensor of shape "
-                         f"{tuple(t.shape)}")
-
-
-def _require_same_device(name, t, q):
-    if t.device != q.device:
-        raise ValueError(f"{name} must be on the same device as q ({q.device}), got {t.device}")
-
-
-def _require_bool(name, value):
-    if not isinstance(value, bool):
-        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
 
 
 def _capturing_graph(device) -> bool:
@@ -163,12 +144,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
     _require_rank("q", q, 4, _Q_DOC)
     _require_rank("k_cache", k_cache, 4, cache_doc)
     _require_rank("v_cache", v_cache, 4, cache_doc)
-    if q.dtype not in SUPPORTED_DTYPES:
-        raise TypeError(f"q.dtype must be one of float16, bfloat16, float32, got {q.dtype}")
+    _require_float_dtype("q", q)
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if t.dtype != q.dtype:
-            raise TypeError(f"{name}.dtype must match q.dtype ({q.dtype}), got {t.dtype}")
-        _require_same_device(name, t, q)
+        _require_like_q(name, t, q)
     _check_device("q", q)
     _require_bool("causal", causal)
     _require_bool("return_lse", return_lse)
@@ -185,11 +163,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
     if k_cache.shape[3] != head_dim:
         raise ValueError(f"k_cache and v_cache head_dim must equal q's head_dim ({head_dim}), got "
                          f"{k_cache.shape[3]}")
-    if not 1 <= head_dim <= MAX_HEAD_DIM:
-        raise ValueError(f"head_dim must be between 1 and {MAX_HEAD_DIM}, got {head_dim}")
-    if heads_kv == 0 or heads_q % heads_kv != 0:
-        raise ValueError(f"the number of query heads must be a multiple of the number of key/value "
-                         f"heads (GQA/MQA): expected Hq % Hkv == 0, got Hq={heads_q}, Hkv={heads_kv}")
+    _check_head_dim(head_dim)
+    _check_heads(heads_q, heads_kv)
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
         if t.stride(-1) != 1 and head_dim > 1:
             raise ValueError(f"{name} must have a contiguous last dimension (stride 1, it is used in "
@@ -240,9 +215,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
         for name, t in (("k", k), ("v", v)):
             _require_tensor(name, t)
             _require_rank(name, t, 4, _NEW_DOC)
-            if t.dtype != q.dtype:
-                raise TypeError(f"{name}.dtype must match q.dtype ({q.dtype}), got {t.dtype}")
-            _require_same_device(name, t, q)
+            _require_like_q(name, t, q)
         if tuple(v.shape) != tuple(k.shape):
             raise ValueError(f"v must have the same shape as k {tuple(k.shape)} {_NEW_DOC}, got "
                              f"{tuple(v.shape)}")
@@ -298,9 +271,7 @@ def merge_attn_states(out_partials, lse_partials):
     lse_partials = _stack_parts("lse_partials", lse_partials, "[batch, heads, seqlen]")
     _require_rank("out_partials", out_partials, 5, "[N, batch, seqlen, heads, head_dim]")
     _require_rank("lse_partials", lse_partials, 4, "[N, batch, heads, seqlen]")
-    if out_partials.dtype not in SUPPORTED_DTYPES:
-        raise TypeError(f"out_partials.dtype must be one of float16, bfloat16, float32, got "
-                        f"{out_partials.dtype}")
+    _require_float_dtype("out_partials", out_partials)
     if lse_partials.dtype != torch.float32:
         raise TypeError(f"lse_partials.dtype must be torch.float32, got {lse_partials.dtype}")
     if lse_partials.device != out_partials.device:
