@@ -218,8 +218,13 @@ def test_backward_tile_paths_agree(device, causal, tma, monkeypatch):
     scale = 40 ** -0.5
     out, lse = forward(q, k, v, scale, causal)
     built = []
-    real_descriptor = bwd.host_descriptor
-    monkeypatch.setattr(bwd, "host_descriptor", lambda t, block: built.append(block) or real_descriptor(t, block))
+    real_descriptors = bwd.host_descriptors
+
+    def counting(rows, block_d, *tensors):
+        built.extend(tensors)
+        return real_descriptors(rows, block_d, *tensors)
+
+    monkeypatch.setattr(bwd, "host_descriptors", counting)
     config = (BwdConfig(32, 64, 4, 2, tma), BwdConfig(64, 32, 4, 2, tma))
     grads = bwd.backward(dout, q, k, v, out, lse, scale, causal, config=config)
     assert len(built) == (4 if tma else 0)        # Q, dO for dK/dV; K, V for dQ

@@ -30,7 +30,7 @@ import triton.language as tl
 from . import configs
 from .common import LOG2E, add_rn, causal_key_range, mul_rn, on_input_device
 from .configs import BwdConfig
-from .forward import host_descriptor, tma_compatible
+from .forward import host_descriptors, tma_compatible
 
 
 @triton.jit
@@ -355,10 +355,7 @@ def backward(dout, q, k, v, out, lse, sm_scale: float, causal: bool, *, dlse=Non
     if need_dkdv:
         n_blocks = triton.cdiv(seqlen_k, dkdv_cfg.block_n)
         tma = dkdv_cfg.tma and tma_compatible(q, dout)
-        Q, DO = q, dout
-        if tma:
-            Q = host_descriptor(q, [1, dkdv_cfg.block_m, 1, block_d])
-            DO = host_descriptor(dout, [1, dkdv_cfg.block_m, 1, block_d])
+        Q, DO = host_descriptors(dkdv_cfg.block_m, block_d, q, dout) if tma else (q, dout)
         _bwd_dkdv_kernel[(n_blocks * batch * heads_k,)](
             Q, k, v, DO, lse2, delta, dk, dv,
             *_s(q), *_s(k), *_s(v), *_s(dout), *_s(dk), *_s(dv),
@@ -371,10 +368,7 @@ def backward(dout, q, k, v, out, lse, sm_scale: float, causal: bool, *, dlse=Non
     if need_dq:
         m_blocks = triton.cdiv(seqlen_q, dq_cfg.block_m)
         tma = dq_cfg.tma and tma_compatible(k, v)
-        K, V = k, v
-        if tma:
-            K = host_descriptor(k, [1, dq_cfg.block_n, 1, block_d])
-            V = host_descriptor(v, [1, dq_cfg.block_n, 1, block_d])
+        K, V = host_descriptors(dq_cfg.block_n, block_d, k, v) if tma else (k, v)
         _bwd_dq_kernel[(m_blocks * batch * heads_q,)](
             q, K, V, dout, lse2, delta, dq,
             *_s(q), *_s(k), *_s(v), *_s(dout), *_s(dq),

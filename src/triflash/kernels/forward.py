@@ -196,16 +196,21 @@ def _ensure_allocator():
         triton.set_allocator(_tma_allocator)
 
 
-def host_descriptor(t: torch.Tensor, block_shape: list[int]) -> TensorDescriptor:
-    """A host-built TMA descriptor of t (which ``tma_compatible`` accepted). Built without
+def host_descriptors(block_rows: int, block_d: int, *tensors: torch.Tensor) -> tuple[TensorDescriptor, ...]:
+    """Host-built TMA descriptors of [B, S, H, D] tensors (which ``tma_compatible`` accepted), each
+    moving [1, block_rows, 1, block_d] boxes: one (batch, head)'s block of rows. Built without
     TensorDescriptor's own re-validation: at short sequences the forward's host time per call is
     what a benchmark measures, and the four descriptors' checks were a fifth of it."""
+    block_shape = [1, block_rows, 1, block_d]
     if not _PLAIN_DESCRIPTOR:
-        return TensorDescriptor.from_tensor(t, block_shape)
-    desc = object.__new__(TensorDescriptor)
-    desc.base, desc.shape, desc.strides = t, t.shape, t.stride()
-    desc.block_shape, desc.padding = block_shape, "zero"
-    return desc
+        return tuple(TensorDescriptor.from_tensor(t, block_shape) for t in tensors)
+    descs = []
+    for t in tensors:
+        desc = object.__new__(TensorDescriptor)
+        desc.base, desc.shape, desc.strides = t, t.shape, t.stride()
+        desc.block_shape, desc.padding = block_shape, "zero"
+        descs.append(desc)
+    return tuple(descs)
 
 
 # The shortcut above fills exactly these fields; a Triton whose descriptor has others takes the
@@ -264,10 +269,8 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float, 
     if tma == "device" and not configs.INTERPRET:
         _ensure_allocator()
     elif tma == "host":
-        Q = host_descriptor(q, [1, config.block_m, 1, block_d])
-        K = host_descriptor(k, [1, config.block_n, 1, block_d])
-        V = host_descriptor(v, [1, config.block_n, 1, block_d])
-        O = host_descriptor(out, [1, config.block_m, 1, block_d])
+        Q, O = host_descriptors(config.block_m, block_d, q, out)
+        K, V = host_descriptors(config.block_n, block_d, k, v)
     num_m_blocks = triton.cdiv(seqlen_q, config.block_m)
     grid = (num_m_blocks * batch * heads_q,)
     _attn_fwd_kernel[grid](
