@@ -207,7 +207,7 @@ def test_append_fills_cache_to_capacity(device):
                              k=k, v=v, dense_cache=(k_cache, v_cache))
 
 
-def test_contiguous_cache_without_seqlens(device):
+def test_contiguous_cache_without_seqlens(device, monkeypatch):
     """cache_seqlens=None: every sequence is the whole contiguous cache; an int works too."""
     dtype = torch.float16
     q = torch.randn(3, 1, 4, 64, dtype=dtype, device=device)
@@ -217,6 +217,12 @@ def test_contiguous_cache_without_seqlens(device):
     check_against_references(out, lse, q, k_cache, v_cache, None, None, False, dtype)
     out_int = flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=45, num_splits=3)
     assert torch.equal(out, out_int)
+    # An int length is checked on the host: no device round trip, and a shorter one is honoured.
+    monkeypatch.setattr(kvcache, "_check_lengths", None)           # would fail if called
+    out_20, lse_20 = flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=20, num_splits=3,
+                                             return_lse=True)
+    check_against_references(out_20, lse_20, q, k_cache, v_cache,
+                             torch.full((3,), 20, dtype=torch.int32, device=device), None, False, dtype)
 
 
 @pytest.mark.parametrize("page_size", [None, 16], ids=_page_id)
@@ -393,6 +399,9 @@ def _bad_inputs(device):
     return [
         ("block-table-dtype", (q, pc, pc), dict(cache_seqlens=sl, block_table=bt.long()), TypeError,
          ["block_table.dtype", "torch.int32", "torch.int64"]),
+        ("seqlens-int-negative", (q, kc, kc), dict(cache_seqlens=-1), ValueError, ["cache_seqlens", ">= 0", "-1"]),
+        ("seqlens-int-capacity", (q, kc, kc), dict(cache_seqlens=9, k=kc[:, :2], v=kc[:, :2]), ValueError,
+         ["capacity", "10", "9 + 2 = 11"]),
         ("block-table-rank", (q, pc, pc), dict(cache_seqlens=sl, block_table=bt[0]), ValueError,
          ["block_table", "2-D", "1-D"]),
         ("block-table-batch", (q, pc, pc), dict(cache_seqlens=sl, block_table=bt[:1]), ValueError,

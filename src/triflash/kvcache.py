@@ -86,7 +86,7 @@ def _append_kv(k_cache, v_cache, k, v, cache_seqlens, block_table):
         slots = pos
     else:
         page_size = k_cache.shape[1]
-        rows = torch.gather(block_table.long(), 1, pos // page_size)                         # [B, Sn]
+        rows = torch.gather(block_table, 1, pos // page_size).long()                         # [B, Sn]
         slots = pos % page_size
     k_cache[rows, slots] = k
     v_cache[rows, slots] = v
@@ -195,9 +195,11 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
         capacity = k_cache.shape[1]
 
     # -- cache_seqlens --
+    seqlens_from_int = None            # a Python int: checked here, on the host, with no sync
     if cache_seqlens is not None:
         if isinstance(cache_seqlens, numbers.Integral) and not isinstance(cache_seqlens, bool):
-            cache_seqlens = torch.full((batch,), int(cache_seqlens), dtype=torch.int32, device=q.device)
+            seqlens_from_int = int(cache_seqlens)
+            cache_seqlens = torch.full((batch,), seqlens_from_int, dtype=torch.int32, device=q.device)
         _require_tensor("cache_seqlens", cache_seqlens)
         if cache_seqlens.dtype != torch.int32:
             raise TypeError(f"cache_seqlens.dtype must be torch.int32, got {cache_seqlens.dtype}")
@@ -233,6 +235,13 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
     # -- values: lengths within the capacity, pages in range (one device->host sync) --
     if cache_seqlens is None:
         max_seqlen = capacity
+    elif seqlens_from_int is not None and block_table is None:
+        if seqlens_from_int < 0:
+            raise ValueError(f"cache_seqlens must be >= 0, got {seqlens_from_int}")
+        max_seqlen = seqlens_from_int + seqlen_new
+        if max_seqlen > capacity:
+            raise ValueError(f"cache_seqlens + seqlen_new must be <= the cache capacity (k_cache.shape[1] = "
+                             f"{capacity}), got {seqlens_from_int} + {seqlen_new} = {max_seqlen}")
     elif batch == 0 or not CHECK_SEQLENS or _capturing_graph(q.device):
         max_seqlen = capacity
     else:
