@@ -158,7 +158,7 @@ def backward_cases():
                 q, k, v = qkv(2, 300, 300, 4, 2, d, dtype)
                 out = torch.randn_like(q)
                 lse = torch.randn(2, 4, 300)
-                cfg = configs.backward_config(head_dim=d, dtype=dtype, causal=causal, device="cuda")
+                cfg = configs.backward_config(head_dim=d, dtype=dtype, device="cuda")
                 yield f"bwd {TYPES[dtype]} D{d} {'causal' if causal else 'full'}", \
                     (lambda q=q, k=k, v=v, out=out, lse=lse, causal=causal, cfg=cfg:
                      B.backward(torch.randn_like(q), q, k, v, out, lse, 0.1, causal, config=cfg))

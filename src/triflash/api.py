@@ -22,6 +22,7 @@ import torch
 
 from . import autograd as _autograd
 from .kernels import configs
+from .kernels.common import last_dim_contiguous as _last_dim_contiguous
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256
@@ -146,9 +147,6 @@ def validate_qkv(q, k, v, layout: str, scale_name: str = "softmax_scale", softma
     return _check_scale(softmax_scale, scale_name, qs.head_dim)
 
 
-def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
-    # The kernel needs unit stride on head_dim only; every other stride is passed to it as is.
-    return t if t.stride(-1) == 1 or t.shape[-1] == 1 else t.contiguous()
 
 
 def flash_attn_func(q, k, v, softmax_scale=None, causal=False, return_lse=False):

@@ -28,12 +28,12 @@ import triton
 import triton.language as tl
 
 from . import configs
-from .common import LOG2E, add_rn, causal_key_range, mul_rn, on_input_device
+from .common import LOG2E, LOG2E_K, add_rn, causal_key_range, last_dim_contiguous, mul_rn, on_input_device
 from .configs import BwdConfig
 from .forward import host_descriptors, tma_compatible
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["seqlen_q", "num_m_blocks"])
 def _bwd_preprocess_kernel(
     O, DO, LSE, DLSE, Delta, LSE2,
     stride_ob, stride_os, stride_oh,
@@ -65,7 +65,7 @@ def _bwd_preprocess_kernel(
     tl.store(Delta + row, delta, mask=m_ok)
     lse = tl.load(LSE + row, mask=m_ok, other=0.0)
     if not PRECISE_P:
-        lse = lse * 1.4426950408889634                         # to base 2 for one-FMA recomputation
+        lse = lse * LOG2E_K                                   # to base 2 for one-FMA recomputation
     lse2 = tl.where(lse == float("-inf"), float("inf"), lse)
     tl.store(LSE2 + row, lse2, mask=m_ok)
 
@@ -77,7 +77,7 @@ def _recompute_p(s, lse, sm_scale, qk_scale, PRECISE_P: tl.constexpr):
     is rounded on its own (mul_rn), exactly as the forward rounded max * scale into the LSE, so a row
     whose softmax has one term (one key) cancels to 0 and gets p = 1 exactly, like PyTorch's."""
     if PRECISE_P:
-        return tl.math.exp2((mul_rn(s, sm_scale) - lse) * 1.4426950408889634)
+        return tl.math.exp2((mul_rn(s, sm_scale) - lse) * LOG2E_K)
     else:
         return tl.math.exp2(s * qk_scale - lse)
 
@@ -312,8 +312,7 @@ def backward(dout, q, k, v, out, lse, sm_scale: float, causal: bool, *, dlse=Non
     """
     batch, seqlen_q, heads_q, head_dim = q.shape
     _, seqlen_k, heads_k, _ = k.shape
-    if dout.stride(-1) != 1:
-        dout = dout.contiguous()
+    dout = last_dim_contiguous(dout)
     if need_dq and dq is None:
         dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if need_dkdv and dk is None:
@@ -333,7 +332,7 @@ def backward(dout, q, k, v, out, lse, sm_scale: float, causal: bool, *, dlse=Non
 
     block_d = configs.head_dim_block(head_dim)
     if config is None:
-        config = configs.backward_config(head_dim=head_dim, dtype=q.dtype, causal=causal, device=q.device)
+        config = configs.backward_config(head_dim=head_dim, dtype=q.dtype, device=q.device)
     dkdv_cfg, dq_cfg = config
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     # fp32 gradients are compared with fp32 PyTorch: recompute P without the base-2 round trip.
@@ -341,7 +340,7 @@ def backward(dout, q, k, v, out, lse, sm_scale: float, causal: bool, *, dlse=Non
 
     delta = torch.empty((batch, heads_q, seqlen_q), dtype=torch.float32, device=q.device)
     lse2 = torch.empty_like(delta)
-    pre_block = 64
+    pre_block = configs.BWD_PREPROCESS_BLOCK_M
     pre_blocks = triton.cdiv(seqlen_q, pre_block)
     if dlse is not None:
         dlse = dlse.contiguous().float()

@@ -24,24 +24,31 @@ def on_input_device(launcher):
     return wrapped
 
 
+def last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
+    """t, or a copy when its last dimension is strided: the kernels need unit stride on head_dim only
+    and read every other dimension through its stride."""
+    return t if t.stride(-1) == 1 or t.shape[-1] == 1 else t.contiguous()
+
+
 LOG2E = math.log2(math.e)   # host side: qk_scale = sm_scale * LOG2E, rounded once to fp32
+# The same constants inside kernels.
+LOG2E_K = tl.constexpr(LOG2E)
+LN2_K = tl.constexpr(math.log(2.0))
 
-# On the GPU, tl.log / tl.math.log2 become the MUFU's approximate lg2 (a few ulps off); the LSE is an
-# output users compare and merge, so its one log per row goes through libdevice's accurate log. The
-# interpreter has no libdevice, and its tl.log is numpy's (already accurate).
-PRECISE_LOG = tl.constexpr(not configs.INTERPRET)
-
-
-# fp32 paths need a few products rounded on their own, never fused by the compiler into an FMA with the
-# next addition (ptxas contracts a * b + c; libdevice's mul_rn / add_rn are never contracted). The
-# interpreter's numpy never fuses, and has no libdevice.
-NO_CONTRACT = tl.constexpr(not configs.INTERPRET)
+# libdevice exists only when compiling for the GPU (the interpreter has none). Two uses:
+# * on the GPU, tl.log / tl.math.log2 become the MUFU's approximate lg2 (a few ulps off); the LSE is an
+#   output users compare and merge, so its one log per row goes through libdevice's accurate log (the
+#   interpreter's tl.log is numpy's, already accurate);
+# * fp32 paths need a few products rounded on their own, never fused by the compiler into an FMA with
+#   the next addition (ptxas contracts a * b + c; libdevice's mul_rn / add_rn are never contracted;
+#   the interpreter's numpy never fuses).
+LIBDEVICE = tl.constexpr(not configs.INTERPRET)
 
 
 @triton.jit
 def mul_rn(a, b):
     """a * b rounded to fp32 once, never fused into a following addition."""
-    if NO_CONTRACT:
+    if LIBDEVICE:
         return libdevice.mul_rn(a, b)
     else:
         return a * b
@@ -52,16 +59,16 @@ def add_rn(a, b):
     """a + b as its own rounded addition: a block's partial sum (a dot with no accumulator) added to
     a running total, instead of Triton folding the addition into the dot, which for IEEE fp32 dots
     would make the whole total one long sequential chain of FMAs."""
-    if NO_CONTRACT:
+    if LIBDEVICE:
         return libdevice.add_rn(a, b)
     else:
         return a + b
 
 
 @triton.jit
-def natural_log(x, PRECISE: tl.constexpr):
-    """ln(x), elementwise, accurate to about an ulp on the GPU when PRECISE."""
-    if PRECISE:
+def natural_log(x):
+    """ln(x), elementwise (fp32 or fp64), accurate to about an ulp on the GPU."""
+    if LIBDEVICE:
         return libdevice.log(x)
     else:
         return tl.log(x)
@@ -140,11 +147,15 @@ def load_kv_tile(ptrs, n_ok, d_ok, MASKED: tl.constexpr, PAD_D: tl.constexpr):
 
 
 @triton.jit
-def finish_rows(acc, l_i, m_i, sm_scale):
+def finish_rows(acc, l_i, m_i, sm_scale, LSE_F64: tl.constexpr = False):
     """Epilogue of the online softmax: (out [BM, BD] = acc / l, lse [BM] = m * sm_scale + ln l).
-    A row that saw no key (l = 0) gets out = 0 and lse = -inf, never NaN."""
+    A row that saw no key (l = 0) gets out = 0 and lse = -inf, never NaN. LSE_F64: the LSE formed
+    and returned in float64 (fp32 split-KV partials, see decode.py)."""
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
     out = acc / l_safe[:, None]
-    lse = tl.where(empty, float("-inf"), m_i * sm_scale + natural_log(l_safe, PRECISE_LOG))
-    return out, lse
+    if LSE_F64:
+        lse = m_i.to(tl.float64) * sm_scale + natural_log(l_safe.to(tl.float64))
+    else:
+        lse = m_i * sm_scale + natural_log(l_safe)
+    return out, tl.where(empty, float("-inf"), lse)

@@ -66,12 +66,15 @@ class BwdConfig:
     tma: bool = False
 
 
+# Rows per program of the backward's preprocess (delta = rowsum(dO * O)): a memory-bound pass.
+BWD_PREPROCESS_BLOCK_M = 64
+
 # dK/dV keeps BLOCK_N keys and walks query blocks; dQ keeps BLOCK_M queries and walks key blocks.
 # Unequal tiles on purpose, as in the forward's interpreter config.
 INTERPRETER_BWD = (BwdConfig(32, 64, 1, 1), BwdConfig(64, 32, 1, 1))
 
 
-def backward_config(*, head_dim: int, dtype, causal: bool, device) -> tuple[BwdConfig, BwdConfig]:
+def backward_config(*, head_dim: int, dtype, device) -> tuple[BwdConfig, BwdConfig]:
     """Pick (dK/dV config, dQ config) for the backward kernels."""
     import torch
 

@@ -45,8 +45,7 @@ import triton
 import triton.language as tl
 
 from . import configs
-from .common import (LOG2E, PRECISE_LOG, finish_rows, load_kv_tile, natural_log, on_input_device,
-                     online_softmax_step)
+from .common import LOG2E, finish_rows, load_kv_tile, on_input_device, online_softmax_step
 from .configs import DecodeConfig
 from .merge import merge as _merge_launch
 
@@ -120,7 +119,9 @@ def _decode_inner(
     return acc, l_i, m_i
 
 
-@triton.jit
+# Lengths and counts that change from one decode step to the next are not specialised (== 1, % 16):
+# a generation loop would otherwise recompile as its lengths and split counts grow.
+@triton.jit(do_not_specialize=["seqlen_k", "seqlen_new", "num_m_blocks", "num_splits"])
 def _decode_kernel(
     Q, K, V, O, LSE, SEQLENS, BLOCK_TABLE,
     stride_qb, stride_qs, stride_qh,
@@ -204,12 +205,8 @@ def _decode_kernel(
         HEAD_DIM, BLOCK_D, BLOCK_N, PAGED, PAGE_SIZE, True, IS_CAUSAL, DOT_PRECISION, 1)
 
     # -- epilogue: normalise; no visible key (empty split, L = 0, causal rows) -> out 0, lse -inf --
-    out, lse = finish_rows(acc, l_i, m_i, sm_scale)
-    if LSE.dtype.element_ty == tl.float64:
-        # fp32 split-KV partials: the same m * sm_scale + ln(l), rounded only at float64's precision.
-        l64 = tl.where(l_i == 0.0, 1.0, l_i).to(tl.float64)
-        lse = tl.where(l_i == 0.0, float("-inf"),
-                       m_i.to(tl.float64) * sm_scale + natural_log(l64, PRECISE_LOG))
+    # fp32 split-KV partials keep their LSE in float64 (the launcher says why).
+    out, lse = finish_rows(acc, l_i, m_i, sm_scale, LSE.dtype.element_ty == tl.float64)
     heads = head0 + offs_g                                             # [BM] query head of each row
     o_base = split.to(tl.int64) * stride_on + off_b.to(tl.int64) * stride_ob
     o_ptrs = O + o_base + offs_i[:, None] * stride_os + heads[:, None] * stride_oh + offs_d[None, :]

@@ -263,7 +263,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float, 
         config = configs.forward_config(head_dim=head_dim, dtype=q.dtype, causal=causal,
                                         batch_heads=batch * heads_q, seqlen_q=seqlen_q,
                                         device=q.device)
-    tma = config.tma if tma_compatible(q, k, v, out) else "none"
+    tma = config.tma if config.tma != "none" and tma_compatible(q, k, v, out) else "none"
     block_d = configs.head_dim_block(head_dim)
     Q, K, V, O = q, k, v, out
     if tma == "device" and not configs.INTERPRET:

@@ -29,10 +29,10 @@ import triton
 import triton.language as tl
 
 from . import configs
-from .common import on_input_device
+from .common import LN2_K, LOG2E_K, on_input_device
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_parts", "seqlen", "num_rows"])   # no recompile per shape
 def _merge_kernel(
     O_PART, LSE_PART, O, LSE,
     stride_pn, stride_pb, stride_ps, stride_ph,      # O_PART [N, B, S, H, D]
@@ -78,7 +78,7 @@ def _merge_kernel(
         lse_ptrs = LSE_PART + parts[None, :].to(tl.int64) * stride_qn + lse_row[:, None]
         lse_p = tl.load(lse_ptrs, mask=p_ok, other=float("-inf"))                   # [BR, BP]
         # Subtract first (exact when the LSEs are close), then scale to base 2 for exp2.
-        w = tl.math.exp2((lse_p - m_safe[:, None]).to(tl.float32) * 1.4426950408889634)  # [BR, BP]
+        w = tl.math.exp2((lse_p - m_safe[:, None]).to(tl.float32) * LOG2E_K)        # [BR, BP]
         has = p_ok & (lse_p != float("-inf"))                          # empty parts are never read
         o_ptrs = (O_PART + (parts[None, :].to(tl.int64) * stride_pn + out_row[:, None])[:, :, None]
                   + offs_d[None, None, :])
@@ -91,7 +91,7 @@ def _merge_kernel(
     t_safe = tl.where(empty, 1.0, total)
     out = acc / t_safe[:, None]
     lse = tl.where(empty, float("-inf"),
-                   (m_safe + tl.math.log2(t_safe) * 0.6931471805599453).to(tl.float32))
+                   (m_safe + tl.math.log2(t_safe) * LN2_K).to(tl.float32))
     o_ptrs = O + (off_b * stride_ob + off_s * stride_os + off_h * stride_oh)[:, None] + offs_d[None, :]
     tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=r_ok[:, None] & d_ok[None, :])
     tl.store(LSE + off_b * stride_lb + off_h * stride_lh + off_s * stride_ls, lse, mask=r_ok)
