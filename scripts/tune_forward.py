@@ -24,7 +24,7 @@ DEFAULT_SHAPES = ["4,16,4096,64", "4,16,4096,128", "16,16,1024,128"]
 def candidates(head_dim):
     """(block_m, block_n, warps, stages, tma). Run 1 (docs/performance-notes.md) found host-built
     descriptors fastest (and Triton's warp specialization failing or slower), so the sweep is over
-    host-descriptor tiles, with the pointer and in-kernel-descriptor paths at two tiles for reference."""
+    host-descriptor tiles, with the pointer path at two tiles for reference."""
     out = []
     bns = [64, 128] if head_dim <= 128 else [32, 64]
     for bm, bn, w, s in itertools.product([128, 64], bns, [4, 8], [2, 3, 4]):
@@ -33,8 +33,7 @@ def candidates(head_dim):
         if head_dim > 128 and (s == 4 or bm == 128 and bn == 64 and w == 4):
             continue
         out.append((bm, bn, w, s, "host"))
-    for tma in ("none", "device"):
-        out += [(128, 64, 4, 3, tma), (128, 64, 4, 2, tma)]
+    out += [(128, 64, 4, 3, "none"), (128, 64, 4, 2, "none")]
     return out
 
 

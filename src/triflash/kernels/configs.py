@@ -27,10 +27,9 @@ class FwdConfig:
 
     block_m / block_n: query rows and key columns per tile. num_warps / num_stages: Triton's launch
     options (stages = depth of the K/V software pipeline). tma: how tiles move between memory and
-    the multiprocessor: "none" (pointer loads, any GPU), "device" (tensor descriptors built in the
-    kernel, one 2-D view per head) or "host" (4-D descriptors built by the launcher); both descriptor
-    modes use Hopper's TMA engine. The launcher falls back to "none" where the GPU or the tensor
-    strides do not allow descriptors.
+    the multiprocessor: "none" (pointer loads, any GPU) or "host" (4-D [B, S, H, D] tensor
+    descriptors built by the launcher, moved by Hopper's TMA engine). The launcher falls back to
+    "none" where the GPU or the tensor strides do not allow descriptors.
     """
 
     block_m: int
@@ -44,7 +43,9 @@ class FwdConfig:
             raise ValueError(f"FwdConfig.tma must be one of {sorted(TMA_MODES)}, got {self.tma!r}")
 
 
-TMA_MODES = {"none": 0, "device": 1, "host": 2}
+# (Descriptors built inside the kernel were measured slower than both on the H200, run 1 of
+# docs/performance-notes.md, and were dropped.)
+TMA_MODES = ("none", "host")
 
 
 # The interpreter runs every program in Python over numpy blocks: fewer, larger tiles are faster, but

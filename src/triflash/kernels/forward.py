@@ -59,9 +59,8 @@ def _fwd_inner(
         start_n = tl.multiple_of(start_n, BLOCK_N)
         cols = start_n + offs_n                                        # [BN] key positions
         # -- K^T tile [BD, BN] --
-        if TMA == 1:
-            k = K.load([start_n, 0]).T                                 # OOB rows/cols read as 0
-        elif TMA == 2:
+        if TMA:
+            # Rows past seqlen_k and lanes past HEAD_DIM read as 0.
             k = K.load([off_b, start_n, off_hk, 0]).reshape(BLOCK_N, BLOCK_D).T
         else:
             # Read transposed through the strides: key position on the columns, head dim on the rows.
@@ -78,9 +77,7 @@ def _fwd_inner(
                 visible = visible & (cols[None, :] <= offs_m[:, None] + causal_offset)  # [BM, BN]
         p, m_new, l_i, acc = online_softmax_step(qk, visible, m_i, l_i, acc, qk_scale, MASKED, PRECISE)
         # -- V tile [BN, BD] --
-        if TMA == 1:
-            v = V.load([start_n, 0])
-        elif TMA == 2:
+        if TMA:
             v = V.load([off_b, start_n, off_hk, 0]).reshape(BLOCK_N, BLOCK_D)
         else:
             v = load_kv_tile(V + cols[:, None] * stride_vs + offs_d[None, :], cols[:, None] < seqlen_k,
@@ -104,10 +101,10 @@ def _attn_fwd_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_CAUSAL: tl.constexpr, TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, PRECISE: tl.constexpr,
 ):
-    """TMA selects how tiles move: 0 pointer loads/stores (any GPU, the interpreter); 1 tensor
-    descriptors built in the kernel, one 2-D [seqlen, head_dim] view per (batch, head); 2 4-D
-    [B, S, H, D] descriptors built on the host (Q, K, V, O are then descriptors, not pointers).
-    With descriptors, rows past seqlen and lanes past HEAD_DIM read as zeros and are never written."""
+    """TMA selects how tiles move: False, pointer loads/stores (any GPU, the interpreter); True, 4-D
+    [B, S, H, D] tensor descriptors built on the host (Q, K, V, O are then descriptors, not
+    pointers). With descriptors, rows past seqlen and lanes past HEAD_DIM read as zeros and are never
+    written."""
     # -- which (batch, head, query block) this program owns --
     # A 1-D grid: axis 0 allows 2^31 - 1 programs, so no B*H limit applies. Query blocks of one head
     # are neighbours (they share K/V in L2). Causal blocks run heaviest (last) block first.
@@ -132,18 +129,8 @@ def _attn_fwd_kernel(
     m_ok = offs_m < seqlen_q
     d_ok = offs_d < HEAD_DIM
 
-    if TMA == 1:
-        Q = tl.make_tensor_descriptor(Q + q_base, shape=[seqlen_q, HEAD_DIM], strides=[stride_qs, 1],
-                                      block_shape=[BLOCK_M, BLOCK_D])
-        K = tl.make_tensor_descriptor(K + k_base, shape=[seqlen_k, HEAD_DIM], strides=[stride_ks, 1],
-                                      block_shape=[BLOCK_N, BLOCK_D])
-        V = tl.make_tensor_descriptor(V + v_base, shape=[seqlen_k, HEAD_DIM], strides=[stride_vs, 1],
-                                      block_shape=[BLOCK_N, BLOCK_D])
-        O = tl.make_tensor_descriptor(O + o_base, shape=[seqlen_q, HEAD_DIM], strides=[stride_os, 1],
-                                      block_shape=[BLOCK_M, BLOCK_D])
-        q = Q.load([start_m, 0])              # [BM, BD], loaded once, reused for every key block
-    elif TMA == 2:
-        q = Q.load([off_b, start_m, off_h, 0]).reshape(BLOCK_M, BLOCK_D)
+    if TMA:
+        q = Q.load([off_b, start_m, off_h, 0]).reshape(BLOCK_M, BLOCK_D)   # loaded once, kept
     else:
         K += k_base
         V += v_base
@@ -171,9 +158,7 @@ def _attn_fwd_kernel(
     out, lse = finish_rows(acc, l_i, m_i, sm_scale)
     lse_ptrs = LSE + pid_bh.to(tl.int64) * seqlen_q + offs_m
     tl.store(lse_ptrs, lse, mask=m_ok)
-    if TMA == 1:
-        O.store([start_m, 0], out.to(O.dtype))
-    elif TMA == 2:
+    if TMA:
         O.store([off_b, start_m, off_h, 0], out.to(O.dtype).reshape(1, BLOCK_M, 1, BLOCK_D))
     else:
         o_ptrs = O + o_base + offs_m[:, None] * stride_os + offs_d[None, :]
@@ -183,18 +168,6 @@ def _attn_fwd_kernel(
 # --------------------------------------------------------------------------------------------------
 # Launcher
 # --------------------------------------------------------------------------------------------------
-
-def _tma_allocator(size: int, alignment: int, stream):
-    # Device-side descriptors need a small global scratch per program (128 bytes each).
-    return torch.empty(size, dtype=torch.int8, device="cuda")
-
-
-def _ensure_allocator():
-    from triton.runtime import _allocation
-
-    if isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
-        triton.set_allocator(_tma_allocator)
-
 
 def host_descriptors(block_rows: int, block_d: int, *tensors: torch.Tensor) -> tuple[TensorDescriptor, ...]:
     """Host-built TMA descriptors of [B, S, H, D] tensors (which ``tma_compatible`` accepted), each
@@ -263,12 +236,10 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float, 
         config = configs.forward_config(head_dim=head_dim, dtype=q.dtype, causal=causal,
                                         batch_heads=batch * heads_q, seqlen_q=seqlen_q,
                                         device=q.device)
-    tma = config.tma if config.tma != "none" and tma_compatible(q, k, v, out) else "none"
+    tma = config.tma == "host" and tma_compatible(q, k, v, out)
     block_d = configs.head_dim_block(head_dim)
     Q, K, V, O = q, k, v, out
-    if tma == "device" and not configs.INTERPRET:
-        _ensure_allocator()
-    elif tma == "host":
+    if tma:
         Q, O = host_descriptors(config.block_m, block_d, q, out)
         K, V = host_descriptors(config.block_n, block_d, k, v)
     num_m_blocks = triton.cdiv(seqlen_q, config.block_m)
@@ -280,7 +251,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float, 
         sm_scale, sm_scale * LOG2E,
         HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n,
-        IS_CAUSAL=causal, TMA=configs.TMA_MODES[tma],
+        IS_CAUSAL=causal, TMA=tma,
         # fp32 inputs: full IEEE fp32 products (Triton's default would be tf32, ~1e-3 relative error).
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         # fp32: the softmax's largest score gets p = 1 exactly (see online_softmax_step).
