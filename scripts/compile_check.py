@@ -173,7 +173,7 @@ def decode_cases():
             seqlens = torch.full((4,), 200, dtype=torch.int32)
             kind = 'page' + str(page) if paged else 'contig'
             for splits in (1, 8):
-                cfg = configs.DecodeConfig(block_m=16 if dtype != torch.float32 else 16,
+                cfg = configs.DecodeConfig(block_m=16,
                                            block_n=64 if dtype != torch.float32 else 32,
                                            num_warps=4, num_stages=3 if dtype != torch.float32 else 2,
                                            num_splits=splits)

@@ -8,7 +8,8 @@ shuffled in the block table, as ``triflash bench --mode decode`` builds it).
 Per (shape, cache kind):
 
 1. "auto": the launcher's own pick (config=None, num_splits=0);
-2. tile sweep: every (block_n, num_warps, num_stages) at the auto split count and at twice it;
+2. tile sweep: every (block_n, num_warps, num_stages) at the launcher's own split count for the
+   contiguous cache (rounded to whole key blocks of that tile) and at twice it;
 3. split sweep: every split count of the shape's list for the ``--top`` best tiles of step 2.
 
 Each variant goes through the benchmark's runner (``triflash.bench.runner.run_one``): one call checked
@@ -24,7 +25,7 @@ Triton's on-disk cache), so the timing pass only loads binaries.
     PYTHONPATH=src python3 scripts/tune_decode.py --dry-run      # list the variants (no GPU needed)
 
 Full results (every variant) go to --out as JSON; a Markdown summary is printed last on stdout;
-progress goes to stderr. With the defaults: 36 precompile jobs (18 tiles x 2 layouts) and about 660
+progress goes to stderr. With the defaults: 48 precompile jobs (18 tiles x 2 layouts, and 12 merges) and about 660
 timed variants; expected to take about 2 minutes, and --budget (170 s) caps the timing pass.
 """
 
@@ -55,8 +56,8 @@ DEFAULT_SHAPES = ["16,8192", "16,32768", "16,131072", "1,131072", "64,8192"]
 KINDS = ("contiguous", "paged")
 BLOCK_NS, WARPS, STAGES = (32, 64, 128), (4, 8), (2, 3, 4)
 TILES = list(itertools.product(BLOCK_NS, WARPS, STAGES))          # (block_n, num_warps, num_stages)
-# Split counts: one long sequence needs many splits to fill 132 SMs (auto = 66 at B=1); a batch of
-# 16+ sequences x 8 KV heads already gives 128+ programs, so few.
+# Split counts: one long sequence needs many splits to fill 132 SMs (the launcher picks 64 at B=1,
+# 128k); a batch of 16+ sequences x 8 KV heads already gives 128+ programs, so few.
 FEW_SEQ_SPLITS = [16, 32, 48, 64, 66, 96, 128, 132, 192, 264]
 MANY_SEQ_SPLITS = [1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32]
 FEW_SEQ_BATCH = 8                              # batches below this use FEW_SEQ_SPLITS
@@ -89,7 +90,7 @@ class ShapePlan:
     context: int
     auto: DecodeConfig                      # what decode_config picks (config=None, num_splits=0)
     block_m: int                            # decode_config's block_m for GROUP rows, used everywhere
-    auto_splits: dict = field(default_factory=dict)    # tile -> decode_num_splits at its block_n
+    auto_splits: dict = field(default_factory=dict)    # tile -> the launcher's split count, whole blocks
     phase1: list = field(default_factory=list)         # DecodeConfigs of the tile sweep
     phase2_splits: dict = field(default_factory=dict)  # tile -> split counts of the split sweep
 
@@ -105,11 +106,9 @@ def plan_shape(batch: int, context: int, device) -> ShapePlan:
                                  heads_kv=HEADS_KV, max_seqlen=context, num_splits=0, paged=False,
                                  device=device)
     plan = ShapePlan(batch, context, auto, auto.block_m)
-    programs = batch * HEADS_KV * triton.cdiv(rows, auto.block_m)
     for tile in TILES:
         bn = tile[0]
-        a = configs.decode_num_splits(programs=programs, max_seqlen=context, block_n=bn, per_sm=2,
-                                      sms=configs.sm_count(device))
+        a = configs.effective_splits(auto.num_splits, context, bn)
         plan.auto_splits[tile] = a
         for s in dict.fromkeys((a, 2 * a)):
             if s == a or fits(s, context, bn):
@@ -132,10 +131,7 @@ def small_case(batch: int, device):
 def decode_args(case, kind: str):
     """(q, k_cache, v_cache, cache_seqlens, block_table) of a case for one cache kind (paged: the
     bench's copy, page size 16, pages shuffled in the block table)."""
-    if kind == "contiguous":
-        return (case.q, case.k_cache, case.v_cache, case.cache_seqlens, None)
-    paged = case.paged(PAGE_SIZE)
-    return (case.q, paged.k_pages, paged.v_pages, case.cache_seqlens, paged.block_table)
+    return case.args(paged=kind == "paged")
 
 
 def run_decode(args, config: DecodeConfig | None, max_seqlen: int):
@@ -261,9 +257,6 @@ class DecodeVariant(Provider):
     def run(self, q, k_cache, v_cache, cache_seqlens, block_table):
         return run_decode((q, k_cache, v_cache, cache_seqlens, block_table), self.config,
                           self.max_seqlen)[0]
-
-    def canonical(self, t, wl):
-        return t
 
 
 def result_row(plan: ShapePlan, kind: str, phase: str, name: str, result=None,

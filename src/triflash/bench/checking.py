@@ -212,6 +212,14 @@ class DecodeCase:
 
         return PagedCache(scatter(self.k_cache), scatter(self.v_cache), block_table)
 
+    def args(self, paged: bool) -> tuple:
+        """(q, k_cache, v_cache, cache_seqlens, block_table or None): the contiguous cache, or a paged
+        copy (``paged()``)."""
+        if not paged:
+            return (self.q, self.k_cache, self.v_cache, self.cache_seqlens, None)
+        cache = self.paged()
+        return (self.q, cache.k_pages, cache.v_pages, self.cache_seqlens, cache.block_table)
+
 
 def make_decode_case(wl: Workload, device) -> DecodeCase:
     """Random query and cache (fixed seed) and the reference output."""

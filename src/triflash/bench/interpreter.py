@@ -87,7 +87,8 @@ def report_without_gpu(causal_flags, fn=None, out=sys.stdout) -> bool:
     wl = SMALL
     print("No CUDA GPU found (torch.cuda.is_available() is False), so nothing is timed.", file=out)
     print("Checking triflash's forward kernel in Triton's interpreter (TRITON_INTERPRET=1, on the CPU) "
-          "against the float64 reference instead:", file=out)
+          "against the float64 reference instead, at one small fp16 shape (the workload options "
+          "--mode, --dtype, --headdim, ... apply to GPU runs only):", file=out)
     blocker = interpreter_blocker() if fn is None else None
     if blocker:
         print(f"  cannot run the check: {blocker}", file=out)

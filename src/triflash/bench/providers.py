@@ -66,8 +66,9 @@ class Prepared:
 class Provider:
     """Base class of the fwd/bwd/fwdbwd providers.
 
-    Subclasses set ``name``, ``description`` and ``layout``, import their library in ``load`` and call
-    it in ``run(q, k, v, causal)``.
+    Subclasses set ``name``, ``description`` and ``layout``, and import their library in ``load``,
+    setting ``self.fn`` to a ``fn(q, k, v, causal=...)`` that ``run`` calls (override ``run`` for any
+    other signature).
     """
 
     name = ""
@@ -97,7 +98,7 @@ class Provider:
         return from_layout(t, self.layout, wl.batch)
 
     def run(self, q, k, v, causal: bool) -> torch.Tensor:
-        raise NotImplementedError
+        return first(self.fn(q, k, v, causal=causal))
 
 
 class Triflash(Provider):
@@ -108,9 +109,6 @@ class Triflash(Provider):
         import triflash
 
         self.fn = triflash.flash_attn_func
-
-    def run(self, q, k, v, causal):
-        return self.fn(q, k, v, causal=causal)
 
 
 class Naive(Provider):
@@ -126,9 +124,6 @@ class Naive(Provider):
     def setup(self, wl, device):
         if wl.heads_kv != wl.heads:
             raise Unavailable("naive_attention has one K/V head per query head (no GQA)")
-
-    def run(self, q, k, v, causal):
-        return self.fn(q, k, v, causal=causal)
 
 
 class Sdpa(Provider):
@@ -173,9 +168,6 @@ class FlashAttn2(Provider):
             raise Unavailable(f"flash_attn {version} is not FlashAttention 2")
         self.fn = flash_attn_func
 
-    def run(self, q, k, v, causal):
-        return self.fn(q, k, v, causal=causal)
-
 
 class FlashAttn3(Provider):
     name = "fa3"
@@ -186,9 +178,6 @@ class FlashAttn3(Provider):
 
         self.fn = flash_attn_func
 
-    def run(self, q, k, v, causal):
-        return first(self.fn(q, k, v, causal=causal))
-
 
 class FlashAttn4(Provider):
     name = "fa4"
@@ -198,9 +187,6 @@ class FlashAttn4(Provider):
         from flash_attn.cute import flash_attn_func
 
         self.fn = flash_attn_func
-
-    def run(self, q, k, v, causal):
-        return first(self.fn(q, k, v, causal=causal))
 
 
 class FlashInfer(Provider):

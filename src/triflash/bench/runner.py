@@ -32,7 +32,6 @@ from .checking import check, make_decode_case, make_dense_case
 from .providers import Unavailable
 from .workloads import Workload
 
-STATUSES = ("ok", "wrong", "unavailable", "oom", "error")
 # How SDPA says that the forced backend cannot run a case (CUDA, CPU).
 SDPA_NO_KERNEL = ("No available kernel", "No viable backend")
 

@@ -17,7 +17,6 @@ import torch
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 MODES = ("fwd", "bwd", "fwdbwd", "decode")
-DENSE_MODES = ("fwd", "bwd", "fwdbwd")
 
 SEED = {"batch": 4, "heads": 16, "seqlen": 4096, "head_dim": 64}
 SWEEP_TOKENS = 16384
