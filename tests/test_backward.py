@@ -93,10 +93,11 @@ def test_backward_bhsd_layout(device, causal):
         assert torch.equal(g, g2.transpose(1, 2))
 
 
+@pytest.mark.skipif(not ON_GPU, reason="the interpreter runs a grid's programs one after another, so "
+                                         "even atomics would be deterministic there: only a GPU can tell")
 def test_backward_is_deterministic(device):
     """No atomics: 20 backward passes on the same inputs give bit-identical gradients."""
-    sq, sk, hq, hkv = (1024, 1024, 6, 2) if ON_GPU else (80, 96, 2, 1)
-    q, k, v = _inputs(2, sq, sk, hq, hkv, 64, torch.float16, device)
+    q, k, v = _inputs(2, 1024, 1024, 6, 2, 64, torch.float16, device)
     out = triflash.flash_attn_func(q, k, v, causal=True)
     dout = torch.randn_like(out)
     first = torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
@@ -145,10 +146,7 @@ def test_packed_qkv_gradients(device):
     out = triflash.flash_attn_func(q, k, v, causal=True)
     dout = torch.randn_like(out)
     out.backward(dout)
-    ref = torch.stack(_ref_grads(q, k, v, dout, True, torch.float64), dim=2)
-    same = torch.stack(_ref_grads(q, k, v, dout, True, None), dim=2)
-    floor = relative(FLOOR[torch.float16], ref)
-    assert max_err(qkv.grad, ref) <= 3 * max_err(same, ref) + floor
+    assert_grads_3x(qkv.grad.unbind(2), q, k, v, dout, True, torch.float16)
 
 
 def test_only_requested_gradients(device, monkeypatch):

@@ -42,9 +42,16 @@ def test_compiled_model_matches_eager_without_graph_breaks(device, dtype):
     out_e = model(x)
     out_e.square().mean().backward()
     grads_e = [p.grad for p in model.parameters()] + [x.grad]
-    torch.testing.assert_close(out_c, out_e, rtol=1e-5, atol=1e-5)
-    for gc, ge in zip(grads_c, grads_e):
-        torch.testing.assert_close(gc, ge, rtol=1e-4, atol=1e-5)
+    if not ON_GPU:
+        # aot_eager runs the same eager kernels in the same order: bit-identical.
+        assert torch.equal(out_c, out_e)
+        assert all(torch.equal(gc, ge) for gc, ge in zip(grads_c, grads_e))
+    else:
+        # Inductor generates its own kernels for the projections and the loss (fused, other fp32
+        # summation orders); triflash's op is the same call in both. A few fp32 ulps of the sums.
+        torch.testing.assert_close(out_c, out_e, rtol=1e-5, atol=1e-5)
+        for gc, ge in zip(grads_c, grads_e):
+            torch.testing.assert_close(gc, ge, rtol=1e-4, atol=1e-5)
 
 
 def test_dynamo_sees_one_graph(device):

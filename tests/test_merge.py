@@ -9,14 +9,12 @@ chunks merged back equals attention over all keys.
 import pytest
 import torch
 from conftest import DTYPES, ON_GPU
-from helpers import FLOOR, LSE_FLOOR, assert_2x_rule, assert_no_nan, assert_raises_naming
+from helpers import DTYPE_ID, FLOOR, LSE_FLOOR, assert_2x_rule, assert_no_nan, assert_raises_naming
 
 import triflash
 import triflash.kvcache as kvcache
 from triflash.kvcache import merge_attn_states
 from triflash.reference import flash_attn_ref, merge_attn_states_ref
-
-DTYPE_ID = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
 
 
 def merge_same_dtype(out_partials, lse_partials):
