@@ -56,13 +56,21 @@ class Recorder:
         return lambda *args, **kwargs: self.calls.append((self.fn, args, kwargs))
 
 
+DIVISIBLE = [["tt.divisibility", 16]]
+
+
 def signature(fn, args, kwargs):
-    sig, const = {}, {}
+    """The signature, constants, attributes and options Triton's launcher would compile these
+    arguments with. Like a real launch (JITFunction.run), an int argument equal to 1 becomes a
+    constant and one divisible by 16 (or a pointer aligned to 16 bytes) carries tt.divisibility = 16,
+    unless the parameter is in do_not_specialize. Without those hints the compiler cannot prove
+    16-byte alignment, loads fall back to scalars, and the register and spill figures are wrong."""
+    sig, const, attrs = {}, {}, {}
     values = dict(zip(fn.arg_names, args))
     values.update({k: v for k, v in kwargs.items() if k in fn.arg_names})
-    for name in fn.arg_names:
+    for index, name in enumerate(fn.arg_names):
         v = values[name]
-        param = fn.params[fn.arg_names.index(name)]
+        param = fn.params[index]
         if param.is_constexpr or v is None:
             sig[name] = "constexpr"
             const[name] = v
@@ -70,16 +78,24 @@ def signature(fn, args, kwargs):
             sig[name] = f"tensordesc<{TYPES[v.base.dtype]}[{','.join(str(b) for b in v.block_shape)}]>"
         elif isinstance(v, torch.Tensor):
             sig[name] = "*" + TYPES[v.dtype]
+            if not param.do_not_specialize_on_alignment and v.data_ptr() % 16 == 0:
+                attrs[(index,)] = DIVISIBLE
         elif isinstance(v, bool):
             sig[name] = "i1"
         elif isinstance(v, int):
+            if v == 1 and not param.do_not_specialize:
+                sig[name] = "constexpr"
+                const[name] = 1
+                continue
             sig[name] = "i64" if abs(v) >= 2**31 else "i32"
+            if not param.do_not_specialize and v % 16 == 0:
+                attrs[(index,)] = DIVISIBLE
         elif isinstance(v, float):
             sig[name] = "fp32"
         else:
             raise TypeError(f"{name}: cannot type {type(v)}")
     options = {k: kwargs[k] for k in ("num_warps", "num_stages") if k in kwargs}
-    return sig, const, options
+    return sig, const, attrs, options
 
 
 def compile_calls(label, run, sass):
@@ -99,9 +115,9 @@ def compile_calls(label, run, sass):
             setattr(mod, name, obj)
     ok = True
     for fn, args, kwargs in calls:
-        sig, const, options = signature(fn, args, kwargs)
+        sig, const, attrs, options = signature(fn, args, kwargs)
         try:
-            k = triton.compile(ASTSource(fn, sig, const), target=TARGET, options=options)
+            k = triton.compile(ASTSource(fn, sig, const, attrs), target=TARGET, options=options)
             usage = cuobjdump(k.asm["cubin"], "--dump-resource-usage")
             regs = re.search(r"REG:(\d+)", usage)
             # ptxas puts register spills in the per-thread stack frame (STACK), not in LOCAL.
