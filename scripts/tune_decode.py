@@ -25,8 +25,8 @@ Triton's on-disk cache), so the timing pass only loads binaries.
     PYTHONPATH=src python3 scripts/tune_decode.py --dry-run      # list the variants (no GPU needed)
 
 Full results (every variant) go to --out as JSON; a Markdown summary is printed last on stdout;
-progress goes to stderr. With the defaults: 48 precompile jobs (18 tiles x 2 layouts, and 12 merges) and about 660
-timed variants; expected to take about 2 minutes, and --budget (170 s) caps the timing pass.
+progress goes to stderr. With the defaults: 60 precompile jobs (24 tiles x 2 layouts, and 12
+merges) and at most about 780 timed variants; --budget (170 s) caps the timing pass.
 """
 
 import argparse
@@ -54,7 +54,7 @@ GROUP = HEADS // HEADS_KV                      # packed query rows per KV head (
 DTYPE = "fp16"
 DEFAULT_SHAPES = ["16,8192", "16,32768", "16,131072", "1,131072", "64,8192"]
 KINDS = ("contiguous", "paged")
-BLOCK_NS, WARPS, STAGES = (32, 64, 128), (4, 8), (2, 3, 4)
+BLOCK_NS, WARPS, STAGES = (32, 64, 128), (4, 8), (2, 3, 4, 5)   # paged needs 2 more than contiguous
 TILES = list(itertools.product(BLOCK_NS, WARPS, STAGES))          # (block_n, num_warps, num_stages)
 # Split counts: one long sequence needs many splits to fill 132 SMs (the launcher picks 64 at B=1,
 # 128k); a batch of 16+ sequences x 8 KV heads already gives 128+ programs, so few.

@@ -21,7 +21,9 @@ from triflash.kernels.decode import decode
 from triflash.kvcache import flash_attn_with_kvcache
 from triflash.reference import kvcache_ref
 
-PAGE_SIZES = [None, 1, 16, 256]                    # None: contiguous [B, S_max, Hkv, D] cache
+# None: contiguous [B, S_max, Hkv, D] cache. 1 and 16 tile a key block with whole pages (one
+# block-table read per page); 5 does not (one read per key); 256 holds whole key blocks.
+PAGE_SIZES = [None, 1, 5, 16, 256]
 HEADS = [(16, 2), (8, 1), (2, 2)]                  # GQA 8:1, MQA 8:1, MHA
 HEADS_ID = {(16, 2): "gqa8", (8, 1): "mqa8", (2, 2): "mha"}
 HEAD_DIMS = [40, 64, 128] + ([72, 256] if ON_GPU else [])

@@ -66,6 +66,27 @@ def add_rn(a, b):
 
 
 @triton.jit
+def div_rn(a, b):
+    """a / b rounded once (IEEE). Triton's fp32 division on the GPU is div.full.f32, within about
+    2 ulp: at |out| ~ 4 that alone is ~1e-6, the whole error budget of an fp32 output."""
+    if LIBDEVICE:
+        return libdevice.div_rn(a, b)
+    else:
+        return a / b
+
+
+@triton.jit
+def accumulate_pv(acc, p, v, DOT_PRECISION: tl.constexpr, BLOCKED: tl.constexpr):
+    """acc + p @ v. BLOCKED (fp32): the tile's product summed on its own, then added (``add_rn``):
+    over a long sequence each output element then carries one rounding chain per key block, where
+    the dot's own accumulator would carry one per key (IEEE fp32 dots are sequential FMAs)."""
+    if BLOCKED:
+        return add_rn(acc, tl.dot(p, v, input_precision=DOT_PRECISION))
+    else:
+        return tl.dot(p, v, acc, input_precision=DOT_PRECISION)
+
+
+@triton.jit
 def natural_log(x):
     """ln(x), elementwise (fp32 or fp64), accurate to about an ulp on the GPU."""
     if LIBDEVICE:
@@ -147,13 +168,17 @@ def load_kv_tile(ptrs, n_ok, d_ok, MASKED: tl.constexpr, PAD_D: tl.constexpr):
 
 
 @triton.jit
-def finish_rows(acc, l_i, m_i, sm_scale, LSE_F64: tl.constexpr = False):
+def finish_rows(acc, l_i, m_i, sm_scale, LSE_F64: tl.constexpr = False, PRECISE: tl.constexpr = False):
     """Epilogue of the online softmax: (out [BM, BD] = acc / l, lse [BM] = m * sm_scale + ln l).
     A row that saw no key (l = 0) gets out = 0 and lse = -inf, never NaN. LSE_F64: the LSE formed
-    and returned in float64 (fp32 split-KV partials, see decode.py)."""
+    and returned in float64 (fp32 split-KV partials, see decode.py). PRECISE (fp32): an IEEE
+    division (``div_rn``)."""
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
-    out = acc / l_safe[:, None]
+    if PRECISE:
+        out = div_rn(acc, l_safe[:, None])
+    else:
+        out = acc / l_safe[:, None]
     if LSE_F64:
         lse = m_i.to(tl.float64) * sm_scale + natural_log(l_safe.to(tl.float64))
     else:

@@ -187,8 +187,9 @@ INTERPRETER_SM_COUNT = 4
 # per-program prologue/epilogue would start to cost more than the keys).
 DECODE_MIN_BLOCKS_PER_SPLIT = 2
 DECODE_MAX_SPLITS = 256
-# One small config for the interpreter: BLOCK_N = 32 is a multiple of page size 16 (per-key gather
-# through the block table) and divides page size 256 (one page per key block), so both page paths run;
+# One small config for the interpreter: BLOCK_N = 32 holds two pages of size 16 (one block-table read
+# per page), 32 of size 1, and parts of pages of size 5 (one read per key), and divides page size 256
+# (one page per key block), so every page path runs;
 # BLOCK_M <= 32 makes an 8:1 group with Sq = 4 exactly one tile and larger groups take several.
 INTERPRETER_DECODE = DecodeConfig(block_m=32, block_n=32, num_warps=1, num_stages=1)
 
@@ -201,21 +202,34 @@ class _DecodeTile:
     per_sm: int          # programs of this tile resident per multiprocessor (H200, D=128, fp16)
 
 
-# Measured on the H200 with scripts/tune_decode.py (docs/performance-notes.md, run 7), D=128 fp16,
-# Hq=32, Hkv=8. per_sm is read off the timings: a launch of per_sm x 132 programs runs in one wave,
-# one a little larger pays for a second, mostly idle, wave (the odd/even split-count pattern).
+# Measured on the H200 with scripts/tune_decode.py (docs/performance-notes.md, runs 7 and 13-14),
+# D=128 fp16, Hq=32, Hkv=8. per_sm is read off the timings: a launch of per_sm x 132 programs runs in
+# one wave, one a little larger pays for a second, mostly idle, wave (the odd/even split-count
+# pattern). num_stages counts Triton's pipeline stages, not buffers: the contiguous loop gets
+# num_stages - 1 K/V buffers, the paged loop num_stages - 3 (its block-table read takes stages too),
+# so paged tiles need two more stages for the same buffering (run 14).
 _DECODE_NARROW = _DecodeTile(64, 4, 2, per_sm=4)        # few programs: many splits of a narrow tile
 _DECODE_WIDE = _DecodeTile(128, 4, 2, per_sm=2)         # contiguous caches, many programs
-_DECODE_WIDE_ONE_WAVE = _DecodeTile(128, 4, 3, per_sm=1)
-_DECODE_WIDE_PAGED = _DecodeTile(128, 4, 2, per_sm=3)   # the paged loop keeps fewer buffers
+_DECODE_WIDE_ONE_WAVE = _DecodeTile(128, 4, 3, per_sm=1)  # two K/V buffers, one program per SM
+_DECODE_NARROW_PAGED = _DecodeTile(64, 4, 3, per_sm=4)
+_DECODE_PAGED_ONE_WAVE = _DecodeTile(128, 4, 5, per_sm=1)  # two K/V buffers, one program per SM
+_DECODE_PAGED_MANY = _DecodeTile(128, 4, 4, per_sm=3)   # one buffer, three programs per SM
+_DECODE_WIDE_PAGED = _DecodeTile(128, 4, 2, per_sm=3)   # page sizes read key by key (not a power of 2)
 
 
-def _decode_tile(*, programs: int, paged: bool, sms: int) -> _DecodeTile:
-    """programs: (batch, KV head, M block) programs before splitting."""
+def _decode_tile(*, programs: int, paged: bool, sms: int, page_size: int | None = None) -> _DecodeTile:
+    """programs: (batch, KV head, M block) programs before splitting. page_size: the paged cache's
+    (None: unknown); a power of two is read one block-table entry per page, any other key by key."""
+    if paged:
+        if programs < sms // 4:
+            return _DECODE_NARROW_PAGED
+        if programs <= sms:
+            return _DECODE_PAGED_ONE_WAVE
+        if page_size is not None and page_size & (page_size - 1) == 0:
+            return _DECODE_PAGED_MANY
+        return _DECODE_NARROW if programs >= 2 * sms else _DECODE_WIDE_PAGED
     if programs < sms // 4:
         return _DECODE_NARROW
-    if paged:
-        return _DECODE_NARROW if programs >= 2 * sms else _DECODE_WIDE_PAGED
     if sms // 2 <= programs <= sms:
         return _DECODE_WIDE_ONE_WAVE          # one program per SM, one wave, no merge
     return _DECODE_WIDE
@@ -240,12 +254,13 @@ def effective_splits(num_splits: int, max_seqlen: int, block_n: int) -> int:
 
 
 def decode_config(*, head_dim: int, dtype, rows: int, batch: int, heads_kv: int, max_seqlen: int,
-                  num_splits: int, paged: bool, device) -> DecodeConfig:
+                  num_splits: int, paged: bool, device, page_size: int | None = None) -> DecodeConfig:
     """Pick the decode kernel's launch parameters.
 
     rows = (query heads per KV head) x (query positions per sequence): the M dimension of one tile.
     num_splits: the caller's request; 0 means choose (``decode_num_splits``). Either way the count
     is lowered where some splits would get no key of the longest sequence (``effective_splits``).
+    page_size: a paged cache's page size (the tile depends on whether it is a power of two).
     """
     import torch
 
@@ -264,7 +279,8 @@ def decode_config(*, head_dim: int, dtype, rows: int, batch: int, heads_kv: int,
         # Large K/V tiles: narrow key blocks, a 2-deep pipeline (untuned beyond D=128 fp16).
         tile = _DecodeTile(32, 4, 2, per_sm=2)
     else:
-        tile = _decode_tile(programs=batch * heads_kv * m_blocks, paged=paged, sms=sms)
+        tile = _decode_tile(programs=batch * heads_kv * m_blocks, paged=paged, sms=sms,
+                            page_size=page_size)
         if head_dim_block(head_dim) <= 64:
             tile = _DecodeTile(2 * tile.block_n, tile.num_warps, tile.num_stages, tile.per_sm)
     if num_splits == 0:

@@ -45,15 +45,16 @@ import triton
 import triton.language as tl
 
 from . import configs
-from .common import LOG2E, finish_rows, load_kv_tile, on_input_device, online_softmax_step
+from .common import LOG2E, accumulate_pv, finish_rows, load_kv_tile, on_input_device, online_softmax_step
 from .configs import DecodeConfig
 from .merge import merge as _merge_launch
 
 
 @triton.jit
-def _key_offsets(BT, k_base, v_base, start_n, offs_n, valid,
+def _key_offsets(BT, k_base, v_base, start_n, offs_n, valid, hi,
                  stride_kp, stride_ks, stride_vp, stride_vs, stride_btp,
-                 PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
+                 PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+                 PER_PAGE: tl.constexpr):
     """Element offsets [BN] (int64) of the first head-dim lane of keys start_n + offs_n in K and V.
 
     BT points at this sequence's block-table row; k_base / v_base include the KV head (and, for a
@@ -64,12 +65,28 @@ def _key_offsets(BT, k_base, v_base, start_n, offs_n, valid,
             # The whole block is in one page (blocks start at multiples of BLOCK_N).
             page = tl.load(BT + (start_n // PAGE_SIZE) * stride_btp).to(tl.int64)   # scalar
             slot = (start_n % PAGE_SIZE) + offs_n                      # [BN]
+            k_off = k_base + page * stride_kp + slot * stride_ks
+            v_off = v_base + page * stride_vp + slot * stride_vs
+        elif PER_PAGE:
+            # BLOCK_N // PAGE_SIZE whole pages: one block-table read per page, not per key.
+            PAGES: tl.constexpr = BLOCK_N // PAGE_SIZE
+            offs_p = start_n // PAGE_SIZE + tl.arange(0, PAGES)        # [P] block-table index
+            page = tl.load(BT + offs_p * stride_btp, mask=offs_p * PAGE_SIZE < hi,
+                           other=0).to(tl.int64)                      # [P]
+            slot = tl.arange(0, PAGE_SIZE)                             # [PS]
+            k_off = k_base + tl.reshape(page[:, None] * stride_kp + slot[None, :] * stride_ks,
+                                        [BLOCK_N])
+            v_off = v_base + tl.reshape(page[:, None] * stride_vp + slot[None, :] * stride_vs,
+                                        [BLOCK_N])
+            # The reshape hides the strides' divisibility from Triton's alignment analysis.
+            k_off = tl.multiple_of(k_off, 8)
+            v_off = tl.multiple_of(v_off, 8)
         else:
             page = tl.load(BT + (cols // PAGE_SIZE) * stride_btp, mask=valid, other=0)     # [BN]
             page = page.to(tl.int64)
             slot = cols % PAGE_SIZE                                    # [BN]
-        k_off = k_base + page * stride_kp + slot * stride_ks
-        v_off = v_base + page * stride_vp + slot * stride_vs
+            k_off = k_base + page * stride_kp + slot * stride_ks
+            v_off = v_base + page * stride_vp + slot * stride_vs
     else:
         cols64 = cols.to(tl.int64)
         k_off = k_base + cols64 * stride_ks
@@ -85,9 +102,9 @@ def _decode_inner(
     offs_i, offs_d,                          # [BM] query position of each row, [BD] head-dim lanes
     lo, hi, causal_offset, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, PER_PAGE: tl.constexpr,
     MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    NUM_STAGES: tl.constexpr,
+    PRECISE: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):
     """Fold key blocks [lo, hi) into the online-softmax state. MASKED: keys at or past ``hi`` and
     (causal) keys after a row's diagonal are hidden; otherwise every key of every block is seen."""
@@ -97,9 +114,9 @@ def _decode_inner(
         start_n = tl.multiple_of(start_n, BLOCK_N)
         cols = start_n + offs_n                                        # [BN]
         n_ok = cols < hi                                               # [BN]
-        k_off, v_off = _key_offsets(BT, k_base, v_base, start_n, offs_n, n_ok,
+        k_off, v_off = _key_offsets(BT, k_base, v_base, start_n, offs_n, n_ok, hi,
                                     stride_kp, stride_ks, stride_vp, stride_vs, stride_btp,
-                                    PAGED, PAGE_SIZE, BLOCK_N)
+                                    PAGED, PAGE_SIZE, BLOCK_N, PER_PAGE)
         # -- K^T tile [BD, BN]: key on the columns, head dim (contiguous) on the rows --
         k = load_kv_tile(K + k_off[None, :] + offs_d[:, None], n_ok[None, :], d_ok[:, None],
                          MASKED, BLOCK_D != HEAD_DIM)
@@ -109,12 +126,11 @@ def _decode_inner(
             visible = n_ok[None, :]                                    # [1, BN]
             if IS_CAUSAL:
                 visible = visible & (cols[None, :] <= offs_i[:, None] + causal_offset)   # [BM, BN]
-        # PRECISE=False: the fused exp2 form at every dtype (decode feeds no backward needing p = 1).
-        p, m_new, l_i, acc = online_softmax_step(qk, visible, m_i, l_i, acc, qk_scale, MASKED, False)
+        p, m_new, l_i, acc = online_softmax_step(qk, visible, m_i, l_i, acc, qk_scale, MASKED, PRECISE)
         # -- V tile [BN, BD] --
         v = load_kv_tile(V + v_off[:, None] + offs_d[None, :], n_ok[:, None], d_ok[None, :],
                          MASKED, BLOCK_D != HEAD_DIM)
-        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+        acc = accumulate_pv(acc, p.to(v.dtype), v, DOT_PRECISION, PRECISE)
         m_i = m_new
     return acc, l_i, m_i
 
@@ -134,8 +150,9 @@ def _decode_kernel(
     sm_scale, qk_scale,                      # qk_scale = sm_scale * log2(e), rounded once on the host
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, HAS_SEQLENS: tl.constexpr,
-    IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr,
+    PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, PER_PAGE: tl.constexpr, HAS_SEQLENS: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr, PRECISE: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
 ):
     """SEQLENS: cache_seqlens [B] (the keys attended are cache_seqlens[b] + seqlen_new); without it
     every sequence has seqlen_k keys. BLOCK_TABLE: [B, max_pages] int32 when PAGED."""
@@ -198,15 +215,17 @@ def _decode_kernel(
     acc, l_i, m_i = _decode_inner(
         acc, l_i, m_i, q, K, V, BT, k_base, v_base, stride_kb, stride_ks, stride_vb, stride_vs,
         stride_btp, offs_i, offs_d, lo, mid, causal_offset, qk_scale,
-        HEAD_DIM, BLOCK_D, BLOCK_N, PAGED, PAGE_SIZE, False, IS_CAUSAL, DOT_PRECISION, NUM_STAGES)
+        HEAD_DIM, BLOCK_D, BLOCK_N, PAGED, PAGE_SIZE, PER_PAGE, False, IS_CAUSAL, DOT_PRECISION,
+        PRECISE, NUM_STAGES)
     acc, l_i, m_i = _decode_inner(
         acc, l_i, m_i, q, K, V, BT, k_base, v_base, stride_kb, stride_ks, stride_vb, stride_vs,
         stride_btp, offs_i, offs_d, mid, hi, causal_offset, qk_scale,
-        HEAD_DIM, BLOCK_D, BLOCK_N, PAGED, PAGE_SIZE, True, IS_CAUSAL, DOT_PRECISION, 1)
+        HEAD_DIM, BLOCK_D, BLOCK_N, PAGED, PAGE_SIZE, PER_PAGE, True, IS_CAUSAL, DOT_PRECISION,
+        PRECISE, 1)
 
     # -- epilogue: normalise; no visible key (empty split, L = 0, causal rows) -> out 0, lse -inf --
     # fp32 split-KV partials keep their LSE in float64 (the launcher says why).
-    out, lse = finish_rows(acc, l_i, m_i, sm_scale, LSE.dtype.element_ty == tl.float64)
+    out, lse = finish_rows(acc, l_i, m_i, sm_scale, LSE.dtype.element_ty == tl.float64, PRECISE)
     heads = head0 + offs_g                                             # [BM] query head of each row
     o_base = split.to(tl.int64) * stride_on + off_b.to(tl.int64) * stride_ob
     o_ptrs = O + o_base + offs_i[:, None] * stride_os + heads[:, None] * stride_oh + offs_d[None, :]
@@ -245,7 +264,8 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         config = configs.decode_config(head_dim=head_dim, dtype=q.dtype, rows=rows, batch=batch,
                                        heads_kv=heads_kv, max_seqlen=max_seqlen,
                                        num_splits=num_splits, paged=block_table is not None,
-                                       device=q.device)
+                                       device=q.device,
+                                       page_size=k_cache.shape[1] if block_table is not None else None)
     splits = config.num_splits
     num_m_blocks = triton.cdiv(rows, config.block_m)
     if splits == 1:
@@ -265,6 +285,12 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     # Unused pointer arguments get a valid tensor of the right kind (never dereferenced).
     seqlens_arg = cache_seqlens if has_seqlens else lse
     table_arg = block_table if paged else lse
+    page_size = k_cache.shape[1] if paged else 1
+    # Per-page block-table reads (see _key_offsets) when whole pages tile a key block and every
+    # K/V offset is a multiple of 8 elements (the kernel asserts that alignment to the compiler).
+    per_page = (paged and page_size < config.block_n
+                and config.block_n % page_size == 0
+                and all(s % 8 == 0 for s in k_cache.stride()[:3] + v_cache.stride()[:3]))
     grid = (batch * heads_kv * splits * num_m_blocks,)
     _decode_kernel[grid](
         q, k_cache, v_cache, o_part, l_part, seqlens_arg, table_arg,
@@ -279,9 +305,12 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         sm_scale, sm_scale * LOG2E,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=configs.head_dim_block(head_dim),
         BLOCK_M=config.block_m, BLOCK_N=config.block_n,
-        PAGED=paged, PAGE_SIZE=k_cache.shape[1] if paged else 1, HAS_SEQLENS=has_seqlens,
+        PAGED=paged, PAGE_SIZE=page_size, PER_PAGE=per_page, HAS_SEQLENS=has_seqlens,
         IS_CAUSAL=causal,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        # fp32: the forward's precise form (p = 1 for a row's largest score, p @ v summed block by
+        # block, an IEEE division at the end).
+        PRECISE=q.dtype == torch.float32,
         NUM_STAGES=config.num_stages,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )

@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from . import configs
-from .common import LN2_K, LOG2E_K, on_input_device
+from .common import LN2_K, LOG2E_K, div_rn, on_input_device
 
 
 @triton.jit(do_not_specialize=["num_parts", "seqlen", "num_rows"])   # no recompile per shape
@@ -89,7 +89,10 @@ def _merge_kernel(
     # -- epilogue --
     empty = total == 0.0
     t_safe = tl.where(empty, 1.0, total)
-    out = acc / t_safe[:, None]
+    if O.dtype.element_ty == tl.float32:
+        out = div_rn(acc, t_safe[:, None])                             # IEEE division (see div_rn)
+    else:
+        out = acc / t_safe[:, None]
     lse = tl.where(empty, float("-inf"),
                    (m_safe + tl.math.log2(t_safe) * LN2_K).to(tl.float32))
     o_ptrs = O + (off_b * stride_ob + off_s * stride_os + off_h * stride_oh)[:, None] + offs_d[None, :]
