@@ -13,9 +13,20 @@ from conftest import DTYPES, ON_GPU
 from helpers import DTYPE_ID, HEAD_DIMS, HEADS, HEADS_ID, SEQLENS, assert_matches_reference, make_qkv
 
 import triflash
+from triflash.kernels import configs
+from triflash.kernels import forward as forward_module
 from triflash.kernels.configs import FwdConfig
 from triflash.kernels.forward import forward
 
+# On an sm_90 GPU, fp16/bf16 at head_dim 128 has two forward kernels: the Gluon Hopper kernel (the
+# default there) and the Triton kernel (every other GPU, the interpreter). Those cases run with both.
+HOPPER = ON_GPU and torch.cuda.get_device_capability() == (9, 0)
+
+
+def _paths(head_dim, dtype):
+    if HOPPER and configs.hopper_forward_applies(head_dim=head_dim, dtype=dtype, device="cuda"):
+        return ["hopper", "triton"]
+    return ["default"]
 
 
 def _cases():
@@ -34,14 +45,17 @@ def _cases():
             combos = [(DTYPES[(si + di + ci) % len(DTYPES)], HEADS[(si + di + 2 * ci) % len(HEADS)])]
         for dtype, heads in combos:
             batch = 1 if sq * sk > 100_000 and not ON_GPU else 2
-            cid = (f"B{batch}-Sq{sq}-Sk{sk}-D{d}-{'causal' if causal else 'full'}-"
-                   f"{DTYPE_ID[dtype]}-{HEADS_ID[heads]}")
-            cases.append(pytest.param(batch, sq, sk, d, causal, dtype, heads, id=cid))
+            for path in _paths(d, dtype):
+                cid = (f"B{batch}-Sq{sq}-Sk{sk}-D{d}-{'causal' if causal else 'full'}-"
+                       f"{DTYPE_ID[dtype]}-{HEADS_ID[heads]}" + ("" if path == "default" else f"-{path}"))
+                cases.append(pytest.param(batch, sq, sk, d, causal, dtype, heads, path, id=cid))
     return cases
 
 
-@pytest.mark.parametrize("batch,seqlen_q,seqlen_k,head_dim,causal,dtype,heads", _cases())
-def test_forward_matches_reference(device, batch, seqlen_q, seqlen_k, head_dim, causal, dtype, heads):
+@pytest.mark.parametrize("batch,seqlen_q,seqlen_k,head_dim,causal,dtype,heads,path", _cases())
+def test_forward_matches_reference(device, monkeypatch, batch, seqlen_q, seqlen_k, head_dim, causal,
+                                   dtype, heads, path):
+    monkeypatch.setattr(forward_module, "HOPPER_PATH", path != "triton")
     hq, hkv = heads
     q, k, v = make_qkv(batch, seqlen_q, seqlen_k, hq, hkv, head_dim, dtype, device)
 
@@ -100,3 +114,25 @@ def test_forward_block_shapes(device, config, causal, seqlen_q, seqlen_k):
     q, k, v = make_qkv(2, seqlen_q, seqlen_k, 4, 2, 80, dtype, device)
     out, lse = forward(q, k, v, 80 ** -0.5, causal, config=config)
     assert_matches_reference(out, lse, q, k, v, causal=causal)
+
+
+@pytest.mark.skipif(not HOPPER, reason="the Gluon Hopper kernel runs on sm_90 GPUs only")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_hopper_kernel_is_taken_where_it_applies(device, monkeypatch, dtype):
+    """On sm_90 the fp16/bf16 head_dim-128 forward runs the Gluon kernel (checked against the
+    reference like any other); head_dim 64, and HOPPER_PATH off, run the Triton kernel."""
+    from triflash.kernels import forward_hopper
+
+    calls = []
+    real = forward_hopper.forward_hopper
+    monkeypatch.setattr(forward_hopper, "forward_hopper", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    q, k, v = make_qkv(2, 300, 517, 8, 2, 128, dtype, device)
+    out, lse = triflash.flash_attn_func(q, k, v, causal=True, return_lse=True)
+    assert len(calls) == 1
+    assert_matches_reference(out, lse, q, k, v, causal=True)
+    q64, k64, v64 = make_qkv(2, 300, 517, 8, 2, 64, dtype, device)
+    triflash.flash_attn_func(q64, k64, v64)
+    assert len(calls) == 1
+    monkeypatch.setattr(forward_module, "HOPPER_PATH", False)
+    triflash.flash_attn_func(q, k, v, causal=True)
+    assert len(calls) == 1

@@ -117,6 +117,18 @@ def _is_hopper_or_newer(device) -> bool:
     return _device_facts(device)[0] >= 9
 
 
+def hopper_forward_applies(*, head_dim: int, dtype, device) -> bool:
+    """Whether the forward takes the Gluon Hopper kernel (forward_hopper.py) for this head dim and
+    dtype: sm_90 exactly (its wgmma and setmaxnreg are Hopper instructions), fp16 or bf16, and
+    head_dim 128, where it measured 11-25% faster than the Triton kernel (performance-notes.md, run
+    15). At head_dim 64 it was level or slower, so the Triton kernel stays there."""
+    import torch
+
+    if INTERPRET or dtype not in (torch.float16, torch.bfloat16) or head_dim != 128:
+        return False
+    return torch.device(device).type == "cuda" and _device_facts(device)[0] == 9
+
+
 def sm_count(device) -> int:
     return _device_facts(device)[1]
 

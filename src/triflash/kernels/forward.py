@@ -36,7 +36,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from . import configs
-from .common import (LOG2E, accumulate_pv, causal_key_range, finish_rows, load_kv_tile, on_input_device,
+from .common import (LOG2E, causal_key_range, finish_rows, load_kv_tile, on_input_device,
                      online_softmax_step)
 from .configs import FwdConfig
 
@@ -83,7 +83,7 @@ def _fwd_inner(
             v = load_kv_tile(V + cols[:, None] * stride_vs + offs_d[None, :], cols[:, None] < seqlen_k,
                              d_ok[None, :], MASKED, BLOCK_D != HEAD_DIM)
         # p is in [0, 1]: cast to the input dtype for the tensor cores, accumulate in fp32.
-        acc = accumulate_pv(acc, p.to(v.dtype), v, DOT_PRECISION, PRECISE)
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
         m_i = m_new
     return acc, l_i, m_i
 
@@ -155,7 +155,7 @@ def _attn_fwd_kernel(
         HEAD_DIM, BLOCK_D, BLOCK_N, True, IS_CAUSAL, TMA, DOT_PRECISION, PRECISE)
 
     # -- epilogue: normalise; a row that saw no key gets out = 0 and lse = -inf --
-    out, lse = finish_rows(acc, l_i, m_i, sm_scale, PRECISE=PRECISE)
+    out, lse = finish_rows(acc, l_i, m_i, sm_scale)
     lse_ptrs = LSE + pid_bh.to(tl.int64) * seqlen_q + offs_m
     tl.store(lse_ptrs, lse, mask=m_ok)
     if TMA:
@@ -210,6 +210,12 @@ def tma_compatible(*tensors: torch.Tensor) -> bool:
     return True
 
 
+# The Gluon kernel of forward_hopper.py is taken on sm_90 where configs.hopper_forward_applies says so
+# and its inputs allow it (TMA strides); everything else, or an explicit ``config``, runs the Triton
+# kernel above. Tests turn this off to run the Triton kernel on Hopper too.
+HOPPER_PATH = True
+
+
 @on_input_device
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float, causal: bool,
             out: torch.Tensor | None = None, config: FwdConfig | None = None):
@@ -232,6 +238,12 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float, 
         lse.fill_(float("-inf"))
         return out, lse
 
+    if config is None and HOPPER_PATH and configs.hopper_forward_applies(
+            head_dim=head_dim, dtype=q.dtype, device=q.device):
+        from . import forward_hopper   # imported here: it imports this module (tma_compatible)
+
+        if forward_hopper.supported(q, k, v, out):
+            return forward_hopper.forward_hopper(q, k, v, sm_scale, causal, out=out)
     if config is None:
         config = configs.forward_config(head_dim=head_dim, dtype=q.dtype, causal=causal,
                                         batch_heads=batch * heads_q, seqlen_q=seqlen_q,
@@ -254,8 +266,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float, 
         IS_CAUSAL=causal, TMA=tma,
         # fp32 inputs: full IEEE fp32 products (Triton's default would be tf32, ~1e-3 relative error).
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        # fp32: the softmax's largest score gets p = 1 exactly (see online_softmax_step), p @ v is
-        # summed block by block (accumulate_pv), and out = acc / l is an IEEE division (finish_rows).
+        # fp32: the softmax's largest score gets p = 1 exactly (see online_softmax_step).
         PRECISE=q.dtype == torch.float32,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )

@@ -1,0 +1,180 @@
+"""Compile every variant of the Gluon Hopper forward (kernels/forward_hopper.py) for sm_90 on a machine
+without a GPU, and report registers, spills, shared memory and SASS instruction counts per variant.
+
+As in scripts/compile_check.py, the launcher runs on CPU tensors with the kernel swapped for a
+recorder; the recorded arguments become a signature (with the tt.divisibility = 16 hints a real
+launch would add) for ``triton.compile(GluonASTSource(...), target=GPUTarget("cuda", 90, 32))``.
+Triton's whole pipeline and ptxas (bundled with the wheel) run; cuobjdump (also bundled) reads the
+cubin. ptxas is run once more on the PTX with -v to surface its wgmma serialization warnings.
+
+    PYTHONPATH=src python scripts/gluon_check.py [--variants pp ws2] [--ptx-dump DIR]
+"""
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+
+os.environ.pop("TRITON_INTERPRET", None)
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.experimental.gluon._runtime import GluonASTSource  # noqa: E402
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTensorDescriptor  # noqa: E402
+
+from triflash.kernels import forward_hopper as FH  # noqa: E402
+
+TARGET = GPUTarget("cuda", 90, 32)      # (backend, compute capability, warp size)
+TYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
+DIVISIBLE = [["tt.divisibility", 16]]
+BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+
+
+class Recorder:
+    def __init__(self, fn, calls):
+        self.fn, self.calls = fn, calls
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.calls.append((self.fn, args, kwargs))
+
+
+def signature(fn, args, kwargs):
+    """Signature, constants and attributes a real launch would compile with (see compile_check.py):
+    ints equal to 1 become constants, ints divisible by 16 and 16-byte aligned pointers carry
+    tt.divisibility = 16; Gluon descriptors are typed with their block shape and shared layout."""
+    sig, const, attrs = {}, {}, {}
+    values = dict(zip(fn.arg_names, args))
+    values.update({k: v for k, v in kwargs.items() if k in fn.arg_names})
+    for index, name in enumerate(fn.arg_names):
+        v = values[name]
+        param = fn.params[index]
+        if param.is_constexpr or v is None:
+            sig[name] = "constexpr"
+            const[name] = v
+        elif isinstance(v, GluonTensorDescriptor):
+            block = ",".join(str(b) for b in v.block_shape)
+            sig[name] = f"tensordesc<{TYPES[v.base.dtype]}[{block}],{v.layout!r}>"
+        elif isinstance(v, torch.Tensor):
+            sig[name] = "*" + TYPES[v.dtype]
+            if not param.do_not_specialize_on_alignment and v.data_ptr() % 16 == 0:
+                attrs[(index,)] = DIVISIBLE
+        elif isinstance(v, bool):
+            sig[name] = "i1"
+        elif isinstance(v, int):
+            if v == 1 and not param.do_not_specialize:
+                sig[name] = "constexpr"
+                const[name] = 1
+                continue
+            sig[name] = "i64" if abs(v) >= 2**31 else "i32"
+            if not param.do_not_specialize and v % 16 == 0:
+                attrs[(index,)] = DIVISIBLE
+        elif isinstance(v, float):
+            sig[name] = "fp32"
+        else:
+            raise TypeError(f"{name}: cannot type {type(v)}")
+    options = {k: kwargs[k] for k in ("num_warps", "num_stages", "maxnreg") if k in kwargs}
+    return sig, const, attrs, options
+
+
+def tool(name, *argv, data=None, suffix=".cubin"):
+    with tempfile.NamedTemporaryFile(suffix=suffix, mode="wb") as f:
+        f.write(data)
+        f.flush()
+        r = subprocess.run([os.path.join(BIN, name), *argv, f.name], capture_output=True, text=True)
+        return r.stdout + r.stderr
+
+
+def ptxas_warnings(ptx: str) -> list[str]:
+    """ptxas -v on the PTX: wgmma serialization and spill lines (Triton's own ptxas call hides them)."""
+    with tempfile.TemporaryDirectory() as d:
+        src = os.path.join(d, "k.ptx")
+        with open(src, "w") as f:
+            f.write(ptx)
+        r = subprocess.run([os.path.join(BIN, "ptxas"), "-v", "-arch=sm_90a", src, "-o", os.path.join(d, "k.cubin")],
+                           capture_output=True, text=True)
+    lines = (r.stdout + r.stderr).splitlines()
+    return [l.strip() for l in lines if "wgmma" in l.lower() or "spill" in l.lower() or "error" in l.lower()]
+
+
+def compile_one(label, run, dump_dir=None):
+    calls = []
+    saved = FH._attn_fwd_hopper_kernel
+    FH._attn_fwd_hopper_kernel = Recorder(saved, calls)
+    try:
+        run()
+    finally:
+        FH._attn_fwd_hopper_kernel = saved
+    ok = True
+    for fn, args, kwargs in calls:
+        t0 = time.time()
+        try:
+            sig, const, attrs, options = signature(fn, args, kwargs)
+            k = triton.compile(GluonASTSource(fn, sig, const, attrs), target=TARGET, options=options)
+            usage = tool("cuobjdump", "--dump-resource-usage", data=k.asm["cubin"])
+            regs = re.search(r"REG:(\d+)", usage)
+            stack = re.search(r"STACK:(\d+)", usage)
+            sass = tool("cuobjdump", "--dump-sass", data=k.asm["cubin"])
+            ptx = k.asm["ptx"]
+            setmax = sorted(set(re.findall(r"setmaxnreg\.(inc|dec)\.sync\.aligned\.u32\s+(\d+)", ptx)))
+            info = (f"regs {regs.group(1) if regs else '?':>3} stack {stack.group(1) if stack else '?':>4} "
+                    f"smem {k.metadata.shared:6d} HGMMA {sass.count('HGMMA'):3d} STL {sass.count('STL'):3d} "
+                    f"LDL {sass.count('LDL'):3d} BAR {len(re.findall(r'BAR.SYNC', sass)):2d} "
+                    f"setmaxnreg {','.join(a + b for a, b in setmax)} ({time.time() - t0:.0f}s)")
+            print(f"  ok   {label:<36} {info}", flush=True)
+            for w in ptxas_warnings(ptx):
+                print(f"       ptxas: {w[:200]}", flush=True)
+            if dump_dir:
+                os.makedirs(dump_dir, exist_ok=True)
+                base = os.path.join(dump_dir, label.replace(" ", "_"))
+                for ext in ("ttgir", "ptx"):
+                    with open(f"{base}.{ext}", "w") as f:
+                        f.write(k.asm[ext])
+                with open(f"{base}.sass", "w") as f:
+                    f.write(sass)
+        except Exception as e:  # noqa: BLE001 - report and go on
+            ok = False
+            msg = [m for m in str(e).strip().splitlines() if m.strip()]
+            err = next((m for m in msg if "error" in m.lower()), msg[-1] if msg else type(e).__name__)
+            print(f"  FAIL {label:<36} {err[:300]}", flush=True)
+            if os.environ.get("GLUON_CHECK_VERBOSE"):
+                print("\n".join(msg[-40:]))
+    return ok
+
+
+def cases(variants):
+    for variant in variants:
+        for d in (64, 128):
+            for dtype in (torch.float16, torch.bfloat16):
+                if dtype == torch.bfloat16 and d == 64:
+                    continue          # same code as fp16 apart from the conversion; keep the run short
+                for causal in (False, True):
+                    q = torch.randn(2, 1000, 8, d, dtype=dtype)
+                    k = torch.randn(2, 1500, 2, d, dtype=dtype)
+                    v = torch.randn(2, 1500, 2, d, dtype=dtype)
+                    label = f"{variant} D{d} {TYPES[dtype]} {'causal' if causal else 'full'}"
+                    yield label, (lambda q=q, k=k, v=v, c=causal, var=variant:
+                                  FH.forward_hopper(q, k, v, 0.1, c, variant=var))
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--variants", nargs="*", default=list(FH.VARIANTS))
+    ap.add_argument("--ptx-dump", default=None, help="write ttgir/ptx/sass per case here")
+    a = ap.parse_args()
+    print(f"triton {triton.__version__}; target {TARGET}")
+    for v in a.variants:
+        for d in (64, 128):
+            print(f"  variant {v} D{d}: {FH.variant_config(v, d)}")
+    ok = True
+    for label, run in cases(a.variants):
+        ok &= compile_one(label, run, a.ptx_dump)
+    print("all compiled" if ok else "SOME FAILED")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
