@@ -2,6 +2,7 @@
 variant first, then timing beside triflash's current forward and SDPA's cuDNN backend.
 
     PYTHONPATH=src python3 scripts/gpu_forward_hopper.py [--variants pp ws2 ...] [--budget 330]
+        [--skip-check] [--fa4] [--head-dims 64 128]
 
 (a) Correctness. Each variant is checked in its own child process (all in parallel, each with a
     time limit), so a variant that fails to compile, crashes or deadlocks is reported and the others go
@@ -178,6 +179,10 @@ def main():
     ap.add_argument("--check-timeout", type=float, default=200.0, help="seconds per variant's correctness run")
     ap.add_argument("--warmup", type=int, default=25)
     ap.add_argument("--rep", type=int, default=80)
+    ap.add_argument("--skip-check", action="store_true", help="time the variants without the correctness run")
+    ap.add_argument("--fa4", action="store_true", help="time FlashAttention-4 (flash_attn.cute) beside them")
+    ap.add_argument("--head-dims", nargs="*", type=int, default=[64, 128])
+    ap.add_argument("--rounds", type=int, default=1, help="timing rounds per case (order rotated each round)")
     a = ap.parse_args()
 
     import torch
@@ -207,14 +212,14 @@ def main():
     ctx = mp.get_context("spawn")
     tmp = tempfile.mkdtemp()
     procs = {}
-    for v in variants:
+    for v in ([] if a.skip_check else variants):
         path = os.path.join(tmp, f"{v}.txt")
         p = ctx.Process(target=check_variant, args=(v, path), daemon=True)
         p.start()
         procs[v] = (p, path)
     deadline = time.time() + a.check_timeout
-    passed = []
-    for v in variants:
+    passed = list(variants) if a.skip_check else []
+    for v in ([] if a.skip_check else variants):
         p, path = procs[v]
         p.join(max(1.0, deadline - time.time()))
         hung = p.is_alive()
@@ -249,8 +254,15 @@ def main():
     dog = Watchdog(60.0, lambda what: (log(f"HANG while timing {what}: ending the run"), write_logs()))
     results = []
     fns = [f"gluon:{v}" for v in passed] + ["triflash", "cudnn"]
+    fa4 = None
+    if a.fa4:
+        try:
+            from flash_attn.cute import flash_attn_func as fa4
+            fns.append("fa4")
+        except Exception as e:  # noqa: BLE001
+            log(f"FA4 unavailable: {type(e).__name__}: {e}")
     cases = []
-    for shape in TIMING_SHAPES:
+    for shape in [s for s in TIMING_SHAPES if s[3] in a.head_dims]:
         for causal in (False, True):
             cases.append((shape, causal, "float16"))
             if shape[3] == 128:
@@ -269,6 +281,8 @@ def main():
         scale = d ** -0.5
         flops = 4 * b * h * s * s * d / (2 if causal else 1)
         row = {"shape": list(shape), "causal": causal, "dtype": dtname}
+        ref_out = None
+        timed = {}
         for name in fns:
             if time.time() - T0 > a.budget:
                 row[name] = None
@@ -280,19 +294,50 @@ def main():
                     fn = lambda var=var: FH.forward_hopper(q, k, v, scale, causal, out=out, variant=var)
                 elif name == "triflash":
                     fn = lambda: triflash_forward(q, k, v, scale, causal, out=out)
+                elif name == "fa4":
+                    fn = lambda: fa4(q, k, v, softmax_scale=scale, causal=causal)
                 else:
                     def fn():
                         with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
                             return torch.nn.functional.scaled_dot_product_attention(qh, kh, vh, is_causal=causal,
                                                                                     scale=scale)
-                ms = triton.testing.do_bench(fn, warmup=a.warmup, rep=a.rep, return_mode="median")
-                row[name] = flops / (ms * 1e-3) / 1e12
-                log(f"   {str(shape):<22} {'causal' if causal else 'full  '} {dtname:<8} {name:<14} "
-                    f"{ms:8.3f} ms {row[name]:7.1f} TFLOP/s")
+                # Correctness first, at the timed shape: against cuDNN's output (itself checked
+                # against the float64 reference at these shapes in the GPU test suite).
+                got = fn()
+                got = got[0] if isinstance(got, tuple) else got
+                got = got.transpose(1, 2) if name == "cudnn" else got
+                if ref_out is None:
+                    with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+                        ref_out = torch.nn.functional.scaled_dot_product_attention(
+                            qh, kh, vh, is_causal=causal, scale=scale).transpose(1, 2)
+                diff = (got.float() - ref_out.float()).abs().max().item()
+                if diff <= 2e-2:
+                    timed[name] = (fn, diff)
+                else:
+                    row[name] = None
+                    log(f"   {str(shape):<22} {'causal' if causal else 'full  '} {dtname:<8} {name:<18} "
+                        f"WRONG: max|diff vs cuDNN| {diff:.1e}, not timed")
             except Exception as e:  # noqa: BLE001
                 row[name] = None
-                log(f"   {str(shape):<22} {'causal' if causal else 'full  '} {dtname:<8} {name:<14} "
+                log(f"   {str(shape):<22} {'causal' if causal else 'full  '} {dtname:<8} {name:<18} "
                     f"ERROR {type(e).__name__}: {str(e).splitlines()[0][:150] if str(e) else ''}")
+        # Rounds: every provider once per round, the order rotated each round; the median over rounds
+        # is reported, with the spread (max - min) over rounds as the noise estimate.
+        names = list(timed)
+        per_round = {n: [] for n in names}
+        for r in range(a.rounds):
+            for name in names[r % len(names):] + names[:r % len(names)] if names else []:
+                dog.beat(f"{name} {shape} causal={causal} {dtname} round {r}")
+                per_round[name].append(triton.testing.do_bench(timed[name][0], warmup=a.warmup, rep=a.rep,
+                                                               return_mode="median"))
+        for name in names:
+            ms_all = sorted(per_round[name])
+            ms = ms_all[len(ms_all) // 2]
+            row[name] = flops / (ms * 1e-3) / 1e12
+            row[name + ":spread"] = (flops / (ms_all[0] * 1e-3) - flops / (ms_all[-1] * 1e-3)) / 1e12
+            rounds = ", ".join(f"{flops / (m * 1e-3) / 1e12:.0f}" for m in per_round[name])
+            log(f"   {str(shape):<22} {'causal' if causal else 'full  '} {dtname:<8} {name:<18} "
+                f"{ms:8.3f} ms {row[name]:7.1f} TFLOP/s (rounds: {rounds})  max|diff vs cuDNN| {timed[name][1]:.1e}")
         results.append(row)
     dog.beat("done")
     if skipped:

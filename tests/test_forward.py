@@ -18,14 +18,15 @@ from triflash.kernels import forward as forward_module
 from triflash.kernels.configs import FwdConfig
 from triflash.kernels.forward import forward
 
-# On an sm_90 GPU, fp16/bf16 at head_dim 128 has two forward kernels: the Gluon Hopper kernel (the
-# default there) and the Triton kernel (every other GPU, the interpreter). Those cases run with both.
+# On an sm_90 GPU, fp16/bf16 at head_dim 64 and 128 has two forward kernels: the Gluon Hopper kernel
+# (several variants, chosen by shape) and the Triton kernel (every other GPU, the interpreter). Those
+# cases run with the Triton kernel and with every Gluon variant the chooser can take, each forced.
 HOPPER = ON_GPU and torch.cuda.get_device_capability() == (9, 0)
 
 
 def _paths(head_dim, dtype):
     if HOPPER and configs.hopper_forward_applies(head_dim=head_dim, dtype=dtype, device="cuda"):
-        return ["hopper", "triton"]
+        return ["triton"] + [f"gluon:{v}" for v in configs.HOPPER_FORWARD_VARIANTS[head_dim]]
     return ["default"]
 
 
@@ -56,6 +57,8 @@ def _cases():
 def test_forward_matches_reference(device, monkeypatch, batch, seqlen_q, seqlen_k, head_dim, causal,
                                    dtype, heads, path):
     monkeypatch.setattr(forward_module, "HOPPER_PATH", path != "triton")
+    if path.startswith("gluon:"):
+        monkeypatch.setattr(forward_module, "HOPPER_VARIANT", path.split(":", 1)[1])
     hq, hkv = heads
     q, k, v = make_qkv(batch, seqlen_q, seqlen_k, hq, hkv, head_dim, dtype, device)
 
@@ -119,20 +122,46 @@ def test_forward_block_shapes(device, config, causal, seqlen_q, seqlen_k):
 @pytest.mark.skipif(not HOPPER, reason="the Gluon Hopper kernel runs on sm_90 GPUs only")
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 def test_hopper_kernel_is_taken_where_it_applies(device, monkeypatch, dtype):
-    """On sm_90 the fp16/bf16 head_dim-128 forward runs the Gluon kernel (checked against the
-    reference like any other); head_dim 64, and HOPPER_PATH off, run the Triton kernel."""
+    """On sm_90 the forward runs the Gluon variant the chooser names (checked against the reference
+    like any other); where it names none (head_dim 64, causal, short), and with HOPPER_PATH off, the
+    Triton kernel runs."""
     from triflash.kernels import forward_hopper
 
     calls = []
     real = forward_hopper.forward_hopper
-    monkeypatch.setattr(forward_hopper, "forward_hopper", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    monkeypatch.setattr(forward_hopper, "forward_hopper",
+                        lambda *a, **kw: calls.append(kw.get("variant")) or real(*a, **kw))
     q, k, v = make_qkv(2, 300, 517, 8, 2, 128, dtype, device)
     out, lse = triflash.flash_attn_func(q, k, v, causal=True, return_lse=True)
-    assert len(calls) == 1
+    assert calls == ["pp_persist"]
     assert_matches_reference(out, lse, q, k, v, causal=True)
     q64, k64, v64 = make_qkv(2, 300, 517, 8, 2, 64, dtype, device)
     triflash.flash_attn_func(q64, k64, v64)
-    assert len(calls) == 1
+    assert calls == ["pp_persist", "pp_persist"]
+    triflash.flash_attn_func(q64, k64, v64, causal=True)     # head_dim 64, causal, 300 queries: Triton
+    assert len(calls) == 2
     monkeypatch.setattr(forward_module, "HOPPER_PATH", False)
     triflash.flash_attn_func(q, k, v, causal=True)
-    assert len(calls) == 1
+    assert len(calls) == 2
+
+
+def test_hopper_variant_chooser(monkeypatch):
+    """The chooser's rules (configs.hopper_forward_variant): None off sm_90 (here: a CPU device), and
+    with the sm_90 check stubbed to pass, the variant per head dim, causality and length."""
+    from triflash.kernels import forward_hopper
+
+    pick = configs.hopper_forward_variant
+    kw = dict(dtype=torch.float16, device="cpu")
+    assert pick(head_dim=128, causal=False, seqlen_q=4096, seqlen_k=4096, **kw) is None
+    monkeypatch.setattr(configs, "hopper_forward_applies",
+                        lambda *, head_dim, dtype, device: head_dim in (64, 128))
+    assert pick(head_dim=128, causal=False, seqlen_q=1024, seqlen_k=1024, **kw) == "pp_persist"
+    assert pick(head_dim=128, causal=False, seqlen_q=16384, seqlen_k=16384, **kw) == "pp"
+    assert pick(head_dim=128, causal=True, seqlen_q=16384, seqlen_k=16384, **kw) == "pp_persist"
+    assert pick(head_dim=64, causal=True, seqlen_q=1024, seqlen_k=1024, **kw) is None
+    assert pick(head_dim=64, causal=True, seqlen_q=4096, seqlen_k=4096, **kw) == "pp_persist"
+    assert pick(head_dim=64, causal=False, seqlen_q=16384, seqlen_k=16384, **kw) == "pp3"
+    assert pick(head_dim=64, causal=True, seqlen_q=16384, seqlen_k=16384, **kw) == "pp3_persist"
+    assert pick(head_dim=80, causal=False, seqlen_q=4096, seqlen_k=4096, **kw) is None
+    for d, names in configs.HOPPER_FORWARD_VARIANTS.items():
+        assert all(d in forward_hopper.VARIANTS[n] for n in names)

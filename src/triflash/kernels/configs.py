@@ -118,15 +118,40 @@ def _is_hopper_or_newer(device) -> bool:
 
 
 def hopper_forward_applies(*, head_dim: int, dtype, device) -> bool:
-    """Whether the forward takes the Gluon Hopper kernel (forward_hopper.py) for this head dim and
-    dtype: sm_90 exactly (its wgmma and setmaxnreg are Hopper instructions), fp16 or bf16, and
-    head_dim 128, where it measured 11-25% faster than the Triton kernel (performance-notes.md, run
-    15). At head_dim 64 it was level or slower, so the Triton kernel stays there."""
+    """Whether the Gluon Hopper kernel (forward_hopper.py) can run this head dim and dtype: sm_90
+    exactly (its wgmma and setmaxnreg are Hopper instructions), fp16 or bf16, head_dim 64 or 128."""
     import torch
 
-    if INTERPRET or dtype not in (torch.float16, torch.bfloat16) or head_dim != 128:
+    if INTERPRET or dtype not in (torch.float16, torch.bfloat16) or head_dim not in (64, 128):
         return False
     return torch.device(device).type == "cuda" and _device_facts(device)[0] == 9
+
+
+# The Gluon variants the forward chooses from (forward_hopper.VARIANTS), per head dim.
+HOPPER_FORWARD_VARIANTS = {64: ("pp_persist", "pp3", "pp3_persist"), 128: ("pp", "pp_persist")}
+
+
+def hopper_forward_variant(*, head_dim: int, dtype, device, causal: bool, seqlen_q: int,
+                           seqlen_k: int) -> str | None:
+    """The Gluon Hopper kernel variant the forward takes, or None for the Triton kernel. Measured on
+    the H200 (performance-notes.md, runs 16-18, fp16 and bf16):
+
+    * head_dim 128: persistent (``pp_persist``) everywhere (+9-15% at 1k, causal +5-9% at 4k)
+      except non-causal from 8k keys, where the one-tile-per-CTA launch (``pp``) was level or up to
+      4% faster;
+    * head_dim 64: from 16k keys three consumer warpgroups (``pp3``; ``pp3_persist`` causal), up to
+      8% over two; below that ``pp_persist`` (2-9% over the Triton kernel), except causal below 2k
+      queries, where the Triton kernel was 20% faster (315 against 258 TFLOP/s at 1k).
+    """
+    if not hopper_forward_applies(head_dim=head_dim, dtype=dtype, device=device):
+        return None
+    if head_dim == 128:
+        return "pp" if not causal and seqlen_k >= 8192 else "pp_persist"
+    if causal and seqlen_q < 2048:
+        return None
+    if seqlen_k >= 16384:
+        return "pp3_persist" if causal else "pp3"
+    return "pp_persist"
 
 
 def sm_count(device) -> int:

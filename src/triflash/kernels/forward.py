@@ -210,10 +210,12 @@ def tma_compatible(*tensors: torch.Tensor) -> bool:
     return True
 
 
-# The Gluon kernel of forward_hopper.py is taken on sm_90 where configs.hopper_forward_applies says so
-# and its inputs allow it (TMA strides); everything else, or an explicit ``config``, runs the Triton
-# kernel above. Tests turn this off to run the Triton kernel on Hopper too.
+# The Gluon kernel of forward_hopper.py is taken on sm_90 where configs.hopper_forward_variant picks a
+# variant and its inputs allow it (TMA strides); everything else, or an explicit ``config``, runs the
+# Triton kernel above. Tests turn HOPPER_PATH off to run the Triton kernel on Hopper too, and set
+# HOPPER_VARIANT to run one Gluon variant wherever the Gluon kernel can run.
 HOPPER_PATH = True
+HOPPER_VARIANT: str | None = None
 
 
 @on_input_device
@@ -238,12 +240,18 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float, 
         lse.fill_(float("-inf"))
         return out, lse
 
-    if config is None and HOPPER_PATH and configs.hopper_forward_applies(
-            head_dim=head_dim, dtype=q.dtype, device=q.device):
-        from . import forward_hopper   # imported here: it imports this module (tma_compatible)
+    if config is None and HOPPER_PATH:
+        if HOPPER_VARIANT is not None:
+            applies = configs.hopper_forward_applies(head_dim=head_dim, dtype=q.dtype, device=q.device)
+            variant = HOPPER_VARIANT if applies else None
+        else:
+            variant = configs.hopper_forward_variant(head_dim=head_dim, dtype=q.dtype, device=q.device,
+                                                     causal=causal, seqlen_q=seqlen_q, seqlen_k=seqlen_k)
+        if variant is not None:
+            from . import forward_hopper   # imported here: it imports this module (tma_compatible)
 
-        if forward_hopper.supported(q, k, v, out):
-            return forward_hopper.forward_hopper(q, k, v, sm_scale, causal, out=out)
+            if forward_hopper.supported(q, k, v, out):
+                return forward_hopper.forward_hopper(q, k, v, sm_scale, causal, out=out, variant=variant)
     if config is None:
         config = configs.forward_config(head_dim=head_dim, dtype=q.dtype, causal=causal,
                                         batch_heads=batch * heads_q, seqlen_q=seqlen_q,

@@ -9,10 +9,10 @@ fastest kernels (FlashAttention-3) schedule by hand:
 1. *Warp specialization.* The CTA's warps are split into partitions that run different code:
 
    * a **producer** (one warp, ``_producer``): issues TMA copies only. It loads the query tile(s)
-     once, then streams K and V tiles into a ring of ``STAGES`` shared-memory slots. It needs almost
+     of a tile, then streams K and V tiles into a ring of ``STAGES`` shared-memory slots. It needs almost
      no registers, so it gives its registers away (``worker_num_regs``: Hopper's ``setmaxnreg``
      shrinks the producer's warpgroup to 24 registers per thread and grows the consumers').
-   * one or two **consumers** (a warpgroup of 4 warps each, ``_consumer``): compute
+   * one to three **consumers** (a warpgroup of 4 warps each, ``_consumer``): compute
      S = Q K^T with wgmma, the online softmax in registers, and O += P V with wgmma; then the
      epilogue (O / l and the LSE) and the TMA store of O.
 
@@ -25,13 +25,14 @@ fastest kernels (FlashAttention-3) schedule by hand:
      once it has finished *reading* the slot (its wgmma has completed), so the producer may refill it.
 
    A barrier's phase flips each time it completes; waiters pass the parity they expect. The k-th use
-   of slot s (key block j = k * STAGES + s) waits for parity k & 1 on the ready barriers; the producer
-   waits for parity (k & 1) ^ 1 on the empty barriers, which a freshly initialised barrier already
-   satisfies (so the first STAGES tiles need no consumer release).
+   of slot s (the CTA's K/V tile number c = k * STAGES + s, counted over all of its tiles) waits
+   for parity k & 1 on the ready barriers; the producer waits for parity (k & 1) ^ 1 on the empty
+   barriers, which a freshly initialised barrier already satisfies (so the first STAGES tiles need no
+   consumer release).
 
-   The producer and the consumers walk exactly the same key blocks [0, n_blocks), computed once
-   before the partitions fork, so every wait has its matching arrive; with n_blocks = 0 (query rows
-   above the causal diagonal of a shorter key sequence) no K/V barrier is touched at all.
+   The producer and the consumers walk exactly the same key blocks [0, n_blocks) of each tile, so
+   every wait has its matching arrive; with n_blocks = 0 (query rows above the causal diagonal of a
+   shorter key sequence) no K/V barrier is touched at all.
 
 3. *Intra-warpgroup overlap* (OVERLAP): a consumer issues the wgmma of S_j = Q K_j^T and of
    O += P_{j-1} V_{j-1} back to back (both asynchronous), waits only for S_j (``warpgroup_mma_wait(1)``:
@@ -39,18 +40,28 @@ fastest kernels (FlashAttention-3) schedule by hand:
    cores still run P_{j-1} V_{j-1}. Only then does it wait for the PV product and rescale O by
    alpha_j = exp(m_{j-1} - m_j). (That order is exact: O_j = alpha_j * (O_{j-1} + P_{j-1} V_{j-1}).)
 
-4. *Ping-pong between two consumer warpgroups* (PINGPONG): the CTA owns 2 x 64 query rows, one
-   warpgroup each, both reading the same K/V slots. Two more mbarriers, ``sched[0]`` and ``sched[1]``,
-   pass a token: a warpgroup waits for its turn before issuing its wgmmas of one step and hands the
-   turn over right after issuing them. So the GEMMs of one warpgroup run while the other does its
-   softmax (the exp2 unit and the tensor cores are busy at the same time). Turns strictly alternate:
-   warpgroup 0 issues step t after warpgroup 1 issued step t - 1, and warpgroup 1 issues step t
-   after warpgroup 0 issued step t.
+4. *Ping-pong between consumer warpgroups* (PINGPONG): the CTA owns NUM_WG x 64 query rows (two
+   warpgroups at head_dim 128, three at 64), one warpgroup each, all reading the same K/V slots.
+   One more mbarrier per warpgroup, ``sched[w]``, passes a token round robin: a warpgroup waits for
+   its turn before issuing its wgmmas of one step and hands the turn to the next warpgroup right
+   after issuing them. So the GEMMs of one warpgroup run while the others do their softmax (the exp2
+   unit and the tensor cores are busy at the same time). Warpgroup w > 0 issues its step t after
+   warpgroup w - 1 issued step t; warpgroup 0 issues step t after the last one issued step t - 1.
 
-   Without ping-pong (PINGPONG = False) one warpgroup of 4 warps owns 64 rows, or (CONSUMER_WARPS = 8)
-   two warpgroups run the same code on 128 rows as one partition (the compiler's wgmma then spans
-   both warpgroups); there a thread barrier before each release makes sure *both* warpgroups are done
+   Without ping-pong one warpgroup of 4 warps owns 64 rows, or (CONSUMER_WARPS = 8) two
+   warpgroups run the same code on 128 rows as one partition (the compiler's wgmma then spans both
+   warpgroups); there a thread barrier before each release makes sure *both* warpgroups are done
    with a slot, because wgmma waits are per warpgroup and the release is a single arrive.
+
+5. *Tiles and persistence.* A tile is one block of BLOCK_M = NUM_WG x 64 query rows of one (batch,
+   query head). Every partition loops over the tiles pid, pid + grid, ... (``_tile_coords`` turns
+   a tile index into coordinates, the same in every partition), and the ring position, the
+   ping-pong turn and the query barriers' phase are counted over the whole loop. With grid = the
+   number of tiles each program has one tile (the plain launch); with grid = the number of SMs
+   (``persistent``) a CTA stays resident and its producer loads the next tile's first K tile and
+   its query tiles while the consumers still finish the current one: each consumer releases its
+   query tile (``q_empty``) after its last S product, and writes O through its own shared-memory
+   tile (``o_smem``), waiting for its previous TMA store before reusing it.
 
 Numerics are those of forward.py: fp32 online-softmax state (m in raw score units, l, O), base-2
 exponentials with qk_scale = sm_scale * log2(e) folded into one FMA with the row max, masked scores
@@ -76,50 +87,68 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTensorDescriptor
 
 from .common import LOG2E, on_input_device
+from .configs import sm_count
 from .forward import tma_compatible
 
 # --------------------------------------------------------------------------------------------------
 # Variants: one GPU run times them all. name -> (head_dim -> config dict)
 # --------------------------------------------------------------------------------------------------
 #   block_n: keys per tile; stages: K/V ring depth; overlap: intra-warpgroup S/PV overlap;
-#   pingpong: two consumer warpgroups with turn-taking (64 rows each, 128 per CTA);
-#   consumer_warps: warps of a non-ping-pong consumer (4: 64 rows, 8: 128 rows);
-#   maxnreg: per-thread register limit of the launch (the consumer gets what the producer gives up).
+#   num_wg: consumer warpgroups, 64 query rows each, each its own partition (1, 2 or 3);
+#   pingpong: the num_wg warpgroups take turns issuing their wgmmas (round robin);
+#   consumer_warps: warps of a single consumer partition (num_wg = 1 only; 4: 64 rows, 8: 128 rows);
+#   persistent: one CTA per SM, looping over the (query block, batch, head) tiles;
+#   maxnreg: per-thread register limit of the launch (the consumers get what the producer gives up).
 
-# Shared memory per CTA (fp16/bf16): Q 128*D*2 + stages * 2 * BN*D*2 (+ barriers, epilogue reuses Q).
-#   D=128, BN=128: 32 KiB + stages * 64 KiB -> 2 stages = 160 KiB; D=64, BN=128: 16 + stages * 32.
+# Shared memory per CTA (fp16/bf16): Q and O tiles num_wg * 64*D*2 each, plus stages * 2 * BN*D*2.
+#   D=128, BN=128, 2 warpgroups: 32 + 32 KiB + stages * 64 KiB -> 2 stages = 192 KiB;
+#   D=64, BN=128, 3 warpgroups: 24 + 24 KiB + stages * 32 KiB -> 3 stages = 144 KiB.
+_PP = dict(block_n=128, overlap=True, pingpong=True)
 VARIANTS = {
     # FA3's schedule: producer warp + two consumer warpgroups in ping-pong, intra-warpgroup overlap.
-    "pp": {64: dict(block_n=128, stages=3, overlap=True, pingpong=True, consumer_warps=4),
-           128: dict(block_n=128, stages=2, overlap=True, pingpong=True, consumer_warps=4)},
-    # Same without the ping-pong token (the warp scheduler interleaves the two warpgroups freely).
-    "ws2": {64: dict(block_n=128, stages=3, overlap=True, pingpong=False, consumer_warps=8),
-            128: dict(block_n=128, stages=2, overlap=True, pingpong=False, consumer_warps=8)},
+    "pp": {64: dict(_PP, stages=3, num_wg=2), 128: dict(_PP, stages=2, num_wg=2)},
+    # The same, persistent: the next tile's Q and first K/V tiles load during this tile's last steps.
+    "pp_persist": {64: dict(_PP, stages=3, num_wg=2, persistent=True),
+                   128: dict(_PP, stages=2, num_wg=2, persistent=True)},
+    # Three consumer warpgroups (192 query rows per CTA; FA3's D=64 schedule): the K/V tile in shared
+    # memory is read by three warpgroups, so a CTA needs 2/3 of the shared-memory bandwidth per FLOP
+    # that two need. 160 registers per consumer thread (24 for the producer).
+    "pp3": {64: dict(_PP, stages=2, num_wg=3), 128: dict(_PP, block_n=64, stages=2, num_wg=3)},
+    "pp3_persist": {64: dict(_PP, stages=2, num_wg=3, persistent=True),
+                    128: dict(_PP, block_n=64, stages=2, num_wg=3, persistent=True)},
+    # Two warpgroups in one partition (the compiler's wgmma spans both), no turn-taking.
+    "ws2": {64: dict(block_n=128, stages=3, overlap=True, pingpong=False, num_wg=1, consumer_warps=8),
+            128: dict(block_n=128, stages=2, overlap=True, pingpong=False, num_wg=1, consumer_warps=8)},
     # Ping-pong with 64-key tiles: smaller register footprint, deeper ring.
-    "pp_n64": {64: dict(block_n=64, stages=4, overlap=True, pingpong=True, consumer_warps=4),
-               128: dict(block_n=64, stages=3, overlap=True, pingpong=True, consumer_warps=4)},
+    "pp_n64": {64: dict(_PP, block_n=64, stages=4, num_wg=2), 128: dict(_PP, block_n=64, stages=3, num_wg=2)},
     # The conservative one: one warpgroup, no overlap (load/compute overlap via the producer only).
     # Two CTAs per SM (maxnreg 128: 8 warps x 128 registers x 2 = 64K), so two CTAs' softmax and
     # GEMMs interleave through the warp scheduler.
-    "safe": {64: dict(block_n=128, stages=2, overlap=False, pingpong=False, consumer_warps=4, maxnreg=128),
-             128: dict(block_n=64, stages=2, overlap=False, pingpong=False, consumer_warps=4, maxnreg=128)},
+    "safe": {64: dict(block_n=128, stages=2, overlap=False, pingpong=False, num_wg=1, consumer_warps=4,
+                      maxnreg=128),
+             128: dict(block_n=64, stages=2, overlap=False, pingpong=False, num_wg=1, consumer_warps=4,
+                       maxnreg=128)},
 }
-DEFAULT_VARIANT = "pp"
+DEFAULT_VARIANT = {64: "pp3", 128: "pp"}
 
 PRODUCER_REGS = 24          # setmaxnreg of the producer's warpgroup (the minimum)
-CONSUMER_REGS = 240         # setmaxnreg of a consumer warpgroup running as a worker partition
+REGISTER_FILE = 65536       # 32-bit registers per SM (and the most one CTA may use)
 
 
 def variant_config(variant: str | None, head_dim: int) -> dict:
-    cfg = dict(VARIANTS[variant or DEFAULT_VARIANT][head_dim])
-    warps = 4 if cfg["pingpong"] else cfg["consumer_warps"]
+    cfg = dict(VARIANTS[variant or DEFAULT_VARIANT[head_dim]][head_dim])
+    cfg.setdefault("persistent", False)
+    num_wg = cfg["num_wg"]
+    warps = 4 if num_wg > 1 else cfg["consumer_warps"]
     cfg["rows"] = 16 * warps                              # query rows of one consumer partition
-    cfg["block_m"] = cfg["rows"] * (2 if cfg["pingpong"] else 1)
+    cfg["block_m"] = cfg["rows"] * num_wg
     cfg["num_warps"] = warps                              # the default partition's warps
     # Warps of the launch, counted in whole warpgroups (registers are reallocated per warpgroup):
-    # consumers + the producer's warpgroup. maxnreg * threads must fit the 64K-register file.
-    total_warps = (8 if cfg["pingpong"] else warps) + 4
-    cfg.setdefault("maxnreg", min(256, (65536 // (32 * total_warps)) // 8 * 8))
+    # consumers + the producer's warpgroup. maxnreg * threads must fit the register file.
+    consumer_threads = 32 * warps * num_wg
+    cfg.setdefault("maxnreg", min(256, (REGISTER_FILE // (consumer_threads + 128)) // 8 * 8))
+    # A worker consumer's setmaxnreg: what is left once the producer's warpgroup has PRODUCER_REGS.
+    cfg["consumer_regs"] = min(240, ((REGISTER_FILE - 128 * PRODUCER_REGS) // consumer_threads) // 8 * 8)
     return cfg
 
 
@@ -128,50 +157,119 @@ def variant_config(variant: str | None, head_dim: int) -> dict:
 # --------------------------------------------------------------------------------------------------
 
 @gluon.jit
-def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem,
-              q_bars, k_ready, k_empty, v_ready, v_empty,
-              off_b, off_h, off_hk, start_m, n_blocks,
-              ROWS: gl.constexpr, NUM_WG: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-    """One warp: TMA loads of the query tile(s), then K_j and V_j for j in [0, n_blocks)."""
+def _tile_coords(item, half, num_m_blocks, num_heads_q, kv_group_size, seqlen_q, seqlen_k,
+                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, IS_CAUSAL: gl.constexpr,
+                 PAIRED: gl.constexpr):
+    """Work item (and half of it) -> (pid_bh, batch, query head, kv head, first query row, key blocks
+    to visit, valid). Query blocks vary fastest (neighbouring tiles share K/V in L2); causal: heaviest
+    (last) query block first. The key blocks are [0, n_blocks): none above the last row's causal
+    diagonal. Every partition calls this with the same arguments, so they all walk the same blocks.
+
+    PAIRED (causal, persistent): an item is two query blocks of one head, m = M - 1 - p (half 0) and
+    m = p (half 1), whose key-block counts add up to the same total for every p. So every item costs
+    the same, the persistent CTAs stay in step, and the tiles in flight at any moment stay neighbours
+    (their K/V stays in L2). With M odd the middle block pairs with itself: its half 1 is not valid."""
+    if PAIRED:
+        half_m = (num_m_blocks + 1) // 2
+        pid_bh = item // half_m
+        p = item % half_m
+        pid_m = p + (1 - half) * (num_m_blocks - 1 - 2 * p)
+        valid = (half == 0) | (2 * p != num_m_blocks - 1)
+    else:
+        pid_m = item % num_m_blocks
+        if IS_CAUSAL:
+            pid_m = num_m_blocks - 1 - pid_m
+        pid_bh = item // num_m_blocks
+        valid = True
+    off_b = pid_bh // num_heads_q
+    off_h = pid_bh % num_heads_q
+    off_hk = off_h // kv_group_size
+    start_m = pid_m * BLOCK_M
+    if IS_CAUSAL:
+        hi = gl.minimum(gl.maximum(start_m + BLOCK_M + seqlen_k - seqlen_q, 0), seqlen_k)
+    else:
+        hi = seqlen_k
+    n_blocks = gl.cdiv(hi, BLOCK_N)
+    return pid_bh, off_b, off_h, off_hk, start_m, n_blocks, valid
+
+
+@gluon.jit
+def _load_q(q_desc, q_smem, q_ready, q_empty, off_b, off_h, start_m, phase,
+            ROWS: gl.constexpr, NUM_WG: gl.constexpr):
+    """The query tiles of one tile, one per consumer warpgroup, each once its previous one is free."""
     for w in gl.static_range(NUM_WG):
-        mbarrier.expect(q_bars.index(w), q_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [off_b, start_m + w * ROWS, off_h, 0], q_bars.index(w),
+        mbarrier.wait(q_empty.index(w), phase ^ 1)       # a fresh barrier passes parity 1 at once
+        mbarrier.expect(q_ready.index(w), q_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [off_b, start_m + w * ROWS, off_h, 0], q_ready.index(w),
                                         q_smem.index(w))
-    for j in range(n_blocks):
-        s = j % STAGES
-        empty_phase = ((j // STAGES) & 1) ^ 1        # a fresh barrier passes parity 1 at once
-        start_n = j * BLOCK_N
-        # K first: the consumers need K_j (for S_j) before V_j (for the PV product one step later).
-        mbarrier.wait(k_empty.index(s), empty_phase)
-        mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [off_b, start_n, off_hk, 0], k_ready.index(s), k_smem.index(s))
-        mbarrier.wait(v_empty.index(s), empty_phase)
-        mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(v_desc, [off_b, start_n, off_hk, 0], v_ready.index(s), v_smem.index(s))
+
+
+@gluon.jit
+def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem,
+              q_ready, q_empty, k_ready, k_empty, v_ready, v_empty,
+              num_items, num_m_blocks, num_heads_q, kv_group_size, seqlen_q, seqlen_k,
+              ROWS: gl.constexpr, NUM_WG: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+              IS_CAUSAL: gl.constexpr, PAIRED: gl.constexpr):
+    """One warp: for each tile, TMA loads of the query tiles and of K_j, V_j for j in [0, n_blocks).
+    ``kv`` counts K/V tiles over all of this CTA's tiles: it picks the ring slot and its phase."""
+    kv = 0
+    n_done = 0
+    for item in range(gl.program_id(0), num_items, gl.num_programs(0)):
+        for half in range(2 if PAIRED else 1):
+            pid_bh, off_b, off_h, off_hk, start_m, n_blocks, valid = _tile_coords(
+                item, half, num_m_blocks, num_heads_q, kv_group_size, seqlen_q, seqlen_k, ROWS * NUM_WG,
+                BLOCK_N, IS_CAUSAL, PAIRED)
+            if valid:
+                if n_blocks == 0:
+                    _load_q(q_desc, q_smem, q_ready, q_empty, off_b, off_h, start_m, n_done & 1, ROWS, NUM_WG)
+                for j in range(n_blocks):
+                    s = kv % STAGES
+                    empty_phase = ((kv // STAGES) & 1) ^ 1
+                    start_n = j * BLOCK_N
+                    # K first: the consumers need K_j (for S_j) before V_j (for the PV product one
+                    # step later). A tile's K_0 goes before its query tiles: its ring slot is free
+                    # earlier than they are (released after the previous tile's last S product).
+                    mbarrier.wait(k_empty.index(s), empty_phase)
+                    mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
+                    tma.async_copy_global_to_shared(k_desc, [off_b, start_n, off_hk, 0], k_ready.index(s),
+                                                    k_smem.index(s))
+                    if j == 0:
+                        _load_q(q_desc, q_smem, q_ready, q_empty, off_b, off_h, start_m, n_done & 1, ROWS,
+                                NUM_WG)
+                    mbarrier.wait(v_empty.index(s), empty_phase)
+                    mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
+                    tma.async_copy_global_to_shared(v_desc, [off_b, start_n, off_hk, 0], v_ready.index(s),
+                                                    v_smem.index(s))
+                    kv += 1
+                n_done += 1
 
 
 @gluon.jit
 def _turn_begin(sched, t, WG: gl.constexpr, PINGPONG: gl.constexpr):
-    """Ping-pong: wait until this warpgroup may issue the wgmmas of step t. Warpgroup 0 goes first
-    (step 0 needs no token); afterwards each waits for the other's hand-over of the previous turn."""
+    """Ping-pong: wait until this warpgroup may issue the wgmmas of its turn t (counted over all of the
+    CTA's tiles). Turns go round robin, warpgroup 0 first: warpgroup w > 0 takes turn t after
+    warpgroup w - 1 handed over its turn t; warpgroup 0 takes turn t > 0 after the last warpgroup
+    handed over turn t - 1 (turn 0 needs no token). Each hand-over completes one phase of the
+    receiver's barrier, so the (t+1)-th phase of sched[w] marks turn t (parity t & 1), and sched[0]'s
+    t-th phase marks warpgroup 0's turn t (parity (t - 1) & 1)."""
     if PINGPONG:
         if WG == 0:
-            mbarrier.wait(sched.index(0), (t + 1) & 1, pred=t > 0)     # t-th token from WG 1: t-1'th phase
+            mbarrier.wait(sched.index(0), (t + 1) & 1, pred=t > 0)
         else:
-            mbarrier.wait(sched.index(1), t & 1)
+            mbarrier.wait(sched.index(WG), t & 1)
 
 
 @gluon.jit
-def _turn_end(sched, WG: gl.constexpr, PINGPONG: gl.constexpr):
-    """Ping-pong: this warpgroup's wgmmas of the step are issued; hand the turn to the other one."""
+def _turn_end(sched, WG: gl.constexpr, NUM_WG: gl.constexpr, PINGPONG: gl.constexpr):
+    """Ping-pong: this warpgroup's wgmmas of the turn are issued; hand the turn to the next one."""
     if PINGPONG:
-        mbarrier.arrive(sched.index(1 - WG), count=1)
+        mbarrier.arrive(sched.index((WG + 1) % NUM_WG), count=1)
 
 
 @gluon.jit
 def _release(bar, SYNC: gl.constexpr):
-    """Signal the producer that a K or V slot has been read. SYNC (a consumer of two warpgroups in one
-    partition): wgmma waits are per warpgroup and the arrive is done once, so first make sure every
+    """Signal the producer that a K, V or Q tile has been read. SYNC (a consumer of two warpgroups in
+    one partition): wgmma waits are per warpgroup and the arrive is done once, so first make sure every
     warp of the partition is past its wait."""
     if SYNC:
         gl.thread_barrier()
@@ -196,15 +294,16 @@ def _softmax(s, m_i, l_i, col_limit, cols, qk_scale, MASK: gl.constexpr):
 
 
 @gluon.jit
-def _consumer(q_desc, o_desc, LSE, q_smem, k_smem, v_smem,
-              q_bars, k_ready, k_empty, v_ready, v_empty, sched,
-              pid_bh, start_m, seqlen_q, seqlen_k, n_blocks, sm_scale, qk_scale,
-              off_b, off_h,
-              WG: gl.constexpr, ROWS: gl.constexpr, WARPS: gl.constexpr, BLOCK_N: gl.constexpr,
-              HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr,
-              OVERLAP: gl.constexpr, PINGPONG: gl.constexpr):
-    """One consumer partition: ROWS query rows (from start_m + WG * ROWS) against key blocks
-    [0, n_blocks); writes O and the LSE of its rows."""
+def _consumer(q_desc, o_desc, LSE, q_smem, o_smem, k_smem, v_smem,
+              q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, sched,
+              num_items, num_m_blocks, num_heads_q, kv_group_size, seqlen_q, seqlen_k, sm_scale, qk_scale,
+              WG: gl.constexpr, NUM_WG: gl.constexpr, ROWS: gl.constexpr, WARPS: gl.constexpr,
+              BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr,
+              OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, PAIRED: gl.constexpr):
+    """One consumer partition: for each of the CTA's tiles, ROWS query rows (from start_m + WG * ROWS)
+    against key blocks [0, n_blocks); writes O and the LSE of its rows. ``kv`` (the K/V tile count,
+    as in the producer) gives ring slots and phases; ``turn`` counts ping-pong turns; ``n_done``
+    counts tiles (the query barrier's phase)."""
     dtype: gl.constexpr = q_desc.dtype
     SYNC: gl.constexpr = WARPS > 4
     # wgmma accumulator layouts: S [ROWS, BN] and O [ROWS, D]; warps stacked along the rows, so every
@@ -216,122 +315,146 @@ def _consumer(q_desc, o_desc, LSE, q_smem, k_smem, v_smem,
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
     col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
-
-    row0 = start_m + WG * ROWS
-    rows = row0 + gl.arange(0, ROWS, layout=row_layout)                 # [ROWS] query positions
     cols0 = gl.arange(0, BLOCK_N, layout=col_layout)                    # [BN]
-    causal_offset = seqlen_k - seqlen_q
-    # Key blocks [0, n_full) are seen in full by every row of this warpgroup: no mask.
-    # col_limit: row i sees keys < col_limit[i] (the end of the keys, or its causal diagonal + 1).
-    if IS_CAUSAL:
-        n_full = gl.minimum(gl.maximum(row0 + causal_offset + 1, 0) // BLOCK_N, seqlen_k // BLOCK_N)
-        col_limit = gl.minimum(rows + causal_offset + 1, seqlen_k)
-    else:
-        n_full = seqlen_k // BLOCK_N
-        col_limit = gl.full([ROWS], 0, gl.int32, row_layout) + seqlen_k
-
     q_tile = q_smem.index(WG)
-    q_bar = q_bars.index(WG)
-    mbarrier.wait(q_bar, 0)          # always: the query's TMA must land before this CTA may exit
+    o_tile = o_smem.index(WG)
+    q_bar = q_ready.index(WG)
+    causal_offset = seqlen_k - seqlen_q
 
-    if n_blocks > 0:
-        s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
-        acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout)
-        m_i = gl.full([ROWS], float("-inf"), gl.float32, row_layout)
-        l_i = gl.zeros([ROWS], gl.float32, row_layout)
-        if OVERLAP:
-            # -- step 0: S_0 only --
-            mbarrier.wait(k_ready.index(0), 0)
-            _turn_begin(sched, 0, WG, PINGPONG)
-            s_tok = warpgroup_mma(q_tile, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False,
-                                  is_async=True)
-            _turn_end(sched, WG, PINGPONG)
-            s = warpgroup_mma_wait(0, deps=(s_tok,))
-            _release(k_empty.index(0), SYNC)
-            if n_full > 0:
-                p, m_i, l_i, alpha = _softmax(s, m_i, l_i, col_limit, cols0, qk_scale, False)
-            else:
-                p, m_i, l_i, alpha = _softmax(s, m_i, l_i, col_limit, cols0, qk_scale, True)
-            p = gl.convert_layout(p.to(dtype), p_layout)
-            # -- steps 1 .. n-1: issue S_j and P_{j-1} V_{j-1}; softmax S_j under the PV product --
-            for j in range(1, n_blocks):
-                st = j % STAGES
-                ph = (j // STAGES) & 1
-                pst = (j - 1) % STAGES
-                pph = ((j - 1) // STAGES) & 1
-                mbarrier.wait(k_ready.index(st), ph)
-                mbarrier.wait(v_ready.index(pst), pph)
-                _turn_begin(sched, j, WG, PINGPONG)
-                s_tok = warpgroup_mma(q_tile, k_smem.index(st).permute((1, 0)), s_zero, use_acc=False,
-                                      is_async=True)
-                o_tok = warpgroup_mma(p, v_smem.index(pst), acc, is_async=True)
-                _turn_end(sched, WG, PINGPONG)
-                s = warpgroup_mma_wait(1, deps=(s_tok,))       # S_j done; PV may still run
-                _release(k_empty.index(st), SYNC)
-                cols = j * BLOCK_N + cols0
-                if j < n_full:
-                    p_new, m_i, l_i, alpha = _softmax(s, m_i, l_i, col_limit, cols, qk_scale, False)
+    kv = 0
+    turn = 0
+    n_done = 0
+    for item in range(gl.program_id(0), num_items, gl.num_programs(0)):
+        for half in range(2 if PAIRED else 1):
+            pid_bh, off_b, off_h, off_hk, start_m, n_blocks, valid = _tile_coords(
+                item, half, num_m_blocks, num_heads_q, kv_group_size, seqlen_q, seqlen_k, ROWS * NUM_WG,
+                BLOCK_N, IS_CAUSAL, PAIRED)
+            if valid:
+                row0 = start_m + WG * ROWS
+                rows = row0 + gl.arange(0, ROWS, layout=row_layout)             # [ROWS] query positions
+                # Key blocks [0, n_full) are seen in full by every row of this warpgroup: no mask.
+                # col_limit: row i sees keys < col_limit[i] (the end of the keys, or its causal diagonal + 1).
+                if IS_CAUSAL:
+                    n_full = gl.minimum(gl.maximum(row0 + causal_offset + 1, 0) // BLOCK_N,
+                                        seqlen_k // BLOCK_N)
+                    col_limit = gl.minimum(rows + causal_offset + 1, seqlen_k)
                 else:
-                    p_new, m_i, l_i, alpha = _softmax(s, m_i, l_i, col_limit, cols, qk_scale, True)
-                p_new = gl.convert_layout(p_new.to(dtype), p_layout)
-                acc, p = warpgroup_mma_wait(0, deps=(o_tok, p))
-                _release(v_empty.index(pst), SYNC)
-                acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-                p = p_new
-            # -- step n: the last P V --
-            lst = (n_blocks - 1) % STAGES
-            lph = ((n_blocks - 1) // STAGES) & 1
-            mbarrier.wait(v_ready.index(lst), lph)
-            _turn_begin(sched, n_blocks, WG, PINGPONG)
-            o_tok = warpgroup_mma(p, v_smem.index(lst), acc, is_async=True)
-            _turn_end(sched, WG, PINGPONG)
-            acc, p = warpgroup_mma_wait(0, deps=(o_tok, p))
-            _release(v_empty.index(lst), SYNC)
-        else:
-            # No intra-warpgroup overlap: S_j, softmax, P_j V_j, one after the other.
-            for j in range(0, n_blocks):
-                st = j % STAGES
-                ph = (j // STAGES) & 1
-                mbarrier.wait(k_ready.index(st), ph)
-                _turn_begin(sched, 2 * j, WG, PINGPONG)
-                s_tok = warpgroup_mma(q_tile, k_smem.index(st).permute((1, 0)), s_zero, use_acc=False,
-                                      is_async=True)
-                _turn_end(sched, WG, PINGPONG)
-                s = warpgroup_mma_wait(0, deps=(s_tok,))
-                _release(k_empty.index(st), SYNC)
-                cols = j * BLOCK_N + cols0
-                if j < n_full:
-                    p, m_i, l_i, alpha = _softmax(s, m_i, l_i, col_limit, cols, qk_scale, False)
-                else:
-                    p, m_i, l_i, alpha = _softmax(s, m_i, l_i, col_limit, cols, qk_scale, True)
-                acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-                p = gl.convert_layout(p.to(dtype), p_layout)
-                mbarrier.wait(v_ready.index(st), ph)
-                _turn_begin(sched, 2 * j + 1, WG, PINGPONG)
-                o_tok = warpgroup_mma(p, v_smem.index(st), acc, is_async=True)
-                _turn_end(sched, WG, PINGPONG)
-                acc, p = warpgroup_mma_wait(0, deps=(o_tok, p))
-                _release(v_empty.index(st), SYNC)
-    else:
-        # No visible key block at all: every row of this warpgroup is empty.
-        acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout)
-        m_i = gl.full([ROWS], float("-inf"), gl.float32, row_layout)
-        l_i = gl.zeros([ROWS], gl.float32, row_layout)
+                    n_full = seqlen_k // BLOCK_N
+                    col_limit = gl.full([ROWS], 0, gl.int32, row_layout) + seqlen_k
 
-    # -- epilogue: out = acc / l, lse = m * sm_scale + ln(l); empty rows (l = 0): 0 and -inf --
-    empty = l_i == 0.0
-    l_safe = gl.where(empty, 1.0, l_i)
-    lse = gl.where(empty, float("-inf"), m_i * sm_scale + gl.log(l_safe))
-    inv_l = gl.convert_layout(1.0 / l_safe, gl.SliceLayout(1, o_layout))
-    out = (acc * inv_l[:, None]).to(dtype)
-    gl.store(LSE + pid_bh.to(gl.int64) * seqlen_q + rows, lse, mask=rows < seqlen_q)
-    # O goes out through the query's shared-memory tile (no wgmma reads it any more: every wgmma has
-    # been waited for) and one TMA store, which drops the rows past seqlen_q. The first fence orders
-    # the async proxy's earlier use of the tile (TMA write, wgmma reads) before these generic writes.
-    fence_async_shared()
-    q_tile.store(out)
-    fence_async_shared()
-    tma.async_copy_shared_to_global(o_desc, [off_b, row0, off_h, 0], q_tile)
+                mbarrier.wait(q_bar, n_done & 1)   # always: the query's TMA must land before the tile is done
+
+                if n_blocks > 0:
+                    s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
+                    acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout)
+                    m_i = gl.full([ROWS], float("-inf"), gl.float32, row_layout)
+                    l_i = gl.zeros([ROWS], gl.float32, row_layout)
+                    if OVERLAP:
+                        # -- step 0: S_0 only --
+                        st = kv % STAGES
+                        mbarrier.wait(k_ready.index(st), (kv // STAGES) & 1)
+                        _turn_begin(sched, turn, WG, PINGPONG)
+                        s_tok = warpgroup_mma(q_tile, k_smem.index(st).permute((1, 0)), s_zero, use_acc=False,
+                                              is_async=True)
+                        _turn_end(sched, WG, NUM_WG, PINGPONG)
+                        s = warpgroup_mma_wait(0, deps=(s_tok,))
+                        _release(k_empty.index(st), SYNC)
+                        if n_full > 0:
+                            p, m_i, l_i, alpha = _softmax(s, m_i, l_i, col_limit, cols0, qk_scale, False)
+                        else:
+                            p, m_i, l_i, alpha = _softmax(s, m_i, l_i, col_limit, cols0, qk_scale, True)
+                        p = gl.convert_layout(p.to(dtype), p_layout)
+                        # -- steps 1 .. n-1: issue S_j and P_{j-1} V_{j-1}; softmax S_j under PV --
+                        for j in range(1, n_blocks):
+                            c = kv + j
+                            st = c % STAGES
+                            pst = (c - 1) % STAGES
+                            mbarrier.wait(k_ready.index(st), (c // STAGES) & 1)
+                            mbarrier.wait(v_ready.index(pst), ((c - 1) // STAGES) & 1)
+                            _turn_begin(sched, turn + j, WG, PINGPONG)
+                            s_tok = warpgroup_mma(q_tile, k_smem.index(st).permute((1, 0)), s_zero,
+                                                  use_acc=False, is_async=True)
+                            o_tok = warpgroup_mma(p, v_smem.index(pst), acc, is_async=True)
+                            _turn_end(sched, WG, NUM_WG, PINGPONG)
+                            s = warpgroup_mma_wait(1, deps=(s_tok,))       # S_j done; PV may still run
+                            _release(k_empty.index(st), SYNC)
+                            cols = j * BLOCK_N + cols0
+                            if j < n_full:
+                                p_new, m_i, l_i, alpha = _softmax(s, m_i, l_i, col_limit, cols, qk_scale,
+                                                                  False)
+                            else:
+                                p_new, m_i, l_i, alpha = _softmax(s, m_i, l_i, col_limit, cols, qk_scale,
+                                                                  True)
+                            p_new = gl.convert_layout(p_new.to(dtype), p_layout)
+                            acc, p = warpgroup_mma_wait(0, deps=(o_tok, p))
+                            _release(v_empty.index(pst), SYNC)
+                            acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+                            p = p_new
+                        # Every S product of the tile is done: the query tile may be refilled.
+                        _release(q_empty.index(WG), SYNC)
+                        # -- step n: the last P V --
+                        lc = kv + n_blocks - 1
+                        lst = lc % STAGES
+                        mbarrier.wait(v_ready.index(lst), (lc // STAGES) & 1)
+                        _turn_begin(sched, turn + n_blocks, WG, PINGPONG)
+                        o_tok = warpgroup_mma(p, v_smem.index(lst), acc, is_async=True)
+                        _turn_end(sched, WG, NUM_WG, PINGPONG)
+                        acc, p = warpgroup_mma_wait(0, deps=(o_tok, p))
+                        _release(v_empty.index(lst), SYNC)
+                        turn += n_blocks + 1
+                    else:
+                        # No intra-warpgroup overlap: S_j, softmax, P_j V_j, one after the other.
+                        for j in range(0, n_blocks):
+                            c = kv + j
+                            st = c % STAGES
+                            ph = (c // STAGES) & 1
+                            mbarrier.wait(k_ready.index(st), ph)
+                            _turn_begin(sched, turn + 2 * j, WG, PINGPONG)
+                            s_tok = warpgroup_mma(q_tile, k_smem.index(st).permute((1, 0)), s_zero,
+                                                  use_acc=False, is_async=True)
+                            _turn_end(sched, WG, NUM_WG, PINGPONG)
+                            s = warpgroup_mma_wait(0, deps=(s_tok,))
+                            _release(k_empty.index(st), SYNC)
+                            cols = j * BLOCK_N + cols0
+                            if j < n_full:
+                                p, m_i, l_i, alpha = _softmax(s, m_i, l_i, col_limit, cols, qk_scale, False)
+                            else:
+                                p, m_i, l_i, alpha = _softmax(s, m_i, l_i, col_limit, cols, qk_scale, True)
+                            acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+                            p = gl.convert_layout(p.to(dtype), p_layout)
+                            mbarrier.wait(v_ready.index(st), ph)
+                            _turn_begin(sched, turn + 2 * j + 1, WG, PINGPONG)
+                            o_tok = warpgroup_mma(p, v_smem.index(st), acc, is_async=True)
+                            _turn_end(sched, WG, NUM_WG, PINGPONG)
+                            acc, p = warpgroup_mma_wait(0, deps=(o_tok, p))
+                            _release(v_empty.index(st), SYNC)
+                        _release(q_empty.index(WG), SYNC)
+                        turn += 2 * n_blocks
+                    kv += n_blocks
+                else:
+                    # No visible key block at all: every row of this warpgroup is empty.
+                    _release(q_empty.index(WG), SYNC)
+                    acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout)
+                    m_i = gl.full([ROWS], float("-inf"), gl.float32, row_layout)
+                    l_i = gl.zeros([ROWS], gl.float32, row_layout)
+
+                # -- epilogue: out = acc / l, lse = m * sm_scale + ln(l); empty rows (l = 0): 0 and -inf --
+                empty = l_i == 0.0
+                l_safe = gl.where(empty, 1.0, l_i)
+                lse = gl.where(empty, float("-inf"), m_i * sm_scale + gl.log(l_safe))
+                inv_l = gl.convert_layout(1.0 / l_safe, gl.SliceLayout(1, o_layout))
+                out = (acc * inv_l[:, None]).to(dtype)
+                gl.store(LSE + pid_bh.to(gl.int64) * seqlen_q + rows, lse, mask=rows < seqlen_q)
+                # O goes out through this warpgroup's own shared-memory tile and one TMA store, which
+                # drops the rows past seqlen_q. The previous tile's store must have finished reading
+                # the tile first (store_wait is per issuing thread, so a barrier follows it); the fence
+                # orders these generic writes before the async proxy's read.
+                tma.store_wait(0)
+                gl.thread_barrier()
+                o_tile.store(out)
+                fence_async_shared()
+                tma.async_copy_shared_to_global(o_desc, [off_b, row0, off_h, 0], o_tile)
+                n_done += 1
     tma.store_wait(0)
 
 
@@ -341,83 +464,96 @@ def _consumer(q_desc, o_desc, LSE, q_smem, k_smem, v_smem,
 
 # Sequence lengths and head counts are not specialised on (divisibility by 16, value 1): the kernel
 # does not use those facts, and each specialisation would be one more compile.
-@gluon.jit(do_not_specialize=["num_heads_q", "kv_group_size", "seqlen_q", "seqlen_k", "num_m_blocks"])
+@gluon.jit(do_not_specialize=["num_heads_q", "kv_group_size", "seqlen_q", "seqlen_k", "num_m_blocks",
+                              "num_items"])
 def _attn_fwd_hopper_kernel(
     q_desc, k_desc, v_desc, o_desc, LSE,
-    num_heads_q, kv_group_size, seqlen_q, seqlen_k, num_m_blocks,
+    num_heads_q, kv_group_size, seqlen_q, seqlen_k, num_m_blocks, num_items,
     sm_scale, qk_scale,
-    HEAD_DIM: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-    IS_CAUSAL: gl.constexpr, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr,
-    PRODUCER_REGS_: gl.constexpr, CONSUMER_REGS_: gl.constexpr,
+    HEAD_DIM: gl.constexpr, ROWS: gl.constexpr, NUM_WG: gl.constexpr, BLOCK_N: gl.constexpr,
+    STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr,
+    PAIRED: gl.constexpr, PRODUCER_REGS_: gl.constexpr, CONSUMER_REGS_: gl.constexpr,
 ):
-    """One program: BLOCK_M = ROWS * (2 if PINGPONG else 1) query rows of one (batch, query head)."""
-    NUM_WG: gl.constexpr = 2 if PINGPONG else 1
-    BLOCK_M: gl.constexpr = ROWS * NUM_WG
+    """A program takes work items pid, pid + grid, ... of num_items; an item is one tile (BLOCK_M =
+    ROWS * NUM_WG query rows of one (batch, query head)) or, PAIRED, two (``_tile_coords``). With
+    grid = num_items (not persistent) that is one item per program."""
     WARPS: gl.constexpr = ROWS // 16
     dtype: gl.constexpr = q_desc.dtype
 
-    # -- which (batch, head, query block); causal: heaviest (last) query block first --
-    pid = gl.program_id(0)
-    pid_m = pid % num_m_blocks
-    if IS_CAUSAL:
-        pid_m = num_m_blocks - 1 - pid_m
-    pid_bh = pid // num_m_blocks
-    off_b = pid_bh // num_heads_q
-    off_h = pid_bh % num_heads_q
-    off_hk = off_h // kv_group_size
-    start_m = pid_m * BLOCK_M
-
-    # -- key blocks this CTA visits: [0, n_blocks); none above the last row's causal diagonal --
-    if IS_CAUSAL:
-        hi = gl.minimum(gl.maximum(start_m + BLOCK_M + seqlen_k - seqlen_q, 0), seqlen_k)
-    else:
-        hi = seqlen_k
-    n_blocks = gl.cdiv(hi, BLOCK_N)
-
-    # -- shared memory: query tile(s) (reused for O), the K/V ring, barriers --
+    # -- shared memory: query and output tiles, the K/V ring, barriers --
     tile_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
     q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, HEAD_DIM], dtype)
     q_smem = gl.allocate_shared_memory(dtype, [NUM_WG, ROWS, HEAD_DIM], q_layout)
+    o_smem = gl.allocate_shared_memory(dtype, [NUM_WG, ROWS, HEAD_DIM], q_layout)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], tile_layout)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], tile_layout)
-    q_bars = gl.allocate_shared_memory(gl.int64, [NUM_WG, 1], mbarrier.MBarrierLayout())
+    q_ready = gl.allocate_shared_memory(gl.int64, [NUM_WG, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [NUM_WG, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    sched = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    sched = gl.allocate_shared_memory(gl.int64, [NUM_WG, 1], mbarrier.MBarrierLayout())
     for w in gl.static_range(NUM_WG):
-        mbarrier.init(q_bars.index(w), count=1)
+        mbarrier.init(q_ready.index(w), count=1)
+        mbarrier.init(q_empty.index(w), count=1)
+        mbarrier.init(sched.index(w), count=1)
     for s in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(s), count=1)
         mbarrier.init(v_ready.index(s), count=1)
         mbarrier.init(k_empty.index(s), count=NUM_WG)       # every consumer warpgroup releases
         mbarrier.init(v_empty.index(s), count=NUM_WG)
-    for w in gl.static_range(2):
-        mbarrier.init(sched.index(w), count=1)
 
-    if PINGPONG:
+    # The partitions' arguments: the same for every consumer but its index (WG).
+    if NUM_WG == 1:
         gl.warp_specialize([
-            (_consumer, (q_desc, o_desc, LSE, q_smem, k_smem, v_smem, q_bars, k_ready, k_empty, v_ready,
-                         v_empty, sched, pid_bh, start_m, seqlen_q, seqlen_k, n_blocks, sm_scale, qk_scale,
-                         off_b, off_h, 0, ROWS, WARPS, BLOCK_N, HEAD_DIM, STAGES, IS_CAUSAL, OVERLAP,
-                         PINGPONG)),
-            (_consumer, (q_desc, o_desc, LSE, q_smem, k_smem, v_smem, q_bars, k_ready, k_empty, v_ready,
-                         v_empty, sched, pid_bh, start_m, seqlen_q, seqlen_k, n_blocks, sm_scale, qk_scale,
-                         off_b, off_h, 1, ROWS, WARPS, BLOCK_N, HEAD_DIM, STAGES, IS_CAUSAL, OVERLAP,
-                         PINGPONG)),
-            (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, k_ready, k_empty, v_ready,
-                         v_empty, off_b, off_h, off_hk, start_m, n_blocks, ROWS, NUM_WG, BLOCK_N, STAGES)),
+            (_consumer, (q_desc, o_desc, LSE, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
+                         k_empty, v_ready, v_empty, sched, num_items, num_m_blocks, num_heads_q,
+                         kv_group_size, seqlen_q, seqlen_k, sm_scale, qk_scale,
+                         0, NUM_WG, ROWS, WARPS, BLOCK_N, HEAD_DIM, STAGES, IS_CAUSAL, OVERLAP, PINGPONG,
+                         PAIRED)),
+            (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty,
+                         v_ready, v_empty, num_items, num_m_blocks, num_heads_q, kv_group_size, seqlen_q,
+                         seqlen_k, ROWS, NUM_WG, BLOCK_N, STAGES, IS_CAUSAL, PAIRED)),
+        ], [1], [PRODUCER_REGS_])
+    elif NUM_WG == 2:
+        gl.warp_specialize([
+            (_consumer, (q_desc, o_desc, LSE, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
+                         k_empty, v_ready, v_empty, sched, num_items, num_m_blocks, num_heads_q,
+                         kv_group_size, seqlen_q, seqlen_k, sm_scale, qk_scale,
+                         0, NUM_WG, ROWS, WARPS, BLOCK_N, HEAD_DIM, STAGES, IS_CAUSAL, OVERLAP, PINGPONG,
+                         PAIRED)),
+            (_consumer, (q_desc, o_desc, LSE, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
+                         k_empty, v_ready, v_empty, sched, num_items, num_m_blocks, num_heads_q,
+                         kv_group_size, seqlen_q, seqlen_k, sm_scale, qk_scale,
+                         1, NUM_WG, ROWS, WARPS, BLOCK_N, HEAD_DIM, STAGES, IS_CAUSAL, OVERLAP, PINGPONG,
+                         PAIRED)),
+            (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty,
+                         v_ready, v_empty, num_items, num_m_blocks, num_heads_q, kv_group_size, seqlen_q,
+                         seqlen_k, ROWS, NUM_WG, BLOCK_N, STAGES, IS_CAUSAL, PAIRED)),
         ], [4, 1], [CONSUMER_REGS_, PRODUCER_REGS_])
     else:
+        gl.static_assert(NUM_WG == 3, "NUM_WG: 1, 2 or 3 consumer warpgroups")
         gl.warp_specialize([
-            (_consumer, (q_desc, o_desc, LSE, q_smem, k_smem, v_smem, q_bars, k_ready, k_empty, v_ready,
-                         v_empty, sched, pid_bh, start_m, seqlen_q, seqlen_k, n_blocks, sm_scale, qk_scale,
-                         off_b, off_h, 0, ROWS, WARPS, BLOCK_N, HEAD_DIM, STAGES, IS_CAUSAL, OVERLAP,
-                         PINGPONG)),
-            (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, k_ready, k_empty, v_ready,
-                         v_empty, off_b, off_h, off_hk, start_m, n_blocks, ROWS, NUM_WG, BLOCK_N, STAGES)),
-        ], [1], [PRODUCER_REGS_])
+            (_consumer, (q_desc, o_desc, LSE, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
+                         k_empty, v_ready, v_empty, sched, num_items, num_m_blocks, num_heads_q,
+                         kv_group_size, seqlen_q, seqlen_k, sm_scale, qk_scale,
+                         0, NUM_WG, ROWS, WARPS, BLOCK_N, HEAD_DIM, STAGES, IS_CAUSAL, OVERLAP, PINGPONG,
+                         PAIRED)),
+            (_consumer, (q_desc, o_desc, LSE, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
+                         k_empty, v_ready, v_empty, sched, num_items, num_m_blocks, num_heads_q,
+                         kv_group_size, seqlen_q, seqlen_k, sm_scale, qk_scale,
+                         1, NUM_WG, ROWS, WARPS, BLOCK_N, HEAD_DIM, STAGES, IS_CAUSAL, OVERLAP, PINGPONG,
+                         PAIRED)),
+            (_consumer, (q_desc, o_desc, LSE, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
+                         k_empty, v_ready, v_empty, sched, num_items, num_m_blocks, num_heads_q,
+                         kv_group_size, seqlen_q, seqlen_k, sm_scale, qk_scale,
+                         2, NUM_WG, ROWS, WARPS, BLOCK_N, HEAD_DIM, STAGES, IS_CAUSAL, OVERLAP, PINGPONG,
+                         PAIRED)),
+            (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty,
+                         v_ready, v_empty, num_items, num_m_blocks, num_heads_q, kv_group_size, seqlen_q,
+                         seqlen_k, ROWS, NUM_WG, BLOCK_N, STAGES, IS_CAUSAL, PAIRED)),
+        ], [4, 4, 1], [CONSUMER_REGS_, CONSUMER_REGS_, PRODUCER_REGS_])
 
 
 # --------------------------------------------------------------------------------------------------
@@ -480,14 +616,20 @@ def forward_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: 
     k_desc = _descriptor(k, cfg["block_n"], head_dim)
     v_desc = _descriptor(v, cfg["block_n"], head_dim)
     num_m_blocks = triton.cdiv(seqlen_q, cfg["block_m"])
-    grid = (num_m_blocks * batch * heads_q,)
+    # Causal and persistent: items of two query blocks of equal total cost (see _tile_coords).
+    paired = bool(causal and cfg["persistent"])
+    num_items = batch * heads_q * ((num_m_blocks + 1) // 2 if paired else num_m_blocks)
+    # Persistent: one program per SM (132 when compiling on a machine without a GPU).
+    sms = sm_count(q.device) if q.is_cuda else 132
+    grid = (min(num_items, sms) if cfg["persistent"] else num_items,)
     _attn_fwd_hopper_kernel[grid](
         q_desc, k_desc, v_desc, o_desc, lse,
-        heads_q, heads_q // heads_k, seqlen_q, seqlen_k, num_m_blocks,
+        heads_q, heads_q // heads_k, seqlen_q, seqlen_k, num_m_blocks, num_items,
         sm_scale, sm_scale * LOG2E,
-        HEAD_DIM=head_dim, ROWS=cfg["rows"], BLOCK_N=cfg["block_n"], STAGES=cfg["stages"],
-        IS_CAUSAL=causal, OVERLAP=cfg["overlap"], PINGPONG=cfg["pingpong"],
-        PRODUCER_REGS_=PRODUCER_REGS, CONSUMER_REGS_=CONSUMER_REGS,
+        HEAD_DIM=head_dim, ROWS=cfg["rows"], NUM_WG=cfg["num_wg"], BLOCK_N=cfg["block_n"],
+        STAGES=cfg["stages"], IS_CAUSAL=causal, OVERLAP=cfg["overlap"], PINGPONG=cfg["pingpong"],
+        PAIRED=paired,
+        PRODUCER_REGS_=PRODUCER_REGS, CONSUMER_REGS_=cfg["consumer_regs"],
         num_warps=cfg["num_warps"], maxnreg=cfg["maxnreg"],
     )
     return out, lse
