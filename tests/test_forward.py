@@ -14,7 +14,6 @@ from helpers import DTYPE_ID, HEAD_DIMS, HEADS, HEADS_ID, SEQLENS, assert_matche
 
 import triflash
 from triflash.kernels import configs
-from triflash.kernels import forward as forward_module
 from triflash.kernels.configs import FwdConfig
 from triflash.kernels.forward import forward
 
@@ -28,6 +27,18 @@ def _paths(head_dim, dtype):
     if HOPPER and configs.hopper_forward_applies(head_dim=head_dim, dtype=dtype, device="cuda"):
         return ["triton"] + [f"gluon:{v}" for v in configs.HOPPER_FORWARD_VARIANTS[head_dim]]
     return ["default"]
+
+
+def _force_path(monkeypatch, path):
+    """Replace the forward's kernel chooser: "triton" runs the Triton kernel, "gluon:NAME" the Gluon
+    variant NAME wherever the Gluon kernel can run, "default" leaves the chooser alone."""
+    if path == "default":
+        return
+    variant = path.split(":", 1)[1] if path.startswith("gluon:") else None
+    applies = configs.hopper_forward_applies
+    monkeypatch.setattr(configs, "hopper_forward_variant",
+                        lambda *, head_dim, dtype, device, **_: variant
+                        if variant and applies(head_dim=head_dim, dtype=dtype, device=device) else None)
 
 
 def _cases():
@@ -56,9 +67,7 @@ def _cases():
 @pytest.mark.parametrize("batch,seqlen_q,seqlen_k,head_dim,causal,dtype,heads,path", _cases())
 def test_forward_matches_reference(device, monkeypatch, batch, seqlen_q, seqlen_k, head_dim, causal,
                                    dtype, heads, path):
-    monkeypatch.setattr(forward_module, "HOPPER_PATH", path != "triton")
-    if path.startswith("gluon:"):
-        monkeypatch.setattr(forward_module, "HOPPER_VARIANT", path.split(":", 1)[1])
+    _force_path(monkeypatch, path)
     hq, hkv = heads
     q, k, v = make_qkv(batch, seqlen_q, seqlen_k, hq, hkv, head_dim, dtype, device)
 
@@ -123,8 +132,7 @@ def test_forward_block_shapes(device, config, causal, seqlen_q, seqlen_k):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 def test_hopper_kernel_is_taken_where_it_applies(device, monkeypatch, dtype):
     """On sm_90 the forward runs the Gluon variant the chooser names (checked against the reference
-    like any other); where it names none (head_dim 64, causal, short), and with HOPPER_PATH off, the
-    Triton kernel runs."""
+    like any other); where it names none (head_dim 64, causal, short), the Triton kernel runs."""
     from triflash.kernels import forward_hopper
 
     calls = []
@@ -140,9 +148,34 @@ def test_hopper_kernel_is_taken_where_it_applies(device, monkeypatch, dtype):
     assert calls == ["pp_persist", "pp_persist"]
     triflash.flash_attn_func(q64, k64, v64, causal=True)     # head_dim 64, causal, 300 queries: Triton
     assert len(calls) == 2
-    monkeypatch.setattr(forward_module, "HOPPER_PATH", False)
+    _force_path(monkeypatch, "triton")
     triflash.flash_attn_func(q, k, v, causal=True)
     assert len(calls) == 2
+
+
+@pytest.mark.skipif(not HOPPER, reason="the Gluon Hopper kernel runs on sm_90 GPUs only")
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("variant", sorted({v for vs in configs.HOPPER_FORWARD_VARIANTS.values() for v in vs}))
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_hopper_many_tiles_per_cta(device, monkeypatch, head_dim, variant, causal):
+    """More work items than SMs, so a persistent CTA runs several tiles: the K/V ring position, the
+    ping-pong turn and the query barriers' phase carry over from tile to tile, and each O tile is
+    reused after its previous TMA store. Sq != Sk with an odd number of query blocks (causal pairs
+    the middle block with itself). The suite's grid has at most 96 items, fewer than the 132 SMs."""
+    from triflash.kernels import forward_hopper
+
+    if head_dim not in forward_hopper.VARIANTS[variant]:
+        pytest.skip(f"{variant} has no head_dim {head_dim} configuration")
+    _force_path(monkeypatch, f"gluon:{variant}")
+    cfg = forward_hopper.variant_config(variant, head_dim)
+    batch, hq, hkv, seqlen_q, seqlen_k = 2, 16, 4, 2100, 2300
+    num_m_blocks = -(-seqlen_q // cfg["block_m"])
+    paired = causal and cfg["persistent"]
+    items = batch * hq * ((num_m_blocks + 1) // 2 if paired else num_m_blocks)
+    assert num_m_blocks % 2 == 1 and items > configs.sm_count(device)
+    q, k, v = make_qkv(batch, seqlen_q, seqlen_k, hq, hkv, head_dim, torch.float16, device)
+    out, lse = triflash.flash_attn_func(q, k, v, causal=causal, return_lse=True)
+    assert_matches_reference(out, lse, q, k, v, causal=causal)
 
 
 def test_hopper_variant_chooser(monkeypatch):
@@ -165,3 +198,7 @@ def test_hopper_variant_chooser(monkeypatch):
     assert pick(head_dim=80, causal=False, seqlen_q=4096, seqlen_k=4096, **kw) is None
     for d, names in configs.HOPPER_FORWARD_VARIANTS.items():
         assert all(d in forward_hopper.VARIANTS[n] for n in names)
+        # Every pick is in the list the forward tests force (so every pick is tested on the GPU).
+        for causal in (False, True):
+            for s in (1, 1000, 2048, 8192, 16384, 65536):
+                assert pick(head_dim=d, causal=causal, seqlen_q=s, seqlen_k=s, **kw) in names + (None,)

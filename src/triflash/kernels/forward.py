@@ -212,10 +212,8 @@ def tma_compatible(*tensors: torch.Tensor) -> bool:
 
 # The Gluon kernel of forward_hopper.py is taken on sm_90 where configs.hopper_forward_variant picks a
 # variant and its inputs allow it (TMA strides); everything else, or an explicit ``config``, runs the
-# Triton kernel above. Tests turn HOPPER_PATH off to run the Triton kernel on Hopper too, and set
-# HOPPER_VARIANT to run one Gluon variant wherever the Gluon kernel can run.
-HOPPER_PATH = True
-HOPPER_VARIANT: str | None = None
+# Triton kernel above. Tests replace the chooser to run the Triton kernel, or one Gluon variant, on
+# Hopper.
 
 
 @on_input_device
@@ -240,13 +238,9 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float, 
         lse.fill_(float("-inf"))
         return out, lse
 
-    if config is None and HOPPER_PATH:
-        if HOPPER_VARIANT is not None:
-            applies = configs.hopper_forward_applies(head_dim=head_dim, dtype=q.dtype, device=q.device)
-            variant = HOPPER_VARIANT if applies else None
-        else:
-            variant = configs.hopper_forward_variant(head_dim=head_dim, dtype=q.dtype, device=q.device,
-                                                     causal=causal, seqlen_q=seqlen_q, seqlen_k=seqlen_k)
+    if config is None:
+        variant = configs.hopper_forward_variant(head_dim=head_dim, dtype=q.dtype, device=q.device,
+                                                 causal=causal, seqlen_q=seqlen_q, seqlen_k=seqlen_k)
         if variant is not None:
             from . import forward_hopper   # imported here: it imports this module (tma_compatible)
 

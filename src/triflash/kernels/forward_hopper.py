@@ -129,14 +129,13 @@ VARIANTS = {
              128: dict(block_n=64, stages=2, overlap=False, pingpong=False, num_wg=1, consumer_warps=4,
                        maxnreg=128)},
 }
-DEFAULT_VARIANT = {64: "pp3", 128: "pp"}
 
 PRODUCER_REGS = 24          # setmaxnreg of the producer's warpgroup (the minimum)
 REGISTER_FILE = 65536       # 32-bit registers per SM (and the most one CTA may use)
 
 
-def variant_config(variant: str | None, head_dim: int) -> dict:
-    cfg = dict(VARIANTS[variant or DEFAULT_VARIANT[head_dim]][head_dim])
+def variant_config(variant: str, head_dim: int) -> dict:
+    cfg = dict(VARIANTS[variant][head_dim])
     cfg.setdefault("persistent", False)
     num_wg = cfg["num_wg"]
     warps = 4 if num_wg > 1 else cfg["consumer_warps"]
@@ -504,7 +503,9 @@ def _attn_fwd_hopper_kernel(
         mbarrier.init(k_empty.index(s), count=NUM_WG)       # every consumer warpgroup releases
         mbarrier.init(v_empty.index(s), count=NUM_WG)
 
-    # The partitions' arguments: the same for every consumer but its index (WG).
+    # The partitions' arguments: the same for every consumer but its index (WG). They are spelled out
+    # per branch: building them as one tuple (and `(w,) + args`) loses the constexpr-ness of the
+    # block sizes in Triton 3.6's warp_specialize, and the consumers then fail to trace.
     if NUM_WG == 1:
         gl.warp_specialize([
             (_consumer, (q_desc, o_desc, LSE, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
@@ -595,10 +596,11 @@ def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tens
 
 @on_input_device
 def forward_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float, causal: bool,
-                   out: torch.Tensor | None = None, variant: str | None = None):
+                   out: torch.Tensor | None = None, *, variant: str):
     """``forward()``'s contract on the Hopper kernel: q [B, Sq, Hq, D], k/v [B, Sk, Hkv, D];
     returns (out [B, Sq, Hq, D] in q's dtype, lse [B, Hq, Sq] float32, natural log). ``out`` may be a
-    preallocated strided view. ``variant``: a key of VARIANTS (None: DEFAULT_VARIANT)."""
+    preallocated strided view. ``variant``: a key of VARIANTS (the forward takes the one
+    ``configs.hopper_forward_variant`` picks)."""
     batch, seqlen_q, heads_q, head_dim = q.shape
     _, seqlen_k, heads_k, _ = k.shape
     if out is None:
