@@ -301,8 +301,10 @@ def main():
                         with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
                             return torch.nn.functional.scaled_dot_product_attention(qh, kh, vh, is_causal=causal,
                                                                                     scale=scale)
-                # Correctness first, at the timed shape: against cuDNN's output (itself checked
-                # against the float64 reference at these shapes in the GPU test suite).
+                # A guard before timing, at the timed shape: a gross error against cuDNN's output
+                # (fixed 2e-2, far above the 1e-5..4e-3 differences seen) is not timed. The 2x-of-PyTorch
+                # check against float64 is part (a) and the GPU test suite; this only catches a
+                # provider or variant that is broken at a size those do not run.
                 got = fn()
                 got = got[0] if isinstance(got, tuple) else got
                 got = got.transpose(1, 2) if name == "cudnn" else got
