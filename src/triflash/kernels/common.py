@@ -76,6 +76,50 @@ def div_rn(a, b):
 
 
 @triton.jit
+def _halves_of_columns(a):
+    """a [M, K] -> (a[:, :K/2], a[:, K/2:])."""
+    M: tl.constexpr = a.shape[0]
+    K: tl.constexpr = a.shape[1]
+    return tl.split(tl.permute(tl.reshape(a, [M, 2, K // 2]), [0, 2, 1]))
+
+
+@triton.jit
+def _halves_of_rows(b):
+    """b [K, N] -> (b[:K/2, :], b[K/2:, :])."""
+    K: tl.constexpr = b.shape[0]
+    N: tl.constexpr = b.shape[1]
+    return tl.split(tl.permute(tl.reshape(b, [2, K // 2, N]), [1, 2, 0]))
+
+
+@triton.jit
+def score_dot(q, k, DOT_PRECISION: tl.constexpr, BLOCKED: tl.constexpr):
+    """q [BM, BD] @ k [BD, BN]: the raw scores. BLOCKED (IEEE fp32): the head dim is summed in chunks
+    of at most 64 lanes whose products are then added pairwise (``add_rn``). Triton's IEEE fp32 dot on
+    the GPU is one sequential FMA chain per score, so at BD = 256 a score carries ~4 ulp of rounding
+    where cuBLAS's blocked sum carries ~1; over a few keys of |score| ~ 30 that was the whole fp32
+    error budget of a decode output (docs/performance-notes.md, run 23)."""
+    BD: tl.constexpr = q.shape[1]
+    if BLOCKED and BD >= 128:
+        q0, q1 = _halves_of_columns(q)
+        k0, k1 = _halves_of_rows(k)
+        if BD >= 256:
+            q00, q01 = _halves_of_columns(q0)
+            q10, q11 = _halves_of_columns(q1)
+            k00, k01 = _halves_of_rows(k0)
+            k10, k11 = _halves_of_rows(k1)
+            s0 = add_rn(tl.dot(q00, k00, input_precision=DOT_PRECISION),
+                        tl.dot(q01, k01, input_precision=DOT_PRECISION))
+            s1 = add_rn(tl.dot(q10, k10, input_precision=DOT_PRECISION),
+                        tl.dot(q11, k11, input_precision=DOT_PRECISION))
+        else:
+            s0 = tl.dot(q0, k0, input_precision=DOT_PRECISION)
+            s1 = tl.dot(q1, k1, input_precision=DOT_PRECISION)
+        return add_rn(s0, s1)
+    else:
+        return tl.dot(q, k, input_precision=DOT_PRECISION)
+
+
+@triton.jit
 def accumulate_pv(acc, p, v, DOT_PRECISION: tl.constexpr, BLOCKED: tl.constexpr):
     """acc + p @ v. BLOCKED (fp32): the tile's product summed on its own, then added (``add_rn``):
     over a long sequence each output element then carries one rounding chain per key block, where

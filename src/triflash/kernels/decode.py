@@ -45,7 +45,8 @@ import triton
 import triton.language as tl
 
 from . import configs
-from .common import LOG2E, accumulate_pv, finish_rows, load_kv_tile, on_input_device, online_softmax_step
+from .common import (LOG2E, accumulate_pv, finish_rows, load_kv_tile, on_input_device, online_softmax_step,
+                     score_dot)
 from .configs import DecodeConfig
 from .merge import merge as _merge_launch
 
@@ -120,7 +121,7 @@ def _decode_inner(
         # -- K^T tile [BD, BN]: key on the columns, head dim (contiguous) on the rows --
         k = load_kv_tile(K + k_off[None, :] + offs_d[:, None], n_ok[None, :], d_ok[:, None],
                          MASKED, BLOCK_D != HEAD_DIM)
-        qk = tl.dot(q, k, input_precision=DOT_PRECISION)               # [BM, BN] raw scores
+        qk = score_dot(q, k, DOT_PRECISION, PRECISE)                   # [BM, BN] raw scores
         visible = None
         if MASKED:
             visible = n_ok[None, :]                                    # [1, BN]
