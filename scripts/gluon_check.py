@@ -147,7 +147,7 @@ def compile_one(label, run, dump_dir=None):
 
 def cases(variants):
     for variant in variants:
-        for d in (64, 128):
+        for d in sorted(FH.VARIANTS[variant]):
             for dtype in (torch.float16, torch.bfloat16):
                 if dtype == torch.bfloat16 and d == 64:
                     continue          # same code as fp16 apart from the conversion; keep the run short
@@ -167,7 +167,7 @@ def main():
     a = ap.parse_args()
     print(f"triton {triton.__version__}; target {TARGET}")
     for v in a.variants:
-        for d in (64, 128):
+        for d in sorted(FH.VARIANTS[v]):
             print(f"  variant {v} D{d}: {FH.variant_config(v, d)}")
     ok = True
     for label, run in cases(a.variants):
