@@ -25,7 +25,7 @@ HOPPER = ON_GPU and torch.cuda.get_device_capability() == (9, 0)
 
 def _paths(head_dim, dtype):
     if HOPPER and configs.hopper_forward_applies(head_dim=head_dim, dtype=dtype, device="cuda"):
-        return ["triton"] + [f"gluon:{v}" for v in configs.HOPPER_FORWARD_VARIANTS[head_dim]]
+        return ["triton"] + [f"gluon:{v}" for v in configs.hopper_forward_candidates(head_dim, dtype)]
     return ["default"]
 
 
@@ -151,11 +151,20 @@ def test_hopper_kernel_is_taken_where_it_applies(device, monkeypatch, dtype):
     _force_path(monkeypatch, "triton")
     triflash.flash_attn_func(q, k, v, causal=True)
     assert len(calls) == 2
+    monkeypatch.undo()
+    monkeypatch.setattr(forward_hopper, "forward_hopper",
+                        lambda *a, **kw: calls.append(kw.get("variant")) or real(*a, **kw))
+    # head_dim 64, non-causal, from 1k queries: fp16 takes the row sums on the tensor cores.
+    q64, k64, v64 = make_qkv(1, 1100, 1200, 4, 4, 64, dtype, device)
+    out, lse = triflash.flash_attn_func(q64, k64, v64, return_lse=True)
+    assert calls[2:] == ["pp3_persist_ltc" if dtype == torch.float16 else "pp_persist"]
+    assert_matches_reference(out, lse, q64, k64, v64)
 
 
 @pytest.mark.skipif(not HOPPER, reason="the Gluon Hopper kernel runs on sm_90 GPUs only")
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("variant", sorted({v for vs in configs.HOPPER_FORWARD_VARIANTS.values() for v in vs}))
+@pytest.mark.parametrize("variant", sorted({v for by_dtype in configs.HOPPER_FORWARD_VARIANTS.values()
+                                             for vs in by_dtype.values() for v in vs}))
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_hopper_many_tiles_per_cta(device, monkeypatch, head_dim, variant, causal):
     """More work items than SMs, so a persistent CTA runs several tiles: the K/V ring position, the
@@ -193,12 +202,22 @@ def test_hopper_variant_chooser(monkeypatch):
     assert pick(head_dim=128, causal=True, seqlen_q=16384, seqlen_k=16384, **kw) == "pp_persist"
     assert pick(head_dim=64, causal=True, seqlen_q=1024, seqlen_k=1024, **kw) is None
     assert pick(head_dim=64, causal=True, seqlen_q=4096, seqlen_k=4096, **kw) == "pp_persist"
-    assert pick(head_dim=64, causal=False, seqlen_q=16384, seqlen_k=16384, **kw) == "pp3"
-    assert pick(head_dim=64, causal=True, seqlen_q=16384, seqlen_k=16384, **kw) == "pp3_persist"
+    # fp16 at D=64: the row sums on the tensor cores; bf16 keeps fp32 row sums (its LSE).
+    assert pick(head_dim=64, causal=False, seqlen_q=512, seqlen_k=512, **kw) == "pp_persist"
+    assert pick(head_dim=64, causal=False, seqlen_q=1024, seqlen_k=1024, **kw) == "pp3_persist_ltc"
+    assert pick(head_dim=64, causal=False, seqlen_q=16384, seqlen_k=16384, **kw) == "pp3_persist_ltc"
+    assert pick(head_dim=64, causal=True, seqlen_q=16384, seqlen_k=16384, **kw) == "pp3_ltc"
+    bf16 = dict(kw, dtype=torch.bfloat16)
+    assert pick(head_dim=64, causal=False, seqlen_q=4096, seqlen_k=4096, **bf16) == "pp_persist"
+    assert pick(head_dim=64, causal=False, seqlen_q=16384, seqlen_k=16384, **bf16) == "pp3"
+    assert pick(head_dim=64, causal=True, seqlen_q=16384, seqlen_k=16384, **bf16) == "pp3_persist"
     assert pick(head_dim=80, causal=False, seqlen_q=4096, seqlen_k=4096, **kw) is None
-    for d, names in configs.HOPPER_FORWARD_VARIANTS.items():
-        assert all(d in forward_hopper.VARIANTS[n] for n in names)
-        # Every pick is in the list the forward tests force (so every pick is tested on the GPU).
-        for causal in (False, True):
-            for s in (1, 1000, 2048, 8192, 16384, 65536):
-                assert pick(head_dim=d, causal=causal, seqlen_q=s, seqlen_k=s, **kw) in names + (None,)
+    for d in configs.HOPPER_FORWARD_VARIANTS:
+        for dtype in (torch.float16, torch.bfloat16):
+            names = configs.hopper_forward_candidates(d, dtype)
+            assert all(d in forward_hopper.VARIANTS[n] for n in names)
+            # Every pick is in the list the forward tests force (so every pick is tested on the GPU).
+            for causal in (False, True):
+                for s in (1, 1000, 2048, 8192, 16384, 65536):
+                    got = pick(head_dim=d, causal=causal, seqlen_q=s, seqlen_k=s, **dict(kw, dtype=dtype))
+                    assert got in names + (None,)

@@ -127,28 +127,50 @@ def hopper_forward_applies(*, head_dim: int, dtype, device) -> bool:
     return torch.device(device).type == "cuda" and _device_facts(device)[0] == 9
 
 
-# The Gluon variants the forward chooses from (forward_hopper.VARIANTS), per head dim.
-HOPPER_FORWARD_VARIANTS = {64: ("pp_persist", "pp3", "pp3_persist"), 128: ("pp", "pp_persist")}
+# The Gluon variants the forward chooses from (forward_hopper.VARIANTS), per head dim and dtype.
+HOPPER_FORWARD_VARIANTS = {
+    64: {"float16": ("pp_persist", "pp3_ltc", "pp3_persist_ltc"),
+         "bfloat16": ("pp_persist", "pp3", "pp3_persist")},
+    128: {"float16": ("pp", "pp_persist"), "bfloat16": ("pp", "pp_persist")},
+}
+
+
+def hopper_forward_candidates(head_dim: int, dtype) -> tuple[str, ...]:
+    """Every variant ``hopper_forward_variant`` can take for this head dim and dtype (the GPU tests
+    force each one)."""
+    return HOPPER_FORWARD_VARIANTS[head_dim][str(dtype).removeprefix("torch.")]
 
 
 def hopper_forward_variant(*, head_dim: int, dtype, device, causal: bool, seqlen_q: int,
                            seqlen_k: int) -> str | None:
     """The Gluon Hopper kernel variant the forward takes, or None for the Triton kernel. Measured on
-    the H200 (performance-notes.md, runs 16-18, fp16 and bf16):
+    the H200 (performance-notes.md, runs 16-18 and 24):
 
     * head_dim 128: persistent (``pp_persist``) everywhere (+9-15% at 1k, causal +5-9% at 4k)
       except non-causal from 8k keys, where the one-tile-per-CTA launch (``pp``) was level or up to
       4% faster;
-    * head_dim 64: from 16k keys three consumer warpgroups (``pp3``; ``pp3_persist`` causal), up to
-      8% over two; below that ``pp_persist`` (2-9% over the Triton kernel), except causal below 2k
-      queries, where the Triton kernel was 20% faster (315 against 258 TFLOP/s at 1k).
+    * head_dim 64, fp16: non-causal from 1k queries, three consumer warpgroups with the row sums on
+      the tensor cores (``pp3_persist_ltc``: +8-14% over the previous picks at 4k-16k, level at 1k;
+      at 512 its 192-row tiles were 12% slower than ``pp_persist``, run 25). Causal: from 16k keys
+      ``pp3_ltc`` (+9%), below that ``pp_persist``;
+    * head_dim 64, bf16 (the row sums stay in fp32 FADDs: a bf16 P would move the LSE by ~1e-3):
+      from 16k keys ``pp3`` (``pp3_persist`` causal), up to 8% over two warpgroups, below that
+      ``pp_persist`` (2-9% over the Triton kernel);
+    * head_dim 64, causal below 2k queries: the Triton kernel, 15-20% faster than the Gluon variants
+      there (315 against 258 TFLOP/s at 1k in run 16; 304 against 264-285 in run 24).
     """
+    import torch
+
     if not hopper_forward_applies(head_dim=head_dim, dtype=dtype, device=device):
         return None
     if head_dim == 128:
         return "pp" if not causal and seqlen_k >= 8192 else "pp_persist"
     if causal and seqlen_q < 2048:
         return None
+    if dtype == torch.float16:
+        if not causal:
+            return "pp3_persist_ltc" if seqlen_q >= 1024 else "pp_persist"
+        return "pp3_ltc" if seqlen_k >= 16384 else "pp_persist"
     if seqlen_k >= 16384:
         return "pp3_persist" if causal else "pp3"
     return "pp_persist"

@@ -63,6 +63,14 @@ fastest kernels (FlashAttention-3) schedule by hand:
    query tile (``q_empty``) after its last S product, and writes O through its own shared-memory
    tile (``o_smem``), waiting for its previous TMA store before reusing it.
 
+6. *Row sums on the tensor cores* (LTC, fp16 at head_dim 64). The softmax's row sum l is the one part
+   of the step's arithmetic that is a plain reduction over keys, 64 dependent additions per thread at
+   BLOCK_N 128. With LTC it becomes l = P @ ones: a second, narrow wgmma (N = 8) issued beside
+   P V from the same fp16 P registers, against an [8, BLOCK_N] tile of ones in shared memory, with
+   its [ROWS, 8] accumulator rescaled by alpha like O. l is then the sum of the rounded P that P V
+   uses, so out is as accurate as before; the LSE moves by up to ~1.5e-4 (fp16 P carries 11 bits).
+   bf16's P carries 8, which would move the LSE by ~1.6e-3, so bf16 keeps the fp32 additions.
+
 Numerics are those of forward.py: fp32 online-softmax state (m in raw score units, l, O), base-2
 exponentials with qk_scale = sm_scale * log2(e) folded into one FMA with the row max, masked scores
 set to -inf, rows that see no key give out = 0 and lse = -inf, LSE = m * sm_scale + ln(l) (natural
@@ -116,6 +124,13 @@ VARIANTS = {
     "pp3": {64: dict(_PP, stages=2, num_wg=3), 128: dict(_PP, block_n=64, stages=2, num_wg=3)},
     "pp3_persist": {64: dict(_PP, stages=2, num_wg=3, persistent=True),
                     128: dict(_PP, block_n=64, stages=2, num_wg=3, persistent=True)},
+    # The row sums on the tensor cores (LTC, run 24): l = P @ ones, an n8 wgmma beside P V, in place
+    # of 64 FADDs per thread and step. The sums are then those of the fp16-rounded P that P V uses
+    # (out stays as accurate; the LSE moves by up to ~1.5e-4 in fp16, ~1.6e-3 in bf16, whose P
+    # carries 8 bits): the forward takes these for fp16 only. +5-10% at D=64 with three warpgroups;
+    # with two, 2-6% slower.
+    "pp3_ltc": {64: dict(_PP, stages=2, num_wg=3, ltc=True)},
+    "pp3_persist_ltc": {64: dict(_PP, stages=2, num_wg=3, persistent=True, ltc=True)},
     # Two warpgroups in one partition (the compiler's wgmma spans both), no turn-taking.
     "ws2": {64: dict(block_n=128, stages=3, overlap=True, pingpong=False, num_wg=1, consumer_warps=8),
             128: dict(block_n=128, stages=2, overlap=True, pingpong=False, num_wg=1, consumer_warps=8)},
@@ -137,6 +152,7 @@ REGISTER_FILE = 65536       # 32-bit registers per SM (and the most one CTA may 
 def variant_config(variant: str, head_dim: int) -> dict:
     cfg = dict(VARIANTS[variant][head_dim])
     cfg.setdefault("persistent", False)
+    cfg.setdefault("ltc", False)
     num_wg = cfg["num_wg"]
     warps = 4 if num_wg > 1 else cfg["consumer_warps"]
     cfg["rows"] = 16 * warps                              # query rows of one consumer partition
@@ -276,7 +292,7 @@ def _release(bar, SYNC: gl.constexpr):
 
 
 @gluon.jit
-def _softmax(s, m_i, l_i, col_limit, cols, qk_scale, MASK: gl.constexpr):
+def _softmax(s, m_i, l_i, col_limit, cols, qk_scale, MASK: gl.constexpr, SUM: gl.constexpr = True):
     """Fold one tile of raw scores s [ROWS, BN] into the running (m, l). Returns (p fp32, m_new,
     l_new, alpha). MASK: scores at columns >= col_limit (a per-row bound: the end of the keys or the
     causal diagonal) become -inf. Rows that have seen no key keep m = -inf, l = 0 and give p = 0,
@@ -288,7 +304,10 @@ def _softmax(s, m_i, l_i, col_limit, cols, qk_scale, MASK: gl.constexpr):
     # One FMA per score: s * qk_scale - m * qk_scale, then the hardware exp2.
     p = gl.exp2(s * qk_scale - (m_safe * qk_scale)[:, None])
     alpha = gl.exp2(gl.where(m_new == float("-inf"), 0.0, (m_i - m_new) * qk_scale))
-    l_new = l_i * alpha + gl.sum(p, 1)
+    if SUM:
+        l_new = l_i * alpha + gl.sum(p, 1)
+    else:
+        l_new = l_i                      # LTC: the row sums come from the tensor cores instead
     return p, m_new, l_new, alpha
 
 
@@ -298,13 +317,15 @@ def _consumer(q_desc, o_desc, LSE, q_smem, o_smem, k_smem, v_smem,
               num_items, num_m_blocks, num_heads_q, kv_group_size, seqlen_q, seqlen_k, sm_scale, qk_scale,
               WG: gl.constexpr, NUM_WG: gl.constexpr, ROWS: gl.constexpr, WARPS: gl.constexpr,
               BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr,
-              OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, PAIRED: gl.constexpr):
+              OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, PAIRED: gl.constexpr,
+              LTC: gl.constexpr, ones_smem):
     """One consumer partition: for each of the CTA's tiles, ROWS query rows (from start_m + WG * ROWS)
     against key blocks [0, n_blocks); writes O and the LSE of its rows. ``kv`` (the K/V tile count,
     as in the producer) gives ring slots and phases; ``turn`` counts ping-pong turns; ``n_done``
     counts tiles (the query barrier's phase)."""
     dtype: gl.constexpr = q_desc.dtype
     SYNC: gl.constexpr = WARPS > 4
+    gl.static_assert(OVERLAP or not LTC, "LTC (row sums on the tensor cores) needs the OVERLAP schedule")
     # wgmma accumulator layouts: S [ROWS, BN] and O [ROWS, D]; warps stacked along the rows, so every
     # row lives in one warp (a quad of threads): row reductions need no shared memory.
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
@@ -312,6 +333,10 @@ def _consumer(q_desc, o_desc, LSE, q_smem, o_smem, k_smem, v_smem,
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
                                                        instr_shape=[16, HEAD_DIM, 16])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    # LTC: l = P @ ones on the tensor cores, an [ROWS, 8] accumulator whose 8 columns are equal.
+    l_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
+                                                       instr_shape=[16, 8, 16])
+    pl_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=l_layout, k_width=2)
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
     col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
     cols0 = gl.arange(0, BLOCK_N, layout=col_layout)                    # [BN]
@@ -348,6 +373,7 @@ def _consumer(q_desc, o_desc, LSE, q_smem, o_smem, k_smem, v_smem,
                     acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout)
                     m_i = gl.full([ROWS], float("-inf"), gl.float32, row_layout)
                     l_i = gl.zeros([ROWS], gl.float32, row_layout)
+                    l_acc = gl.zeros([ROWS, 8], gl.float32, l_layout)
                     if OVERLAP:
                         # -- step 0: S_0 only --
                         st = kv % STAGES
@@ -359,9 +385,11 @@ def _consumer(q_desc, o_desc, LSE, q_smem, o_smem, k_smem, v_smem,
                         s = warpgroup_mma_wait(0, deps=(s_tok,))
                         _release(k_empty.index(st), SYNC)
                         if n_full > 0:
-                            p, m_i, l_i, alpha = _softmax(s, m_i, l_i, col_limit, cols0, qk_scale, False)
+                            p, m_i, l_i, alpha = _softmax(s, m_i, l_i, col_limit, cols0, qk_scale, False,
+                                                          not LTC)
                         else:
-                            p, m_i, l_i, alpha = _softmax(s, m_i, l_i, col_limit, cols0, qk_scale, True)
+                            p, m_i, l_i, alpha = _softmax(s, m_i, l_i, col_limit, cols0, qk_scale, True,
+                                                          not LTC)
                         p = gl.convert_layout(p.to(dtype), p_layout)
                         # -- steps 1 .. n-1: issue S_j and P_{j-1} V_{j-1}; softmax S_j under PV --
                         for j in range(1, n_blocks):
@@ -374,18 +402,28 @@ def _consumer(q_desc, o_desc, LSE, q_smem, o_smem, k_smem, v_smem,
                             s_tok = warpgroup_mma(q_tile, k_smem.index(st).permute((1, 0)), s_zero,
                                                   use_acc=False, is_async=True)
                             o_tok = warpgroup_mma(p, v_smem.index(pst), acc, is_async=True)
+                            if LTC:
+                                l_tok = warpgroup_mma(gl.convert_layout(p, pl_layout), ones_smem, l_acc,
+                                                      is_async=True)
                             _turn_end(sched, WG, NUM_WG, PINGPONG)
-                            s = warpgroup_mma_wait(1, deps=(s_tok,))       # S_j done; PV may still run
+                            if LTC:
+                                s = warpgroup_mma_wait(2, deps=(s_tok,))   # S_j done; PV, l may still run
+                            else:
+                                s = warpgroup_mma_wait(1, deps=(s_tok,))   # S_j done; PV may still run
                             _release(k_empty.index(st), SYNC)
                             cols = j * BLOCK_N + cols0
                             if j < n_full:
                                 p_new, m_i, l_i, alpha = _softmax(s, m_i, l_i, col_limit, cols, qk_scale,
-                                                                  False)
+                                                                  False, not LTC)
                             else:
                                 p_new, m_i, l_i, alpha = _softmax(s, m_i, l_i, col_limit, cols, qk_scale,
-                                                                  True)
+                                                                  True, not LTC)
                             p_new = gl.convert_layout(p_new.to(dtype), p_layout)
-                            acc, p = warpgroup_mma_wait(0, deps=(o_tok, p))
+                            if LTC:
+                                acc, l_acc, p = warpgroup_mma_wait(0, deps=(o_tok, l_tok, p))
+                                l_acc = l_acc * gl.convert_layout(alpha, gl.SliceLayout(1, l_layout))[:, None]
+                            else:
+                                acc, p = warpgroup_mma_wait(0, deps=(o_tok, p))
                             _release(v_empty.index(pst), SYNC)
                             acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
                             p = p_new
@@ -397,8 +435,15 @@ def _consumer(q_desc, o_desc, LSE, q_smem, o_smem, k_smem, v_smem,
                         mbarrier.wait(v_ready.index(lst), (lc // STAGES) & 1)
                         _turn_begin(sched, turn + n_blocks, WG, PINGPONG)
                         o_tok = warpgroup_mma(p, v_smem.index(lst), acc, is_async=True)
+                        if LTC:
+                            l_tok = warpgroup_mma(gl.convert_layout(p, pl_layout), ones_smem, l_acc,
+                                                  is_async=True)
                         _turn_end(sched, WG, NUM_WG, PINGPONG)
-                        acc, p = warpgroup_mma_wait(0, deps=(o_tok, p))
+                        if LTC:
+                            acc, l_acc, p = warpgroup_mma_wait(0, deps=(o_tok, l_tok, p))
+                            l_i = gl.convert_layout(gl.max(l_acc, 1), row_layout)
+                        else:
+                            acc, p = warpgroup_mma_wait(0, deps=(o_tok, p))
                         _release(v_empty.index(lst), SYNC)
                         turn += n_blocks + 1
                     else:
@@ -472,6 +517,7 @@ def _attn_fwd_hopper_kernel(
     HEAD_DIM: gl.constexpr, ROWS: gl.constexpr, NUM_WG: gl.constexpr, BLOCK_N: gl.constexpr,
     STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr,
     PAIRED: gl.constexpr, PRODUCER_REGS_: gl.constexpr, CONSUMER_REGS_: gl.constexpr,
+    LTC: gl.constexpr,
 ):
     """A program takes work items pid, pid + grid, ... of num_items; an item is one tile (BLOCK_M =
     ROWS * NUM_WG query rows of one (batch, query head)) or, PAIRED, two (``_tile_coords``). With
@@ -493,6 +539,16 @@ def _attn_fwd_hopper_kernel(
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     sched = gl.allocate_shared_memory(gl.int64, [NUM_WG, 1], mbarrier.MBarrierLayout())
+    # LTC: an [8, BLOCK_N] tile of ones (keys contiguous, like a K tile), read through a transposed
+    # view as the [BLOCK_N, 8] B operand of the row-sum wgmma. Written once by the default warps, then
+    # fenced for the async proxy that wgmma reads through. Without LTC a token 8 x 16 tile.
+    ONES_N: gl.constexpr = BLOCK_N if LTC else 16
+    ones_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([8, ONES_N], dtype)
+    ones_reg: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [1, gl.num_warps()], [1, 0])
+    ones_smem = gl.allocate_shared_memory(dtype, [8, ONES_N], ones_layout,
+                                          gl.full([8, ONES_N], 1.0, dtype, ones_reg)).permute((1, 0))
+    fence_async_shared()
+    gl.thread_barrier()
     for w in gl.static_range(NUM_WG):
         mbarrier.init(q_ready.index(w), count=1)
         mbarrier.init(q_empty.index(w), count=1)
@@ -512,7 +568,7 @@ def _attn_fwd_hopper_kernel(
                          k_empty, v_ready, v_empty, sched, num_items, num_m_blocks, num_heads_q,
                          kv_group_size, seqlen_q, seqlen_k, sm_scale, qk_scale,
                          0, NUM_WG, ROWS, WARPS, BLOCK_N, HEAD_DIM, STAGES, IS_CAUSAL, OVERLAP, PINGPONG,
-                         PAIRED)),
+                         PAIRED, LTC, ones_smem)),
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty,
                          v_ready, v_empty, num_items, num_m_blocks, num_heads_q, kv_group_size, seqlen_q,
                          seqlen_k, ROWS, NUM_WG, BLOCK_N, STAGES, IS_CAUSAL, PAIRED)),
@@ -523,12 +579,12 @@ def _attn_fwd_hopper_kernel(
                          k_empty, v_ready, v_empty, sched, num_items, num_m_blocks, num_heads_q,
                          kv_group_size, seqlen_q, seqlen_k, sm_scale, qk_scale,
                          0, NUM_WG, ROWS, WARPS, BLOCK_N, HEAD_DIM, STAGES, IS_CAUSAL, OVERLAP, PINGPONG,
-                         PAIRED)),
+                         PAIRED, LTC, ones_smem)),
             (_consumer, (q_desc, o_desc, LSE, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
                          k_empty, v_ready, v_empty, sched, num_items, num_m_blocks, num_heads_q,
                          kv_group_size, seqlen_q, seqlen_k, sm_scale, qk_scale,
                          1, NUM_WG, ROWS, WARPS, BLOCK_N, HEAD_DIM, STAGES, IS_CAUSAL, OVERLAP, PINGPONG,
-                         PAIRED)),
+                         PAIRED, LTC, ones_smem)),
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty,
                          v_ready, v_empty, num_items, num_m_blocks, num_heads_q, kv_group_size, seqlen_q,
                          seqlen_k, ROWS, NUM_WG, BLOCK_N, STAGES, IS_CAUSAL, PAIRED)),
@@ -540,17 +596,17 @@ def _attn_fwd_hopper_kernel(
                          k_empty, v_ready, v_empty, sched, num_items, num_m_blocks, num_heads_q,
                          kv_group_size, seqlen_q, seqlen_k, sm_scale, qk_scale,
                          0, NUM_WG, ROWS, WARPS, BLOCK_N, HEAD_DIM, STAGES, IS_CAUSAL, OVERLAP, PINGPONG,
-                         PAIRED)),
+                         PAIRED, LTC, ones_smem)),
             (_consumer, (q_desc, o_desc, LSE, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
                          k_empty, v_ready, v_empty, sched, num_items, num_m_blocks, num_heads_q,
                          kv_group_size, seqlen_q, seqlen_k, sm_scale, qk_scale,
                          1, NUM_WG, ROWS, WARPS, BLOCK_N, HEAD_DIM, STAGES, IS_CAUSAL, OVERLAP, PINGPONG,
-                         PAIRED)),
+                         PAIRED, LTC, ones_smem)),
             (_consumer, (q_desc, o_desc, LSE, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
                          k_empty, v_ready, v_empty, sched, num_items, num_m_blocks, num_heads_q,
                          kv_group_size, seqlen_q, seqlen_k, sm_scale, qk_scale,
                          2, NUM_WG, ROWS, WARPS, BLOCK_N, HEAD_DIM, STAGES, IS_CAUSAL, OVERLAP, PINGPONG,
-                         PAIRED)),
+                         PAIRED, LTC, ones_smem)),
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty,
                          v_ready, v_empty, num_items, num_m_blocks, num_heads_q, kv_group_size, seqlen_q,
                          seqlen_k, ROWS, NUM_WG, BLOCK_N, STAGES, IS_CAUSAL, PAIRED)),
@@ -630,7 +686,7 @@ def forward_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: 
         sm_scale, sm_scale * LOG2E,
         HEAD_DIM=head_dim, ROWS=cfg["rows"], NUM_WG=cfg["num_wg"], BLOCK_N=cfg["block_n"],
         STAGES=cfg["stages"], IS_CAUSAL=causal, OVERLAP=cfg["overlap"], PINGPONG=cfg["pingpong"],
-        PAIRED=paired,
+        PAIRED=paired, LTC=cfg["ltc"],
         PRODUCER_REGS_=PRODUCER_REGS, CONSUMER_REGS_=cfg["consumer_regs"],
         num_warps=cfg["num_warps"], maxnreg=cfg["maxnreg"],
     )
