@@ -68,6 +68,11 @@ def correctness_cases():
     return out
 
 
+def applicable(FH, variant, d, dtname):
+    """Whether the variant runs at this head dim and dtype (LTC variants take fp16 only)."""
+    return d in FH.VARIANTS[variant] and (dtname == "float16" or not FH.variant_config(variant, d)["ltc"])
+
+
 def make_qkv(dtype, d, b, sq, sk, hq, hkv, transposed, seed):
     import torch
     g = torch.Generator(device="cuda").manual_seed(seed)
@@ -100,8 +105,8 @@ def check_variant(variant, path):
             return
         n_pass = n_fail = 0
         for i, (label, dtname, d, causal, b, sq, sk, hq, hkv, tr) in enumerate(correctness_cases()):
-            if d not in FH.VARIANTS[variant]:
-                continue                  # a variant defined for one head dim only
+            if not applicable(FH, variant, d, dtname):
+                continue                  # a head dim the variant lacks, or bf16 for an LTC variant
             dtype = getattr(torch, dtname)
             q, k, v, out_buf = make_qkv(dtype, d, b, sq, sk, hq, hkv, tr, seed=i)
             scale = d ** -0.5
@@ -233,7 +238,7 @@ def main():
         for line in lines:
             log("   " + line)
         summary = [l for l in lines if l.startswith("SUMMARY")]
-        n_cases = sum(c[2] in FH.VARIANTS[v] for c in correctness_cases())
+        n_cases = sum(applicable(FH, v, c[2], c[1]) for c in correctness_cases())
         if hung:
             last = lines[-1] if lines else "(no case finished)"
             log(f"   TIMEOUT/HANG after {a.check_timeout:.0f}s; last line: {last[:120]}")
@@ -293,7 +298,7 @@ def main():
             try:
                 if name.startswith("gluon:"):
                     var = name.split(":", 1)[1]
-                    if d not in FH.VARIANTS[var]:
+                    if not applicable(FH, var, d, dtname):
                         continue
                     fn = lambda var=var: FH.forward_hopper(q, k, v, scale, causal, out=out, variant=var)
                 elif name == "triflash":

@@ -148,17 +148,14 @@ def test_hopper_kernel_is_taken_where_it_applies(device, monkeypatch, dtype):
     assert calls == ["pp_persist", "pp_persist"]
     triflash.flash_attn_func(q64, k64, v64, causal=True)     # head_dim 64, causal, 300 queries: Triton
     assert len(calls) == 2
-    _force_path(monkeypatch, "triton")
-    triflash.flash_attn_func(q, k, v, causal=True)
-    assert len(calls) == 2
-    monkeypatch.undo()
-    monkeypatch.setattr(forward_hopper, "forward_hopper",
-                        lambda *a, **kw: calls.append(kw.get("variant")) or real(*a, **kw))
     # head_dim 64, non-causal, from 1k queries: fp16 takes the row sums on the tensor cores.
     q64, k64, v64 = make_qkv(1, 1100, 1200, 4, 4, 64, dtype, device)
     out, lse = triflash.flash_attn_func(q64, k64, v64, return_lse=True)
     assert calls[2:] == ["pp3_persist_ltc" if dtype == torch.float16 else "pp_persist"]
     assert_matches_reference(out, lse, q64, k64, v64)
+    _force_path(monkeypatch, "triton")
+    triflash.flash_attn_func(q, k, v, causal=True)
+    assert len(calls) == 3
 
 
 @pytest.mark.skipif(not HOPPER, reason="the Gluon Hopper kernel runs on sm_90 GPUs only")
@@ -212,12 +209,27 @@ def test_hopper_variant_chooser(monkeypatch):
     assert pick(head_dim=64, causal=False, seqlen_q=16384, seqlen_k=16384, **bf16) == "pp3"
     assert pick(head_dim=64, causal=True, seqlen_q=16384, seqlen_k=16384, **bf16) == "pp3_persist"
     assert pick(head_dim=80, causal=False, seqlen_q=4096, seqlen_k=4096, **kw) is None
+    assert pick(head_dim=64, causal=True, seqlen_q=2048, seqlen_k=16384, **kw) == "pp3_ltc"
+    assert pick(head_dim=64, causal=False, seqlen_q=512, seqlen_k=16384, **kw) == "pp_persist"
+    lengths = (1, 512, 1000, 1024, 2048, 8192, 16384, 65536)
     for d in configs.HOPPER_FORWARD_VARIANTS:
         for dtype in (torch.float16, torch.bfloat16):
             names = configs.hopper_forward_candidates(d, dtype)
             assert all(d in forward_hopper.VARIANTS[n] for n in names)
-            # Every pick is in the list the forward tests force (so every pick is tested on the GPU).
-            for causal in (False, True):
-                for s in (1, 1000, 2048, 8192, 16384, 65536):
-                    got = pick(head_dim=d, causal=causal, seqlen_q=s, seqlen_k=s, **dict(kw, dtype=dtype))
-                    assert got in names + (None,)
+            # LTC variants take fp16 only (forward_hopper refuses bf16).
+            assert dtype == torch.float16 or not any(forward_hopper.variant_config(n, d)["ltc"] for n in names)
+            # The picks are exactly the candidates the forward tests force: every pick is tested on
+            # the GPU, and no candidate is tested without ever being taken.
+            picks = {pick(head_dim=d, causal=c, seqlen_q=sq, seqlen_k=sk, **dict(kw, dtype=dtype))
+                     for c in (False, True) for sq in lengths for sk in lengths}
+            assert picks - {None} == set(names)
+
+
+def test_hopper_ltc_variant_refuses_bf16():
+    """An LTC variant sums the rows of an fp16 P: forced on bf16 it raises, naming the variant and
+    the dtype (checked before any launch, so this runs on the CPU)."""
+    from triflash.kernels import forward_hopper
+
+    q, k, v = make_qkv(1, 64, 64, 2, 2, 64, torch.bfloat16, "cpu")
+    with pytest.raises(ValueError, match=r"pp3_ltc.*float16.*bfloat16"):
+        forward_hopper.forward_hopper(q, k, v, 0.125, False, variant="pp3_ltc")

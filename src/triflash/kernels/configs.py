@@ -153,7 +153,8 @@ def hopper_forward_variant(*, head_dim: int, dtype, device, causal: bool, seqlen
       the tensor cores (``pp3_persist_ltc``: +8-14% over the previous picks at 4k-16k, level at 1k;
       at 512 its 192-row tiles were 12% slower than ``pp_persist``, run 25). Causal: from 16k keys
       ``pp3_ltc`` (+9%), below that ``pp_persist``;
-    * head_dim 64, bf16 (the row sums stay in fp32 FADDs: a bf16 P would move the LSE by ~1e-3):
+    * head_dim 64, bf16 (the row sums stay in fp32 FADDs: the sums of a bf16 P moved the LSE by up
+      to 1.6e-3, and forward_hopper refuses bf16 for LTC variants):
       from 16k keys ``pp3`` (``pp3_persist`` causal), up to 8% over two warpgroups, below that
       ``pp_persist`` (2-9% over the Triton kernel);
     * head_dim 64, causal below 2k queries: the Triton kernel, 15-20% faster than the Gluon variants

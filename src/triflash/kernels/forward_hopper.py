@@ -63,13 +63,15 @@ fastest kernels (FlashAttention-3) schedule by hand:
    query tile (``q_empty``) after its last S product, and writes O through its own shared-memory
    tile (``o_smem``), waiting for its previous TMA store before reusing it.
 
-6. *Row sums on the tensor cores* (LTC, fp16 at head_dim 64). The softmax's row sum l is the one part
-   of the step's arithmetic that is a plain reduction over keys, 64 dependent additions per thread at
+6. *Row sums on the tensor cores* (LTC; the forward takes it for fp16 at head_dim 64 with three
+   warpgroups). The softmax's row sum l is the one part of the step's arithmetic that is a plain
+   reduction over keys: 64 additions per thread (two rows' chains of 32, and the quad shuffles) at
    BLOCK_N 128. With LTC it becomes l = P @ ones: a second, narrow wgmma (N = 8) issued beside
    P V from the same fp16 P registers, against an [8, BLOCK_N] tile of ones in shared memory, with
    its [ROWS, 8] accumulator rescaled by alpha like O. l is then the sum of the rounded P that P V
-   uses, so out is as accurate as before; the LSE moves by up to ~1.5e-4 (fp16 P carries 11 bits).
-   bf16's P carries 8, which would move the LSE by ~1.6e-3, so bf16 keeps the fp32 additions.
+   uses, so out is as accurate as before. The LSE (and the P the backward recomputes from it) moves
+   with P's rounding: at most 2^-11 relative in l for fp16 (measured up to 1.5e-4), 2^-8 for bf16
+   (measured up to 1.6e-3), so LTC variants take fp16 inputs only (``forward_hopper`` refuses bf16).
 
 Numerics are those of forward.py: fp32 online-softmax state (m in raw score units, l, O), base-2
 exponentials with qk_scale = sm_scale * log2(e) folded into one FMA with the row max, masked scores
@@ -124,11 +126,8 @@ VARIANTS = {
     "pp3": {64: dict(_PP, stages=2, num_wg=3), 128: dict(_PP, block_n=64, stages=2, num_wg=3)},
     "pp3_persist": {64: dict(_PP, stages=2, num_wg=3, persistent=True),
                     128: dict(_PP, block_n=64, stages=2, num_wg=3, persistent=True)},
-    # The row sums on the tensor cores (LTC, run 24): l = P @ ones, an n8 wgmma beside P V, in place
-    # of 64 FADDs per thread and step. The sums are then those of the fp16-rounded P that P V uses
-    # (out stays as accurate; the LSE moves by up to ~1.5e-4 in fp16, ~1.6e-3 in bf16, whose P
-    # carries 8 bits): the forward takes these for fp16 only. +5-10% at D=64 with three warpgroups;
-    # with two, 2-6% slower.
+    # The row sums on the tensor cores (LTC, run 24; point 6 above): fp16 only. +5-10% at D=64 with
+    # three warpgroups; with two, 2-6% slower.
     "pp3_ltc": {64: dict(_PP, stages=2, num_wg=3, ltc=True)},
     "pp3_persist_ltc": {64: dict(_PP, stages=2, num_wg=3, persistent=True, ltc=True)},
     # Two warpgroups in one partition (the compiler's wgmma spans both), no turn-taking.
@@ -312,6 +311,32 @@ def _softmax(s, m_i, l_i, col_limit, cols, qk_scale, MASK: gl.constexpr, SUM: gl
 
 
 @gluon.jit
+def _pv_issue(p, v_tile, acc, l_acc, ones_smem, pl_layout: gl.constexpr, LTC: gl.constexpr):
+    """Issue O += P V (async) and, LTC, l += P @ ones beside it. Returns the tokens and the operands
+    the wait must keep live: (o_tok, l_tok, p_l); without LTC, l_tok and p_l are placeholders."""
+    o_tok = warpgroup_mma(p, v_tile, acc, is_async=True)
+    if LTC:
+        p_l = gl.convert_layout(p, pl_layout)
+        l_tok = warpgroup_mma(p_l, ones_smem, l_acc, is_async=True)
+    else:
+        p_l = p
+        l_tok = l_acc
+    return o_tok, l_tok, p_l
+
+
+@gluon.jit
+def _pv_wait(o_tok, l_tok, p, p_l, LTC: gl.constexpr):
+    """Wait for everything ``_pv_issue`` started (its register operands stay live until then).
+    Returns (acc, l_acc)."""
+    if LTC:
+        acc, l_acc, p, p_l = warpgroup_mma_wait(0, deps=(o_tok, l_tok, p, p_l))
+    else:
+        acc, p = warpgroup_mma_wait(0, deps=(o_tok, p))
+        l_acc = l_tok
+    return acc, l_acc
+
+
+@gluon.jit
 def _consumer(q_desc, o_desc, LSE, q_smem, o_smem, k_smem, v_smem,
               q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, sched,
               num_items, num_m_blocks, num_heads_q, kv_group_size, seqlen_q, seqlen_k, sm_scale, qk_scale,
@@ -322,7 +347,7 @@ def _consumer(q_desc, o_desc, LSE, q_smem, o_smem, k_smem, v_smem,
     """One consumer partition: for each of the CTA's tiles, ROWS query rows (from start_m + WG * ROWS)
     against key blocks [0, n_blocks); writes O and the LSE of its rows. ``kv`` (the K/V tile count,
     as in the producer) gives ring slots and phases; ``turn`` counts ping-pong turns; ``n_done``
-    counts tiles (the query barrier's phase)."""
+    counts tiles (the query barrier's phase). LTC: the row sums come from P @ ones (``ones_smem``)."""
     dtype: gl.constexpr = q_desc.dtype
     SYNC: gl.constexpr = WARPS > 4
     gl.static_assert(OVERLAP or not LTC, "LTC (row sums on the tensor cores) needs the OVERLAP schedule")
@@ -401,10 +426,8 @@ def _consumer(q_desc, o_desc, LSE, q_smem, o_smem, k_smem, v_smem,
                             _turn_begin(sched, turn + j, WG, PINGPONG)
                             s_tok = warpgroup_mma(q_tile, k_smem.index(st).permute((1, 0)), s_zero,
                                                   use_acc=False, is_async=True)
-                            o_tok = warpgroup_mma(p, v_smem.index(pst), acc, is_async=True)
-                            if LTC:
-                                l_tok = warpgroup_mma(gl.convert_layout(p, pl_layout), ones_smem, l_acc,
-                                                      is_async=True)
+                            o_tok, l_tok, p_l = _pv_issue(p, v_smem.index(pst), acc, l_acc, ones_smem,
+                                                          pl_layout, LTC)
                             _turn_end(sched, WG, NUM_WG, PINGPONG)
                             if LTC:
                                 s = warpgroup_mma_wait(2, deps=(s_tok,))   # S_j done; PV, l may still run
@@ -419,11 +442,9 @@ def _consumer(q_desc, o_desc, LSE, q_smem, o_smem, k_smem, v_smem,
                                 p_new, m_i, l_i, alpha = _softmax(s, m_i, l_i, col_limit, cols, qk_scale,
                                                                   True, not LTC)
                             p_new = gl.convert_layout(p_new.to(dtype), p_layout)
+                            acc, l_acc = _pv_wait(o_tok, l_tok, p, p_l, LTC)
                             if LTC:
-                                acc, l_acc, p = warpgroup_mma_wait(0, deps=(o_tok, l_tok, p))
                                 l_acc = l_acc * gl.convert_layout(alpha, gl.SliceLayout(1, l_layout))[:, None]
-                            else:
-                                acc, p = warpgroup_mma_wait(0, deps=(o_tok, p))
                             _release(v_empty.index(pst), SYNC)
                             acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
                             p = p_new
@@ -434,16 +455,12 @@ def _consumer(q_desc, o_desc, LSE, q_smem, o_smem, k_smem, v_smem,
                         lst = lc % STAGES
                         mbarrier.wait(v_ready.index(lst), (lc // STAGES) & 1)
                         _turn_begin(sched, turn + n_blocks, WG, PINGPONG)
-                        o_tok = warpgroup_mma(p, v_smem.index(lst), acc, is_async=True)
-                        if LTC:
-                            l_tok = warpgroup_mma(gl.convert_layout(p, pl_layout), ones_smem, l_acc,
-                                                  is_async=True)
+                        o_tok, l_tok, p_l = _pv_issue(p, v_smem.index(lst), acc, l_acc, ones_smem, pl_layout,
+                                                      LTC)
                         _turn_end(sched, WG, NUM_WG, PINGPONG)
+                        acc, l_acc = _pv_wait(o_tok, l_tok, p, p_l, LTC)
                         if LTC:
-                            acc, l_acc, p = warpgroup_mma_wait(0, deps=(o_tok, l_tok, p))
                             l_i = gl.convert_layout(gl.max(l_acc, 1), row_layout)
-                        else:
-                            acc, p = warpgroup_mma_wait(0, deps=(o_tok, p))
                         _release(v_empty.index(lst), SYNC)
                         turn += n_blocks + 1
                     else:
@@ -539,16 +556,18 @@ def _attn_fwd_hopper_kernel(
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     sched = gl.allocate_shared_memory(gl.int64, [NUM_WG, 1], mbarrier.MBarrierLayout())
-    # LTC: an [8, BLOCK_N] tile of ones (keys contiguous, like a K tile), read through a transposed
-    # view as the [BLOCK_N, 8] B operand of the row-sum wgmma. Written once by the default warps, then
-    # fenced for the async proxy that wgmma reads through. Without LTC a token 8 x 16 tile.
-    ONES_N: gl.constexpr = BLOCK_N if LTC else 16
-    ones_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([8, ONES_N], dtype)
-    ones_reg: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [1, gl.num_warps()], [1, 0])
-    ones_smem = gl.allocate_shared_memory(dtype, [8, ONES_N], ones_layout,
-                                          gl.full([8, ONES_N], 1.0, dtype, ones_reg)).permute((1, 0))
-    fence_async_shared()
-    gl.thread_barrier()
+    if LTC:
+        # An [8, BLOCK_N] tile of ones (keys contiguous, like a K tile), read through a transposed view
+        # as the [BLOCK_N, 8] B operand of the row-sum wgmma. Written once by the default warps, then
+        # fenced for the async proxy that wgmma reads through.
+        ones_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([8, BLOCK_N], dtype)
+        ones_reg: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [1, gl.num_warps()], [1, 0])
+        ones_smem = gl.allocate_shared_memory(dtype, [8, BLOCK_N], ones_layout,
+                                              gl.full([8, BLOCK_N], 1.0, dtype, ones_reg)).permute((1, 0))
+        fence_async_shared()
+        gl.thread_barrier()
+    else:
+        ones_smem = q_smem                 # not read: a placeholder for the partitions' argument lists
     for w in gl.static_range(NUM_WG):
         mbarrier.init(q_ready.index(w), count=1)
         mbarrier.init(q_empty.index(w), count=1)
@@ -669,6 +688,9 @@ def forward_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: 
         lse.fill_(float("-inf"))
         return out, lse
     cfg = variant_config(variant, head_dim)
+    if cfg["ltc"] and q.dtype != torch.float16:
+        raise ValueError(f"variant {variant!r} sums the rows of an fp16 P on the tensor cores and takes "
+                         f"float16 inputs; got q.dtype={q.dtype}")
     q_desc = _descriptor(q, cfg["rows"], head_dim)
     o_desc = _descriptor(out, cfg["rows"], head_dim)
     k_desc = _descriptor(k, cfg["block_n"], head_dim)
