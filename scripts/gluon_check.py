@@ -27,9 +27,10 @@ from triton.experimental.gluon._runtime import GluonASTSource  # noqa: E402
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTensorDescriptor  # noqa: E402
 
 from triflash.kernels import forward_hopper as FH  # noqa: E402
+from triflash.kernels import backward_hopper as BH  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)      # (backend, compute capability, warp size)
-TYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
+TYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.int32: "i32"}
 DIVISIBLE = [["tt.divisibility", 16]]
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 
@@ -100,14 +101,14 @@ def ptxas_warnings(ptx: str) -> list[str]:
     return [l.strip() for l in lines if "wgmma" in l.lower() or "spill" in l.lower() or "error" in l.lower()]
 
 
-def compile_one(label, run, dump_dir=None):
+def compile_one(label, run, dump_dir=None, module=FH, kernel="_attn_fwd_hopper_kernel"):
     calls = []
-    saved = FH._attn_fwd_hopper_kernel
-    FH._attn_fwd_hopper_kernel = Recorder(saved, calls)
+    saved = getattr(module, kernel)
+    setattr(module, kernel, Recorder(saved, calls))
     try:
         run()
     finally:
-        FH._attn_fwd_hopper_kernel = saved
+        setattr(module, kernel, saved)
     ok = True
     for fn, args, kwargs in calls:
         t0 = time.time()
@@ -160,11 +161,47 @@ def cases(variants):
                                   FH.forward_hopper(q, k, v, 0.1, c, variant=var))
 
 
+def backward_cases(variants):
+    for variant in variants:
+        for d in sorted(BH.VARIANTS[variant]):
+            for dtype in (torch.float16, torch.bfloat16):
+                if dtype == torch.bfloat16 and d == 64:
+                    continue
+                for causal in (False, True):
+                    q = torch.randn(2, 1000, 8, d, dtype=dtype)
+                    k = torch.randn(2, 1500, 2, d, dtype=dtype)
+                    v = torch.randn(2, 1500, 2, d, dtype=dtype)
+                    do = torch.randn_like(q)
+                    stats = torch.zeros(2, 8, 1024)
+                    label = f"bwd {variant} D{d} {TYPES[dtype]} {'causal' if causal else 'full'}"
+                    yield label, (lambda q=q, k=k, v=v, do=do, st=stats, c=causal, var=variant:
+                                  _backward_without_finish(do, q, k, v, st, c, var))
+
+
+def _backward_without_finish(do, q, k, v, stats, causal, variant):
+    """backward_hopper with its small Triton epilogue kernel not launched (no GPU here)."""
+    saved = BH._dq_finish_kernel
+    BH._dq_finish_kernel = Recorder(saved, [])
+    try:
+        BH.backward_hopper(do, q, k, v, stats, stats, 0.1, causal, torch.empty_like(q), torch.empty_like(k),
+                           torch.empty_like(v), variant=variant)
+    finally:
+        BH._dq_finish_kernel = saved
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--variants", nargs="*", default=list(FH.VARIANTS))
+    ap.add_argument("--backward", nargs="*", default=None,
+                    help="compile these variants of the Gluon backward (backward_hopper.py) instead")
     ap.add_argument("--ptx-dump", default=None, help="write ttgir/ptx/sass per case here")
     a = ap.parse_args()
+    if a.backward is not None:
+        ok = True
+        for label, run in backward_cases(a.backward or list(BH.VARIANTS)):
+            ok &= compile_one(label, run, a.ptx_dump, BH, "_attn_bwd_hopper_kernel")
+        print("all compiled" if ok else "SOME FAILED")
+        return 0 if ok else 1
     print(f"triton {triton.__version__}; target {TARGET}")
     for v in a.variants:
         for d in sorted(FH.VARIANTS[v]):

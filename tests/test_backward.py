@@ -227,3 +227,111 @@ def test_backward_tile_paths_agree(device, causal, tma, monkeypatch):
     grads = bwd.backward(dout, q, k, v, out, lse, scale, causal, config=config)
     assert len(built) == (4 if tma else 0)        # Q, dO for dK/dV; K, V for dQ
     assert_grads_3x(grads, q, k, v, dout, causal, torch.float16)
+
+
+# --------------------------------------------------------------------------------------------------
+# The fused Gluon backward for Hopper (kernels/backward_hopper.py): on an sm_90 GPU, every variant the
+# chooser can take runs the backward grid at the head dims it serves, forced; its dQ is accumulated
+# across CTAs in a fixed order (turn counters), which the determinism test checks with many key blocks.
+# --------------------------------------------------------------------------------------------------
+
+HOPPER = ON_GPU and torch.cuda.get_device_capability() == (9, 0)
+
+
+def _force_hopper_backward(monkeypatch, variant):
+    from triflash.kernels import configs
+
+    monkeypatch.setattr(configs, "hopper_backward_variant", lambda **_: variant)
+
+
+def _hopper_cases():
+    from triflash.kernels import configs
+
+    cases = []
+    if not HOPPER:
+        return cases
+    for d in configs.HOPPER_BACKWARD_VARIANTS:
+        for variant in configs.hopper_backward_candidates(d):
+            for (sq, sk), causal, dtype, heads in itertools.product(
+                    SEQLENS + [(4096 + 13, 4096 + 13)], [False, True], [torch.float16, torch.bfloat16], HEADS):
+                batch = 1 if sq * sk > 100_000 else 2
+                cid = (f"{variant}-B{batch}-Sq{sq}-Sk{sk}-D{d}-{'causal' if causal else 'full'}-"
+                       f"{DTYPE_ID[dtype]}-{HEADS_ID[heads]}")
+                cases.append(pytest.param(variant, batch, sq, sk, d, causal, dtype, heads, id=cid))
+    return cases
+
+
+@pytest.mark.skipif(not HOPPER, reason="the Gluon backward runs on sm_90 only")
+@pytest.mark.parametrize("variant,batch,seqlen_q,seqlen_k,head_dim,causal,dtype,heads", _hopper_cases())
+def test_hopper_backward_matches_reference(device, monkeypatch, variant, batch, seqlen_q, seqlen_k, head_dim,
+                                           causal, dtype, heads):
+    _force_hopper_backward(monkeypatch, variant)
+    q, k, v = _inputs(batch, seqlen_q, seqlen_k, heads[0], heads[1], head_dim, dtype, device)
+    out = triflash.flash_attn_func(q, k, v, causal=causal)
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    assert_grads_3x((q.grad, k.grad, v.grad), q, k, v, dout, causal, dtype)
+
+
+@pytest.mark.skipif(not HOPPER, reason="the Gluon backward runs on sm_90 only")
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_hopper_backward_is_deterministic(device, monkeypatch, causal):
+    """33 key blocks add into every dQ block, from 33 CTAs: 20 passes give bit-identical gradients."""
+    from triflash.kernels import configs
+
+    for variant in {v for d in configs.HOPPER_BACKWARD_VARIANTS for v in configs.hopper_backward_candidates(d)}:
+        _force_hopper_backward(monkeypatch, variant)
+        q, k, v = _inputs(2, 4096 + 13, 4096 + 13, 8, 2, 64, torch.float16, device)
+        out = triflash.flash_attn_func(q, k, v, causal=causal)
+        dout = torch.randn_like(out)
+        first = torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
+        for _ in range(19):
+            again = torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
+            for a, b in zip(first, again):
+                assert torch.equal(a, b), variant
+
+
+def test_hopper_backward_chooser(monkeypatch):
+    """configs.hopper_backward_variant: None off sm_90 (here: a CPU device); with the sm_90 check
+    stubbed to pass, the fused kernel at head_dim 64 from 4k keys only, and its picks are exactly the
+    candidates the GPU tests force."""
+    from triflash.kernels import backward_hopper, configs
+
+    pick = configs.hopper_backward_variant
+    kw = dict(dtype=torch.float16, device="cpu")
+    assert pick(head_dim=64, causal=False, seqlen_q=4096, seqlen_k=4096, **kw) is None
+    monkeypatch.setattr(configs, "hopper_forward_applies",
+                        lambda *, head_dim, dtype, device: head_dim in (64, 128))
+    assert pick(head_dim=64, causal=False, seqlen_q=4096, seqlen_k=4096, **kw) == "split"
+    assert pick(head_dim=64, causal=False, seqlen_q=1024, seqlen_k=1024, **kw) is None
+    assert pick(head_dim=64, causal=True, seqlen_q=4096, seqlen_k=4096, **kw) == "split"
+    assert pick(head_dim=64, causal=True, seqlen_q=1024, seqlen_k=1024, **kw) is None
+    assert pick(head_dim=128, causal=False, seqlen_q=16384, seqlen_k=16384, **kw) is None
+    assert pick(head_dim=80, causal=False, seqlen_q=16384, seqlen_k=16384, **kw) is None
+    lengths = (1, 1000, 4096, 16384)
+    for d in (64, 128):
+        names = configs.hopper_backward_candidates(d)
+        assert all(d in backward_hopper.VARIANTS[n] for n in names)
+        assert not set(names) & set(backward_hopper.EXPERIMENTS)
+        picks = {pick(head_dim=d, causal=c, seqlen_q=sq, seqlen_k=sk, dtype=dt, device="cpu")
+                 for c in (False, True) for sq in lengths for sk in lengths
+                 for dt in (torch.float16, torch.bfloat16)}
+        assert picks - {None} == set(names)
+
+
+def test_preprocess_pads_rows(device):
+    """The Hopper kernel reads delta / lse2 in whole query tiles: with rows_out > Sq the padding rows get
+    delta = 0 and lse2 = +inf (so their p is 0), and the real rows equal the unpadded ones."""
+    from triflash.kernels.backward import preprocess
+
+    out = torch.randn(2, 70, 3, 64, dtype=torch.float16, device=device)
+    dout = torch.randn_like(out)
+    lse = torch.randn(2, 3, 70, dtype=torch.float32, device=device)
+    lse[0, 1, 5] = float("-inf")                     # a row that saw no key
+    delta, lse2 = preprocess(dout, out, lse, None, 70, False)
+    delta_p, lse2_p = preprocess(dout, out, lse, None, 128, False)
+    assert delta_p.shape == (2, 3, 128) and lse2_p.shape == (2, 3, 128)
+    assert torch.equal(delta_p[..., :70], delta) and torch.equal(lse2_p[..., :70], lse2)
+    assert torch.equal(delta_p[..., 70:], torch.zeros_like(delta_p[..., 70:]))
+    assert torch.isinf(lse2_p[..., 70:]).all() and (lse2_p[..., 70:] > 0).all()
+    assert lse2[0, 1, 5] == float("inf")

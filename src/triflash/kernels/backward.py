@@ -18,6 +18,10 @@ Three launches, no atomics, so the result is bit-for-bit deterministic:
 
 Causal blocks are skipped in both loops exactly as in the forward (bottom-right alignment), and only
 blocks on the diagonal or at the ragged end of the keys pay for an element mask.
+
+On sm_90, where ``configs.hopper_backward_variant`` picks it (head_dim 64 from 4k keys), steps 2 and 3
+are one fused Gluon kernel instead (backward_hopper.py): 5 tile matmuls per block pair instead of 7,
+its dQ added across CTAs in a fixed order, so it is just as deterministic.
 """
 
 from __future__ import annotations
@@ -33,15 +37,17 @@ from .configs import BwdConfig
 from .forward import host_descriptors, tma_compatible
 
 
-@triton.jit(do_not_specialize=["seqlen_q", "num_m_blocks"])
+@triton.jit(do_not_specialize=["seqlen_q", "rows_out", "num_m_blocks"])
 def _bwd_preprocess_kernel(
     O, DO, LSE, DLSE, Delta, LSE2,
     stride_ob, stride_os, stride_oh,
     stride_dob, stride_dos, stride_doh,
-    num_heads, seqlen_q, num_m_blocks,
+    num_heads, seqlen_q, rows_out, num_m_blocks,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, HAS_DLSE: tl.constexpr,
     PRECISE_P: tl.constexpr,
 ):
+    """Delta and LSE2 are [B, H, rows_out] with rows_out >= seqlen_q (the Hopper backward reads whole
+    tiles of them with TMA): rows from seqlen_q on get delta = 0 and lse2 = +inf."""
     pid = tl.program_id(0)
     pid_m = pid % num_m_blocks
     pid_bh = pid // num_m_blocks
@@ -57,17 +63,19 @@ def _bwd_preprocess_kernel(
         + offs_m[:, None] * stride_dos + offs_d[None, :]
     o = tl.load(o_ptrs, mask=mask, other=0.0).to(tl.float32)
     do = tl.load(do_ptrs, mask=mask, other=0.0).to(tl.float32)
-    row = pid_bh.to(tl.int64) * seqlen_q + offs_m              # [BM] index into [B, H, Sq]
+    out_ok = offs_m < rows_out
+    row = pid_bh.to(tl.int64) * rows_out + offs_m              # [BM] index into [B, H, rows_out]
+    lse_row = pid_bh.to(tl.int64) * seqlen_q + offs_m          # [BM] index into [B, H, Sq]
     delta = tl.sum(o * do, axis=1)
     if HAS_DLSE:
         # d lse / d s = p, so a gradient on the LSE folds into delta: dS = P * (dP - (delta - dlse)).
-        delta -= tl.load(DLSE + row, mask=m_ok, other=0.0)
-    tl.store(Delta + row, delta, mask=m_ok)
-    lse = tl.load(LSE + row, mask=m_ok, other=0.0)
+        delta -= tl.load(DLSE + lse_row, mask=m_ok, other=0.0)
+    tl.store(Delta + row, delta, mask=out_ok)
+    lse = tl.load(LSE + lse_row, mask=m_ok, other=float("-inf"))
     if not PRECISE_P:
         lse = lse * LOG2E_K                                   # to base 2 for one-FMA recomputation
     lse2 = tl.where(lse == float("-inf"), float("inf"), lse)
-    tl.store(LSE2 + row, lse2, mask=m_ok)
+    tl.store(LSE2 + row, lse2, mask=out_ok)
 
 
 @triton.jit
@@ -300,15 +308,37 @@ def _s(t):
     return t.stride(0), t.stride(1), t.stride(2)
 
 
+def preprocess(dout, out, lse, dlse, rows_out: int, precise_p: bool):
+    """delta = rowsum(dO * O) (minus dlse) and lse2 (the LSE in base 2, or natural for fp32; +inf for
+    rows that saw no key), both [B, Hq, rows_out] float32; rows from Sq on (padding for the Hopper
+    kernel's whole tiles) get delta = 0 and lse2 = +inf."""
+    batch, seqlen_q, heads_q, head_dim = out.shape
+    delta = torch.empty((batch, heads_q, rows_out), dtype=torch.float32, device=out.device)
+    lse2 = torch.empty_like(delta)
+    pre_block = configs.BWD_PREPROCESS_BLOCK_M
+    pre_blocks = triton.cdiv(rows_out, pre_block)
+    if dlse is not None:
+        dlse = dlse.contiguous().float()
+    _bwd_preprocess_kernel[(pre_blocks * batch * heads_q,)](
+        out, dout, lse.contiguous(), dlse, delta, lse2, *_s(out), *_s(dout),
+        heads_q, seqlen_q, rows_out, pre_blocks,
+        HEAD_DIM=head_dim, BLOCK_D=configs.head_dim_block(head_dim), BLOCK_M=pre_block,
+        HAS_DLSE=dlse is not None, PRECISE_P=precise_p,
+    )
+    return delta, lse2
+
+
 @on_input_device
 def backward(dout, q, k, v, out, lse, sm_scale: float, causal: bool, *, dlse=None,
              dq=None, dk=None, dv=None, need_dq=True, need_dkdv=True,
-             config: tuple[BwdConfig, BwdConfig] | None = None):
+             config: tuple[BwdConfig, BwdConfig] | None = None, hopper: str | None = None):
     """Gradients of attention on validated [B, S, H, D] views (last stride 1).
 
     out / lse are what the forward returned; dlse (optional, [B, Hq, Sq]) is a gradient on the LSE.
     dq / dk / dv may be preallocated [B, S, H, D] views to write into. Only the requested gradients are
     computed (need_dq, need_dkdv); the others come back as None. Returns (dq, dk, dv).
+    ``hopper``: a variant of the fused Gluon kernel (backward_hopper.py) to use where it applies; None
+    lets ``configs.hopper_backward_variant`` choose (no ``config`` given).
     """
     batch, seqlen_q, heads_q, head_dim = q.shape
     _, seqlen_k, heads_k, _ = k.shape
@@ -331,6 +361,9 @@ def backward(dout, q, k, v, out, lse, sm_scale: float, causal: bool, *, dlse=Non
         return dq, dk, dv
 
     block_d = configs.head_dim_block(head_dim)
+    if hopper is None and config is None:
+        hopper = configs.hopper_backward_variant(head_dim=head_dim, dtype=q.dtype, device=q.device,
+                                                 causal=causal, seqlen_q=seqlen_q, seqlen_k=seqlen_k)
     if config is None:
         config = configs.backward_config(head_dim=head_dim, dtype=q.dtype, device=q.device)
     dkdv_cfg, dq_cfg = config
@@ -338,19 +371,21 @@ def backward(dout, q, k, v, out, lse, sm_scale: float, causal: bool, *, dlse=Non
     # fp32 gradients are compared with fp32 PyTorch: recompute P without the base-2 round trip.
     precise_p = q.dtype == torch.float32
 
-    delta = torch.empty((batch, heads_q, seqlen_q), dtype=torch.float32, device=q.device)
-    lse2 = torch.empty_like(delta)
-    pre_block = configs.BWD_PREPROCESS_BLOCK_M
-    pre_blocks = triton.cdiv(seqlen_q, pre_block)
-    if dlse is not None:
-        dlse = dlse.contiguous().float()
-    _bwd_preprocess_kernel[(pre_blocks * batch * heads_q,)](
-        out, dout, lse.contiguous(), dlse, delta, lse2, *_s(out), *_s(dout),
-        heads_q, seqlen_q, pre_blocks,
-        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=pre_block, HAS_DLSE=dlse is not None,
-        PRECISE_P=precise_p,
-    )
     group = heads_q // heads_k
+    if hopper is not None:
+        from . import backward_hopper     # imported here: Gluon is only needed on this path
+        if not backward_hopper.supported(q, k, v, dout):
+            hopper = None
+    # The Hopper kernel reads delta and lse2 in whole tiles: their rows are padded to a tile multiple.
+    rows_out = backward_hopper.padded_rows(seqlen_q, hopper, head_dim) if hopper is not None else seqlen_q
+    delta, lse2 = preprocess(dout, out, lse, dlse, rows_out, precise_p)
+    if hopper is not None:
+        # The fused kernel computes all three gradients; unrequested ones go to scratch tensors.
+        backward_hopper.backward_hopper(
+            dout, q, k, v, lse2, delta, sm_scale, causal,
+            dq if need_dq else torch.empty_like(q), dk if need_dkdv else torch.empty_like(k),
+            dv if need_dkdv else torch.empty_like(v), variant=hopper)
+        return dq, dk, dv
     if need_dkdv:
         n_blocks = triton.cdiv(seqlen_k, dkdv_cfg.block_n)
         tma = dkdv_cfg.tma and tma_compatible(q, dout)

@@ -75,6 +75,29 @@ BWD_PREPROCESS_BLOCK_M = 64
 INTERPRETER_BWD = (BwdConfig(32, 64, 1, 1), BwdConfig(64, 32, 1, 1))
 
 
+# The fused Gluon backward's variants the backward chooses from (backward_hopper.VARIANTS), per head dim.
+HOPPER_BACKWARD_VARIANTS = {64: ("split",)}
+
+
+def hopper_backward_candidates(head_dim: int) -> tuple[str, ...]:
+    """Every variant ``hopper_backward_variant`` can take at this head dim (the GPU tests force each)."""
+    return HOPPER_BACKWARD_VARIANTS.get(head_dim, ())
+
+
+def hopper_backward_variant(*, head_dim: int, dtype, device, causal: bool, seqlen_q: int,
+                            seqlen_k: int) -> str | None:
+    """The fused Gluon backward variant (backward_hopper.py) the backward takes, or None for the
+    Triton kernels. Measured on the H200 (performance-notes.md, runs 28-35), fp16 at B4 H16 S4096
+    D64: the fused kernel (``split``) 332 TFLOP/s non-causal (the Triton kernels 318-334 in the same
+    runs) and 300 causal (282); at 1k it is 2-4% slower, and at head_dim 128 it spills registers and
+    is slower everywhere. So: head_dim 64 from 4k keys."""
+    if not hopper_forward_applies(head_dim=head_dim, dtype=dtype, device=device):
+        return None
+    if head_dim == 64 and seqlen_k >= 4096:
+        return "split"
+    return None
+
+
 def backward_config(*, head_dim: int, dtype, device) -> tuple[BwdConfig, BwdConfig]:
     """Pick (dK/dV config, dQ config) for the backward kernels."""
     import torch

@@ -1,0 +1,623 @@
+"""FlashAttention backward for Hopper (sm_90) in Gluon: one fused kernel for dK, dV and dQ.
+
+Why a second backward
+---------------------
+The portable backward (backward.py) is deterministic without any cross-program communication: one
+kernel keeps a key block and walks the query blocks (dK, dV), another keeps a query block and walks the
+key blocks (dQ). The price is that the dQ kernel recomputes S = Q K^T and dP = dO V^T: 7 tile matmuls
+per (query block, key block) pair where FlashAttention-2/3 do 5. This kernel does the 5, in one pass:
+
+    per key block n (one CTA) and each query block m that sees it:
+        S^T  = K Q^T            dP^T = V dO^T             (keys on the rows, queries on the columns)
+        P^T  = exp2(S^T * scale * log2(e) - lse2)          dS^T = P^T * (dP^T - delta)
+        dV  += P^T dO           dK  += dS^T Q             (kept in registers for the whole CTA)
+        dQ_m += dS K            (a [BLOCK_M, D] partial, added into an fp32 workspace)
+
+Deterministic dQ without atomic additions
+-----------------------------------------
+Every key block adds a partial into the same dQ rows. With atomic additions the order of those
+additions, and so the rounding, changes from run to run. Here the additions into query block m of a
+(batch, head) happen in a fixed order: from the last key block that sees a row of m (n_max(m): the
+last one, or causal, the last one at or below the diagonal) down to key block 0. A turn counter per
+query block (``SEM``, int32, zeroed by the launcher, one 128-byte line each) says how many key
+blocks have added theirs; key block n waits until it reads n_max(m) - n, reads the workspace rows,
+adds, writes them back and stores n_max(m) - n + 1. The counters are the only memory touched with
+acquire/release semantics; the data are plain loads and stores. So the result is the same bit for bit
+on every run.
+
+What keeps that safe and cheap:
+
+* *No deadlock, whatever else runs on the GPU.* A CTA only ever waits for CTAs of the same (batch, KV
+  head) with a larger key block index, which get smaller program ids (``_bwd_coords``); CUDA
+  dispatches a grid's CTAs in program-id order, so every CTA waited for is already running or done
+  (even if only one SM is free).
+* *No wavefront.* Non-causal, all CTAs of a head walk the query blocks in the same order (from the
+  last one down), one block per step: key block n reaches block m in the same step as key block
+  n + 1 and waits only for n + 1's write of it, a lag of a few short critical sections, not of whole
+  steps. Causal, each CTA walks up from its diagonal block, so key block n reaches block m
+  BLOCK_N / BLOCK_M steps after key block n + 1 did: the turns arrive in chain order, with no wait.
+* *The lag is paid once per GPU, not once per wave.* Program ids interleave the heads of about one
+  wave (``heads_per_group``), so the SMs freed by key block n of one group go to key block n of the
+  next, which starts about one turn after the CTA it waits for.
+* *Two steps per round.* The writer takes two steps' partials at a time: two turns awaited, two tiles
+  loaded, summed and stored, two counters released: one L2 round trip serves both.
+
+The dQ partials go through shared memory to a writer partition, so the tensor-core warps never wait on
+the turn counter; a small final kernel scales the workspace by sm_scale into dq's dtype (and writes 0
+for query blocks that no key block reached: rows that see no key).
+
+Partitions
+----------
+* **consumer** (the default partition, 8 warps = 2 warpgroups, ``_bwd_consumer``): the key block's 128
+  rows (64 per warpgroup), every wgmma, the softmax recomputation, dK and dV in registers, and at the
+  end dK * sm_scale and dV to memory.
+* **producer** (1 warp, ``_bwd_producer``): TMA loads of the K and V tiles (once) and of the Q and dO
+  tiles of every step into a ring of ``STAGES`` slots.
+* **writer** (4 warps, ``_bwd_writer``): per step, takes the dQ partial from shared memory, waits for
+  its turn, adds it into the fp32 workspace and passes the turn on.
+
+mbarriers (as in forward_hopper.py; a barrier's phase flips each time it completes): ``kv_ready`` (the
+K/V tiles landed), ``q_ready[s]`` / ``q_empty[s]`` (the Q and dO tiles of ring slot s), ``dq_full[b]`` /
+``dq_empty[b]`` (dQ partial buffer b). Step i uses slot i % STAGES (parity (i // STAGES) & 1) and
+buffer i % DQ_BUFS.
+
+Numerics are those of backward.py's fp16/bf16 path: P recomputed with one FMA and exp2 from the base-2
+LSE of the preprocess kernel (+inf for rows that saw no key, so their p and gradients are 0), dK, dV and
+dQ accumulated in fp32, P and dS rounded to the input dtype for their matmuls.
+
+Shapes: q, dO [B, Sq, Hq, D], k, v [B, Sk, Hkv, D] (TMA-compatible strides), read through host-built
+4-D descriptors of [1, rows, 1, D] boxes; rows past the ends read as zeros, and those rows' results
+are never stored. GQA: a CTA owns one KV head's key block and walks the query blocks of every query
+head of its group, so dK and dV are sums over the group with no reduction across CTAs.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
+                                                              warpgroup_mma, warpgroup_mma_wait)
+
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTensorDescriptor
+
+from .common import LOG2E, on_input_device
+from .configs import sm_count
+from .forward import tma_compatible
+from .forward_hopper import _descriptor
+
+BLOCK_N = 128              # keys per CTA: 64 per consumer warpgroup
+SEM_STRIDE: gl.constexpr = gl.constexpr(32)   # int32 per turn counter: one 128-byte line each
+CONSUMER_WARPS = 8
+WRITER_WARPS = 4
+PRODUCER_REGS = 24
+
+# name -> head_dim -> config. block_m: query rows per step; stages: Q/dO ring depth;
+# dq_bufs: dQ partial buffers between the consumers and the writer (it takes two per round);
+# writer_regs: the writer's setmaxnreg; num_wg: consumer partitions (1: one of 8 warps on all 128 keys,
+# 2: two of 4 warps on 64 keys each, unsynchronised); writer_mode (timing experiments only, wrong dQ
+# on purpose): 1 = additions in no fixed order, 2 = no workspace traffic at all.
+_FUSED = dict(block_m=64, stages=2, dq_bufs=2, writer_mode=0, num_wg=1)
+VARIANTS = {
+    # The backward takes "split" (configs.hopper_backward_variant). "fused" is the first form (runs
+    # 28-29): one 8-warp consumer partition, both warpgroups in step, so the tensor cores wait while
+    # both do their softmax; at head_dim 128 it spills (dK and dV alone hold 128 registers a thread).
+    "fused": {64: dict(_FUSED, writer_regs=80), 128: dict(_FUSED, writer_regs=56)},
+    "split": {64: dict(_FUSED, writer_regs=80, num_wg=2, dq_bufs=4)},
+    "x_split_unordered": {64: dict(_FUSED, writer_regs=80, num_wg=2, dq_bufs=4, writer_mode=1)},
+    "x_split_nowrite": {64: dict(_FUSED, writer_regs=80, num_wg=2, dq_bufs=4, writer_mode=2)},
+}
+EXPERIMENTS = ("x_split_unordered", "x_split_nowrite")     # wrong dQ on purpose: timing only
+
+
+def padded_rows(seqlen_q: int, variant: str, head_dim: int) -> int:
+    """Rows of the delta / lse2 buffers the kernel reads: whole query tiles."""
+    block_m = VARIANTS[variant][head_dim]["block_m"]
+    return triton.cdiv(seqlen_q, block_m) * block_m
+
+
+def variant_config(variant: str, head_dim: int) -> dict:
+    cfg = dict(VARIANTS[variant][head_dim])
+    # 16 warps at launch (Triton pads the producer's warp to a warpgroup), each with maxnreg registers:
+    # 128, the whole register file. setmaxnreg then moves registers from the producer's warpgroup (24)
+    # and the writer (writer_regs) to the consumers: 216 with a 56-register writer. With two consumer
+    # partitions the second one asks for consumer_regs and the first (the default) gets the rest.
+    warps = CONSUMER_WARPS + WRITER_WARPS + 4
+    cfg["maxnreg"] = (65536 // (32 * warps)) // 8 * 8
+    cfg["num_warps"] = CONSUMER_WARPS // cfg["num_wg"]
+    if cfg["num_wg"] == 2:
+        leftover = 128 * 4 - 24 - cfg["writer_regs"]       # per-thread registers the two consumers share
+        cfg["consumer_regs"] = (leftover // 2) // 8 * 8
+    else:
+        cfg["consumer_regs"] = 0                             # unused: no worker consumer
+    return cfg
+
+
+# --------------------------------------------------------------------------------------------------
+# Work of one CTA
+# --------------------------------------------------------------------------------------------------
+
+@gluon.jit
+def _bwd_coords(num_n_blocks, num_heads_k, kv_group_size, seqlen_q, seqlen_k, num_m_blocks, batch,
+                heads_per_group, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, IS_CAUSAL: gl.constexpr):
+    """This CTA's (batch, KV head, key block) and its steps. Step i visits query block
+    m = m_first + m_step * (i // G) of query head hk * G + i % G (G = kv_group_size), for i in
+    [0, n_steps): every query block from the first one that sees a key of the block (m_lo) on.
+
+    Program ids go over groups of ``heads_per_group`` (batch, KV head) pairs, about one wave of the
+    GPU; inside a group the key block varies slowest, from the last one down:
+    pid = group base + (N - 1 - n) * heads + head. So key block n + 1 of a head (the CTA whose dQ turn
+    n waits for) has the smaller id, and when the CTAs of key block n of one group finish, the CTAs
+    that take their SMs are key block n of the next group: each starts about one turn after the one
+    it waits for, and the wave's pipeline fill is paid once."""
+    pid = gl.program_id(0)
+    group_size = heads_per_group * num_n_blocks
+    group = pid // group_size
+    heads = gl.minimum(heads_per_group, batch * num_heads_k - group * heads_per_group)
+    r = pid - group * group_size
+    pid_n = num_n_blocks - 1 - r // heads
+    bh = group * heads_per_group + r % heads
+    off_hk = bh % num_heads_k
+    off_b = bh // num_heads_k
+    start_n = pid_n * BLOCK_N
+    if IS_CAUSAL:
+        # Row i sees key j when j <= i + seqlen_k - seqlen_q (bottom-right alignment).
+        m_lo = gl.maximum(start_n - (seqlen_k - seqlen_q), 0) // BLOCK_M
+    else:
+        m_lo = 0
+    n_steps = gl.maximum(num_m_blocks - m_lo, 0) * kv_group_size
+    # Non-causal: from the last query block down; causal: from the diagonal up, so that key block n
+    # reaches block m at step m - m_lo(n), after key block n + 1 did (see the module docstring).
+    if IS_CAUSAL:
+        m_first = m_lo
+        m_step = 1
+    else:
+        m_first = num_m_blocks - 1
+        m_step = -1
+    return pid_n, off_b, off_hk, start_n, n_steps, m_first, m_step
+
+
+@gluon.jit
+def _bwd_producer(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc,
+                  q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem,
+                  kv_ready, q_ready, q_empty,
+                  num_n_blocks, num_heads_k, kv_group_size, seqlen_q, seqlen_k, num_m_blocks,
+                  batch, heads_per_group,
+                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                  IS_CAUSAL: gl.constexpr):
+    """K and V once; per step the Q and dO tiles and the step's BLOCK_M entries of lse2 and delta
+    (flat [B * Hq * padded rows] descriptors: a tile never straddles two heads)."""
+    pid_n, off_b, off_hk, start_n, n_steps, m_first, m_step = _bwd_coords(
+        num_n_blocks, num_heads_k, kv_group_size, seqlen_q, seqlen_k, num_m_blocks, batch,
+        heads_per_group, BLOCK_M, BLOCK_N, IS_CAUSAL)
+    mbarrier.expect(kv_ready, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(k_desc, [off_b, start_n, off_hk, 0], kv_ready, k_smem)
+    tma.async_copy_global_to_shared(v_desc, [off_b, start_n, off_hk, 0], kv_ready, v_smem)
+    for i in range(n_steps):
+        s = i % STAGES
+        m = m_first + m_step * (i // kv_group_size)
+        off_h = off_hk * kv_group_size + i % kv_group_size
+        mbarrier.wait(q_empty.index(s), ((i // STAGES) & 1) ^ 1)     # a fresh barrier passes parity 1
+        mbarrier.expect(q_ready.index(s), q_desc.block_type.nbytes + do_desc.block_type.nbytes
+                        + 2 * lse_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [off_b, m * BLOCK_M, off_h, 0], q_ready.index(s),
+                                        q_smem.index(s))
+        tma.async_copy_global_to_shared(do_desc, [off_b, m * BLOCK_M, off_h, 0], q_ready.index(s),
+                                        do_smem.index(s))
+        row = ((off_b * num_heads_k * kv_group_size + off_h) * num_m_blocks + m) * BLOCK_M
+        tma.async_copy_global_to_shared(lse_desc, [row], q_ready.index(s), lse_smem.index(s))
+        tma.async_copy_global_to_shared(delta_desc, [row], q_ready.index(s), delta_smem.index(s))
+
+
+@gluon.jit
+def _bwd_step(i, dk, dv, zero_st, zero_dq,
+              q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem,
+              q_ready, q_empty, dq_full, dq_empty,
+              keys, cols0, m_full, m_first, m_step, kv_group_size, causal_offset, qk_scale,
+              BLOCK_M: gl.constexpr, STAGES: gl.constexpr, DQ_BUFS: gl.constexpr,
+              WG: gl.constexpr, NUM_WG: gl.constexpr, col_layout: gl.constexpr, a_layout: gl.constexpr):
+    """One (query block, key block) step of a consumer partition: returns the updated dK, dV and hands
+    its dQ partial to the writer. (Issuing the next step's S^T / dP^T before waiting for this step's
+    products was tried, run 29: ptxas then serialises the wgmmas, C7514.)"""
+    dtype: gl.constexpr = q_smem.dtype
+    s = i % STAGES
+    q_tile = q_smem.index(s)
+    do_tile = do_smem.index(s)
+    mbarrier.wait(q_ready.index(s), (i // STAGES) & 1)
+    st_tok = warpgroup_mma(k_smem, q_tile.permute((1, 0)), zero_st, use_acc=False, is_async=True)
+    dpt_tok = warpgroup_mma(v_smem, do_tile.permute((1, 0)), zero_st, use_acc=False, is_async=True)
+    m = m_first + m_step * (i // kv_group_size)
+    cols = m * BLOCK_M + cols0                                     # query positions
+    s_t = warpgroup_mma_wait(1, deps=(st_tok,))
+    # Rows past seqlen_q (and rows that saw no key) have lse2 = +inf: their p is 0.
+    p_t = gl.exp2(s_t * qk_scale - lse_smem.index(s).load(col_layout)[None, :])
+    if m < m_full:
+        p_t = gl.where(keys[:, None] <= cols[None, :] + causal_offset, p_t, 0.0)
+    dp_t = warpgroup_mma_wait(0, deps=(dpt_tok,))
+    ds_t = (p_t * (dp_t - delta_smem.index(s).load(col_layout)[None, :])).to(dtype)
+    p_a = gl.convert_layout(p_t.to(dtype), a_layout)
+    ds_a = gl.convert_layout(ds_t, a_layout)
+    dv_tok = warpgroup_mma(p_a, do_tile, dv, is_async=True)
+    dk_tok = warpgroup_mma(ds_a, q_tile, dk, is_async=True)
+    # dQ (this partition's share: its keys) = dS K, with dS^T read back from shared memory, transposed.
+    ds_smem.store(ds_t)
+    fence_async_shared()
+    gl.thread_barrier()
+    dq_tok = warpgroup_mma(ds_smem.permute((1, 0)), k_smem, zero_dq, use_acc=False, is_async=True)
+    dv, dk, dq, p_a, ds_a = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, dq_tok, p_a, ds_a))
+    gl.thread_barrier()                      # every warp of the partition is past its wait
+    mbarrier.arrive(q_empty.index(s), count=1)
+    b = i % DQ_BUFS
+    mbarrier.wait(dq_empty.index(b), ((i // DQ_BUFS) & 1) ^ 1)
+    dq_smem.index(b * NUM_WG + WG).store(dq)
+    gl.thread_barrier()
+    mbarrier.arrive(dq_full.index(b), count=1)
+    return dk, dv
+
+
+@gluon.jit
+def _bwd_consumer(DK, DV, q_smem, do_smem, k_all, v_all, lse_smem, delta_smem, ds_all, dq_smem,
+                  kv_ready, q_ready, q_empty, dq_full, dq_empty,
+                  stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh,
+                  num_n_blocks, num_heads_q, num_heads_k, kv_group_size, seqlen_q, seqlen_k, num_m_blocks,
+                  batch, heads_per_group, sm_scale, qk_scale,
+                  HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                  STAGES: gl.constexpr, DQ_BUFS: gl.constexpr, IS_CAUSAL: gl.constexpr,
+                  WG: gl.constexpr, NUM_WG: gl.constexpr):
+    """Consumer partition WG of NUM_WG: key rows [WG * KEYS, WG * KEYS + KEYS) of the CTA's block,
+    KEYS = BLOCK_N / NUM_WG (one 8-warp partition for all 128 keys, or two 4-warp ones with 64 each,
+    which run unsynchronised: one's softmax overlaps the other's products)."""
+    dtype: gl.constexpr = q_smem.dtype
+    KEYS: gl.constexpr = BLOCK_N // NUM_WG
+    WARPS: gl.constexpr = KEYS // 16
+    pid_n, off_b, off_hk, start_n, n_steps, m_first, m_step = _bwd_coords(
+        num_n_blocks, num_heads_k, kv_group_size, seqlen_q, seqlen_k, num_m_blocks, batch,
+        heads_per_group, BLOCK_M, BLOCK_N, IS_CAUSAL)
+    start_n = start_n + WG * KEYS
+    if NUM_WG == 1:
+        k_smem = k_all
+        v_smem = v_all
+        ds_smem = ds_all
+    else:
+        k_smem = k_all.slice(WG * KEYS, KEYS)
+        v_smem = v_all.slice(WG * KEYS, KEYS)
+        ds_smem = ds_all.slice(WG * KEYS, KEYS)
+    # wgmma accumulators. S^T, dP^T [KEYS, BM] and dK, dV [KEYS, D]: warps stacked on the key rows, 64
+    # per warpgroup. dQ [BM, D]: with two warpgroups in the partition, each takes one half of D.
+    st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
+                                                        instr_shape=[16, BLOCK_M, 16])
+    kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
+                                                        instr_shape=[16, HEAD_DIM, 16])
+    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, WARPS // 4],
+                                                        instr_shape=[16, HEAD_DIM // (WARPS // 4), 16])
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)
+    col_layout: gl.constexpr = gl.SliceLayout(0, st_layout)             # one value per query
+    key_layout: gl.constexpr = gl.SliceLayout(1, st_layout)             # one value per key
+    cols0 = gl.arange(0, BLOCK_M, layout=col_layout)
+    keys = start_n + gl.arange(0, KEYS, layout=key_layout)
+    causal_offset = seqlen_k - seqlen_q
+    # Query blocks from m_full on see every key of this partition's rows (no mask needed).
+    if IS_CAUSAL:
+        m_full = gl.cdiv(gl.maximum(start_n + KEYS - 1 - causal_offset, 0), BLOCK_M)
+    else:
+        m_full = 0
+
+    zero_st = gl.zeros([KEYS, BLOCK_M], gl.float32, st_layout)
+    zero_dq = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, dq_layout)
+    dk = gl.zeros([KEYS, HEAD_DIM], gl.float32, kv_layout)
+    dv = gl.zeros([KEYS, HEAD_DIM], gl.float32, kv_layout)
+    mbarrier.wait(kv_ready, 0)
+    for i in range(n_steps):
+        dk, dv = _bwd_step(i, dk, dv, zero_st, zero_dq,
+                           q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem,
+                           q_ready, q_empty, dq_full, dq_empty,
+                           keys, cols0, m_full, m_first, m_step, kv_group_size, causal_offset, qk_scale,
+                           BLOCK_M, STAGES, DQ_BUFS, WG, NUM_WG, col_layout, a_layout)
+
+    # -- epilogue: dK * sm_scale and dV; key rows past seqlen_k are not stored --
+    out_keys = start_n + gl.arange(0, KEYS, layout=gl.SliceLayout(1, kv_layout))
+    dims = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, kv_layout))
+    mask = (out_keys < seqlen_k)[:, None]
+    dk_ptrs = DK + off_b.to(gl.int64) * stride_dkb + off_hk.to(gl.int64) * stride_dkh \
+        + out_keys[:, None].to(gl.int64) * stride_dks + dims[None, :]
+    dv_ptrs = DV + off_b.to(gl.int64) * stride_dvb + off_hk.to(gl.int64) * stride_dvh \
+        + out_keys[:, None].to(gl.int64) * stride_dvs + dims[None, :]
+    gl.store(dk_ptrs, (dk * sm_scale).to(dtype), mask=mask)
+    gl.store(dv_ptrs, dv.to(dtype), mask=mask)
+
+
+@gluon.jit
+def _wait_turn(sem_ptr, turn):
+    """Every thread polls the counter with an acquire load until it reads ``turn`` (or more): its own
+    later loads then see everything the previous writer stored before its release."""
+    seen = gl.inline_asm_elementwise("ld.acquire.gpu.global.b32 $0, [$1];", "=r,l", [sem_ptr],
+                                     dtype=gl.int32, is_pure=False, pack=1)
+    while seen < turn:
+        seen = gl.inline_asm_elementwise("ld.acquire.gpu.global.b32 $0, [$1];", "=r,l", [sem_ptr],
+                                         dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _dq_turn(i, pid_n, num_n_blocks, m_first, m_step, kv_group_size, causal_offset,
+             BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, IS_CAUSAL: gl.constexpr):
+    """Key block pid_n's place in the order of additions into step i's query block m: the blocks
+    that add into m are 0 .. n_max(m) (causal: those whose first key some row of m sees), and they
+    add from n_max(m) down to 0, so the place is n_max(m) - pid_n."""
+    m = m_first + m_step * (i // kv_group_size)
+    if IS_CAUSAL:
+        n_max = gl.minimum(num_n_blocks - 1, (m * BLOCK_M + BLOCK_M - 1 + causal_offset) // BLOCK_N)
+    else:
+        n_max = num_n_blocks - 1
+    return n_max - pid_n
+
+
+@gluon.jit
+def _pass_turns(sem0, sem1, value0, value1):
+    """Release two counters: after a barrier of the (4-warp) partition, so that every thread's stores are
+    issued, its first thread stores value0 / value1 with release semantics (CUTLASS's semaphore does
+    the same)."""
+    gl.thread_barrier()
+    gl.inline_asm_elementwise(
+        "{ .reg .pred p; .reg .b32 t; mov.u32 t, %tid.x; and.b32 t, t, 127; setp.eq.u32 p, t, 0; "
+        "@p st.release.gpu.global.b32 [$1], $3; @p st.release.gpu.global.b32 [$2], $4; mov.b32 $0, 0; }",
+        "=r,l,l,r,r", [sem0, sem1, value0, value1], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _dq_block(i, SEM, DQW, off_b, off_hk, kv_group_size, num_heads_q, num_m_blocks, m_first, m_step,
+              BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr):
+    """Step i's turn counter and workspace tile (query block m of query head hk * G + i % G)."""
+    m = m_first + m_step * (i // kv_group_size)
+    bh = off_b * num_heads_q + off_hk * kv_group_size + i % kv_group_size
+    return SEM + (bh * num_m_blocks + m) * SEM_STRIDE, DQW + (bh.to(gl.int64) * num_m_blocks + m) * (BLOCK_M * HEAD_DIM)
+
+
+@gluon.jit
+def _dq_partial(dq_smem, b, c, CHUNK: gl.constexpr, NUM_WG: gl.constexpr, layout: gl.constexpr):
+    """Rows [c * CHUNK, c * CHUNK + CHUNK) of buffer b's partial: the consumers' shares in a fixed order."""
+    part = dq_smem.index(b * NUM_WG).slice(c * CHUNK, CHUNK).load(layout)
+    for w in gl.static_range(1, NUM_WG):
+        part += dq_smem.index(b * NUM_WG + w).slice(c * CHUNK, CHUNK).load(layout)
+    return part
+
+
+@gluon.jit
+def _bwd_writer(DQW, SEM, dq_smem, dq_full, dq_empty,
+                num_n_blocks, num_heads_k, kv_group_size, seqlen_q, seqlen_k, num_m_blocks,
+                batch, heads_per_group,
+                HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                DQ_BUFS: gl.constexpr, IS_CAUSAL: gl.constexpr, THREADS: gl.constexpr,
+                WRITER_MODE: gl.constexpr, NUM_WG: gl.constexpr):
+    """Adds each step's dQ partial into workspace rows [m * BM, m * BM + BM) of its (batch, query head),
+    in key-block order. DQW is [B, Hq, num_m_blocks * BM, D] fp32, SEM [B, Hq, num_m_blocks, SEM_STRIDE] int32.
+
+    Two steps per round: both turns are awaited, both tiles loaded, summed, stored and released
+    together, so one round trip to L2 (and one release) serves two steps. Their counters are different
+    (two query blocks), and a round only waits on what the previous key block released in its own
+    round for the same two steps, so the chains stay one step deep. With an odd step count the last
+    round's second step is the first one again, masked off (its release rewrites the same value)."""
+    pid_n, off_b, off_hk, start_n, n_steps, m_first, m_step = _bwd_coords(
+        num_n_blocks, num_heads_k, kv_group_size, seqlen_q, seqlen_k, num_m_blocks, batch,
+        heads_per_group, BLOCK_M, BLOCK_N, IS_CAUSAL)
+    num_heads_q = num_heads_k * kv_group_size
+    # 4 fp32 (16 bytes) per thread along D; CHUNK rows at a time (16 values per thread and step: 32 made
+    # no difference, run 34).
+    TPR: gl.constexpr = HEAD_DIM // 4                     # threads per row
+    layout: gl.constexpr = gl.BlockedLayout([1, 4], [32 // TPR, TPR], [THREADS // 32, 1], [1, 0])
+    CHUNK: gl.constexpr = (THREADS * 16) // HEAD_DIM
+    rows0 = gl.arange(0, CHUNK, layout=gl.SliceLayout(1, layout))
+    dims = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, layout))
+    offs = rows0[:, None] * HEAD_DIM + dims[None, :]
+    causal_offset = seqlen_k - seqlen_q
+    for j in range(0, n_steps, 2):
+        j1 = gl.minimum(j + 1, n_steps - 1)
+        has1 = j + 1 < n_steps
+        turn0 = _dq_turn(j, pid_n, num_n_blocks, m_first, m_step, kv_group_size, causal_offset, BLOCK_M, BLOCK_N,
+                         IS_CAUSAL)
+        turn1 = _dq_turn(j1, pid_n, num_n_blocks, m_first, m_step, kv_group_size, causal_offset, BLOCK_M, BLOCK_N,
+                         IS_CAUSAL)
+        sem0, base0 = _dq_block(j, SEM, DQW, off_b, off_hk, kv_group_size, num_heads_q, num_m_blocks, m_first, m_step,
+                                BLOCK_M, HEAD_DIM)
+        sem1, base1 = _dq_block(j1, SEM, DQW, off_b, off_hk, kv_group_size, num_heads_q, num_m_blocks, m_first, m_step,
+                                BLOCK_M, HEAD_DIM)
+        b0 = j % DQ_BUFS
+        b1 = j1 % DQ_BUFS
+        mbarrier.wait(dq_full.index(b0), (j // DQ_BUFS) & 1)
+        mbarrier.wait(dq_full.index(b1), (j1 // DQ_BUFS) & 1, pred=has1)
+        if WRITER_MODE == 0:
+            _wait_turn(sem0, turn0)
+            _wait_turn(sem1, turn1)
+        for c in gl.static_range(BLOCK_M // CHUNK):
+            ptr0 = base0 + c * CHUNK * HEAD_DIM + offs
+            ptr1 = base1 + c * CHUNK * HEAD_DIM + offs
+            if WRITER_MODE < 2:
+                # The first contribution to a block (turn 0) is stored as it is: no load.
+                x0 = gl.load(ptr0, mask=turn0 > 0, other=0.0, cache_modifier=".cg")
+                x1 = gl.load(ptr1, mask=has1 & (turn1 > 0), other=0.0, cache_modifier=".cg")
+                gl.store(ptr0, x0 + _dq_partial(dq_smem, b0, c, CHUNK, NUM_WG, layout))
+                gl.store(ptr1, x1 + _dq_partial(dq_smem, b1, c, CHUNK, NUM_WG, layout), mask=has1)
+        mbarrier.arrive(dq_empty.index(b0), count=1)
+        mbarrier.arrive(dq_empty.index(b1), count=1, pred=has1)
+        if WRITER_MODE == 0:
+            _pass_turns(sem0, sem1, turn0 + 1, turn1 + 1)
+
+
+@gluon.jit(do_not_specialize=["num_n_blocks", "num_heads_q", "num_heads_k", "kv_group_size", "seqlen_q",
+                              "seqlen_k", "num_m_blocks", "batch", "heads_per_group"])
+def _attn_bwd_hopper_kernel(
+    q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, DK, DV, DQW, SEM,
+    stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh,
+    num_n_blocks, num_heads_q, num_heads_k, kv_group_size, seqlen_q, seqlen_k, num_m_blocks,
+    batch, heads_per_group, sm_scale, qk_scale,
+    HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+    DQ_BUFS: gl.constexpr, IS_CAUSAL: gl.constexpr, WRITER_MODE: gl.constexpr,
+    NUM_WG: gl.constexpr, WRITER_REGS_: gl.constexpr, PRODUCER_REGS_: gl.constexpr,
+    CONSUMER_REGS_: gl.constexpr,
+):
+    dtype: gl.constexpr = q_desc.dtype
+    gl.static_assert(DQ_BUFS >= 2, "the writer takes two steps' partials per round")
+    kv_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
+    q_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], dtype)
+    ds_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype)
+    dq_smem_layout: gl.constexpr = gl.SwizzledSharedLayout(vec=4, per_phase=1, max_phase=8, order=[1, 0])
+    k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], kv_smem_layout)
+    v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], kv_smem_layout)
+    q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], q_smem_layout)
+    do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], q_smem_layout)
+    ds_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_M], ds_smem_layout)
+    dq_smem = gl.allocate_shared_memory(gl.float32, [DQ_BUFS * NUM_WG, BLOCK_M, HEAD_DIM], dq_smem_layout)
+    row_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M], gl.float32)
+    lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], row_smem_layout)
+    delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], row_smem_layout)
+    kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    dq_full = gl.allocate_shared_memory(gl.int64, [DQ_BUFS, 1], mbarrier.MBarrierLayout())
+    dq_empty = gl.allocate_shared_memory(gl.int64, [DQ_BUFS, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_ready, count=1)
+    for s in gl.static_range(STAGES):
+        mbarrier.init(q_ready.index(s), count=1)
+        mbarrier.init(q_empty.index(s), count=NUM_WG)      # every consumer partition releases
+    for b in gl.static_range(DQ_BUFS):
+        mbarrier.init(dq_full.index(b), count=NUM_WG)      # every consumer partition's partial
+        mbarrier.init(dq_empty.index(b), count=1)
+
+    # The partitions' arguments are spelled out per branch (see forward_hopper.py: a shared tuple loses
+    # the constexpr-ness of the block sizes in Triton 3.6's warp_specialize).
+    if NUM_WG == 1:
+        gl.warp_specialize([
+            (_bwd_consumer, (DK, DV, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem,
+                             kv_ready, q_ready, q_empty, dq_full, dq_empty,
+                             stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh,
+                             num_n_blocks, num_heads_q, num_heads_k, kv_group_size, seqlen_q, seqlen_k,
+                             num_m_blocks, batch, heads_per_group, sm_scale, qk_scale,
+                             HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, DQ_BUFS, IS_CAUSAL, 0, NUM_WG)),
+            (_bwd_writer, (DQW, SEM, dq_smem, dq_full, dq_empty,
+                           num_n_blocks, num_heads_k, kv_group_size, seqlen_q, seqlen_k, num_m_blocks,
+                           batch, heads_per_group, HEAD_DIM, BLOCK_M, BLOCK_N, DQ_BUFS, IS_CAUSAL, 128,
+                           WRITER_MODE, NUM_WG)),
+            (_bwd_producer, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc,
+                             q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem,
+                             kv_ready, q_ready, q_empty,
+                             num_n_blocks, num_heads_k, kv_group_size, seqlen_q, seqlen_k, num_m_blocks,
+                             batch, heads_per_group, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL)),
+        ], [4, 1], [WRITER_REGS_, PRODUCER_REGS_])
+    else:
+        gl.static_assert(NUM_WG == 2, "NUM_WG: 1 or 2 consumer partitions")
+        gl.warp_specialize([
+            (_bwd_consumer, (DK, DV, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem,
+                             kv_ready, q_ready, q_empty, dq_full, dq_empty,
+                             stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh,
+                             num_n_blocks, num_heads_q, num_heads_k, kv_group_size, seqlen_q, seqlen_k,
+                             num_m_blocks, batch, heads_per_group, sm_scale, qk_scale,
+                             HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, DQ_BUFS, IS_CAUSAL, 0, NUM_WG)),
+            (_bwd_consumer, (DK, DV, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem,
+                             kv_ready, q_ready, q_empty, dq_full, dq_empty,
+                             stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh,
+                             num_n_blocks, num_heads_q, num_heads_k, kv_group_size, seqlen_q, seqlen_k,
+                             num_m_blocks, batch, heads_per_group, sm_scale, qk_scale,
+                             HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, DQ_BUFS, IS_CAUSAL, 1, NUM_WG)),
+            (_bwd_writer, (DQW, SEM, dq_smem, dq_full, dq_empty,
+                           num_n_blocks, num_heads_k, kv_group_size, seqlen_q, seqlen_k, num_m_blocks,
+                           batch, heads_per_group, HEAD_DIM, BLOCK_M, BLOCK_N, DQ_BUFS, IS_CAUSAL, 128,
+                           WRITER_MODE, NUM_WG)),
+            (_bwd_producer, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc,
+                             q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem,
+                             kv_ready, q_ready, q_empty,
+                             num_n_blocks, num_heads_k, kv_group_size, seqlen_q, seqlen_k, num_m_blocks,
+                             batch, heads_per_group, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL)),
+        ], [4, 4, 1], [CONSUMER_REGS_, WRITER_REGS_, PRODUCER_REGS_])
+
+
+@triton.jit
+def _dq_finish_kernel(DQW, SEM, DQ, stride_dqb, stride_dqs, stride_dqh, num_heads_q, seqlen_q, num_m_blocks,
+                      sm_scale, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, ROWS: tl.constexpr,
+                      SEM_STRIDE_: tl.constexpr):
+    """dq = sm_scale * workspace, in dq's dtype and strides; 0 where no key block added anything (the
+    counter of the query block is still 0: its rows see no key)."""
+    pid = tl.program_id(0)
+    row_blocks = tl.cdiv(seqlen_q, ROWS)
+    pid_r = pid % row_blocks
+    bh = pid // row_blocks
+    off_b = bh // num_heads_q
+    off_h = bh % num_heads_q
+    rows = pid_r * ROWS + tl.arange(0, ROWS)
+    dims = tl.arange(0, HEAD_DIM)
+    ok = rows < seqlen_q
+    reached = tl.load(SEM + (bh * num_m_blocks + rows // BLOCK_M) * SEM_STRIDE_, mask=ok, other=0) > 0
+    w = tl.load(DQW + (bh.to(tl.int64) * num_m_blocks * BLOCK_M + rows[:, None]) * HEAD_DIM + dims[None, :],
+                mask=(ok & reached)[:, None], other=0.0)
+    tl.store(DQ + off_b.to(tl.int64) * stride_dqb + off_h.to(tl.int64) * stride_dqh
+             + rows[:, None].to(tl.int64) * stride_dqs + dims[None, :],
+             (w * sm_scale).to(DQ.dtype.element_ty), mask=ok[:, None])
+
+
+# --------------------------------------------------------------------------------------------------
+# Launcher
+# --------------------------------------------------------------------------------------------------
+
+def _row_descriptor(t: torch.Tensor, rows: int) -> GluonTensorDescriptor:
+    """1-D descriptor over a contiguous float32 tensor, moving boxes of ``rows`` entries."""
+    flat = t.view(-1)
+    desc = object.__new__(GluonTensorDescriptor)
+    desc.base, desc.shape, desc.strides = flat, [flat.numel()], [1]
+    desc.block_shape, desc.padding = [rows], "zero"
+    desc.layout = gl.NVMMASharedLayout.get_default_for([rows], gl.float32)
+    return desc
+
+
+def supported(q, k, v, dout) -> bool:
+    """CUDA fp16/bf16 [B, S, H, D] views with head_dim 64 or 128 and TMA-compatible strides."""
+    if q.dtype not in (torch.float16, torch.bfloat16) or not q.is_cuda:
+        return False
+    if any(t.dtype != q.dtype for t in (k, v, dout)):
+        return False
+    if q.shape[-1] not in (64, 128):
+        return False
+    return tma_compatible(q, k, v, dout)
+
+
+@on_input_device
+def backward_hopper(dout, q, k, v, lse2, delta, sm_scale: float, causal: bool, dq, dk, dv, *,
+                    variant: str = "fused"):
+    """Fill dq, dk, dv ([B, S, H, D] views, last stride 1) from dout and the preprocess kernel's lse2
+    (base-2 LSE, +inf for rows without keys) and delta ([B, Hq, Sq] float32)."""
+    batch, seqlen_q, heads_q, head_dim = q.shape
+    _, seqlen_k, heads_k, _ = k.shape
+    cfg = variant_config(variant, head_dim)
+    block_m = cfg["block_m"]
+    num_m_blocks = triton.cdiv(seqlen_q, block_m)
+    num_n_blocks = triton.cdiv(seqlen_k, BLOCK_N)
+    dq_work = torch.empty((batch, heads_q, num_m_blocks * block_m, head_dim), dtype=torch.float32,
+                          device=q.device)
+    sem = torch.zeros((batch, heads_q, num_m_blocks, int(SEM_STRIDE)), dtype=torch.int32, device=q.device)
+    if lse2.shape[-1] != num_m_blocks * block_m or not lse2.is_contiguous() or not delta.is_contiguous():
+        raise ValueError(f"lse2 / delta must be contiguous [B, Hq, {num_m_blocks * block_m}] (padded_rows); "
+                         f"got {tuple(lse2.shape)}")
+    lse_desc = _row_descriptor(lse2, block_m)
+    delta_desc = _row_descriptor(delta, block_m)
+    # About one wave of CTAs per group of (batch, KV head) pairs (see _bwd_coords).
+    sms = sm_count(q.device) if q.is_cuda else 132
+    heads_per_group = max(1, sms // num_n_blocks)
+    q_desc = _descriptor(q, block_m, head_dim)
+    do_desc = _descriptor(dout, block_m, head_dim)
+    k_desc = _descriptor(k, BLOCK_N, head_dim)
+    v_desc = _descriptor(v, BLOCK_N, head_dim)
+    _attn_bwd_hopper_kernel[(batch * heads_k * num_n_blocks,)](
+        q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dk, dv, dq_work, sem,
+        dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
+        num_n_blocks, heads_q, heads_k, heads_q // heads_k, seqlen_q, seqlen_k, num_m_blocks,
+        batch, heads_per_group, sm_scale, sm_scale * LOG2E,
+        HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=BLOCK_N, STAGES=cfg["stages"], DQ_BUFS=cfg["dq_bufs"],
+        IS_CAUSAL=causal, WRITER_MODE=cfg["writer_mode"], NUM_WG=cfg["num_wg"],
+        WRITER_REGS_=cfg["writer_regs"], PRODUCER_REGS_=PRODUCER_REGS, CONSUMER_REGS_=cfg["consumer_regs"],
+        num_warps=cfg["num_warps"], maxnreg=cfg["maxnreg"],
+    )
+    rows = 32
+    _dq_finish_kernel[(batch * heads_q * triton.cdiv(seqlen_q, rows),)](
+        dq_work, sem, dq, dq.stride(0), dq.stride(1), dq.stride(2), heads_q, seqlen_q, num_m_blocks,
+        sm_scale, HEAD_DIM=head_dim, BLOCK_M=block_m, ROWS=rows, SEM_STRIDE_=int(SEM_STRIDE), num_warps=4,
+    )
+    return dq, dk, dv
