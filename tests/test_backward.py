@@ -239,9 +239,20 @@ HOPPER = ON_GPU and torch.cuda.get_device_capability() == (9, 0)
 
 
 def _force_hopper_backward(monkeypatch, variant):
-    from triflash.kernels import configs
+    """Make the backward take the fused kernel's ``variant``; returns a list that records each launch
+    (so a test can assert that the kernel did run, not a silent fallback to the Triton kernels)."""
+    from triflash.kernels import backward_hopper, configs
+
+    launches = []
+    real = backward_hopper.backward_hopper
+
+    def recording(*args, **kwargs):
+        launches.append(kwargs.get("variant"))
+        return real(*args, **kwargs)
 
     monkeypatch.setattr(configs, "hopper_backward_variant", lambda **_: variant)
+    monkeypatch.setattr(backward_hopper, "backward_hopper", recording)
+    return launches
 
 
 def _hopper_cases():
@@ -253,7 +264,8 @@ def _hopper_cases():
     for d in configs.HOPPER_BACKWARD_VARIANTS:
         for variant in configs.hopper_backward_candidates(d):
             for (sq, sk), causal, dtype, heads in itertools.product(
-                    SEQLENS + [(4096 + 13, 4096 + 13)], [False, True], [torch.float16, torch.bfloat16], HEADS):
+                    SEQLENS + [(4096 + 13, 4096 + 13), (1500, 1000), (1000, 1500)], [False, True],
+                    [torch.float16, torch.bfloat16], HEADS):
                 batch = 1 if sq * sk > 100_000 else 2
                 cid = (f"{variant}-B{batch}-Sq{sq}-Sk{sk}-D{d}-{'causal' if causal else 'full'}-"
                        f"{DTYPE_ID[dtype]}-{HEADS_ID[heads]}")
@@ -265,12 +277,34 @@ def _hopper_cases():
 @pytest.mark.parametrize("variant,batch,seqlen_q,seqlen_k,head_dim,causal,dtype,heads", _hopper_cases())
 def test_hopper_backward_matches_reference(device, monkeypatch, variant, batch, seqlen_q, seqlen_k, head_dim,
                                            causal, dtype, heads):
-    _force_hopper_backward(monkeypatch, variant)
+    launches = _force_hopper_backward(monkeypatch, variant)
     q, k, v = _inputs(batch, seqlen_q, seqlen_k, heads[0], heads[1], head_dim, dtype, device)
     out = triflash.flash_attn_func(q, k, v, causal=causal)
     dout = torch.randn_like(out)
     out.backward(dout)
+    assert launches == [variant]
     assert_grads_3x((q.grad, k.grad, v.grad), q, k, v, dout, causal, dtype)
+
+
+@pytest.mark.skipif(not HOPPER, reason="the Gluon backward runs on sm_90 only")
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_hopper_backward_ragged_keys_with_very_negative_scores(device, monkeypatch, causal):
+    """Every score about -24 and a key count that is no multiple of the 128-key block: the padded key
+    rows (read as zeros, score 0) must not get p = exp2(-lse2) ~ 6e6, whose dS overflows fp16 and
+    turns dQ into NaN through inf * 0."""
+    from triflash.kernels import configs
+
+    for variant in {v for d in configs.HOPPER_BACKWARD_VARIANTS for v in configs.hopper_backward_candidates(d)}:
+        launches = _force_hopper_backward(monkeypatch, variant)
+        q = torch.full((1, 4100, 2, 64), -3.0, dtype=torch.float16, device=device)
+        q = (q + 0.01 * torch.randn_like(q)).requires_grad_()
+        k = (1.0 + 0.01 * torch.randn(1, 4100, 2, 64, device=device)).half().requires_grad_()
+        v = torch.randn(1, 4100, 2, 64, dtype=torch.float16, device=device, requires_grad=True)
+        out = triflash.flash_attn_func(q, k, v, causal=causal)
+        dout = torch.randn_like(out)
+        out.backward(dout)
+        assert launches == [variant]
+        assert_grads_3x((q.grad, k.grad, v.grad), q, k, v, dout, causal, torch.float16)
 
 
 @pytest.mark.skipif(not HOPPER, reason="the Gluon backward runs on sm_90 only")
@@ -280,7 +314,7 @@ def test_hopper_backward_is_deterministic(device, monkeypatch, causal):
     from triflash.kernels import configs
 
     for variant in {v for d in configs.HOPPER_BACKWARD_VARIANTS for v in configs.hopper_backward_candidates(d)}:
-        _force_hopper_backward(monkeypatch, variant)
+        launches = _force_hopper_backward(monkeypatch, variant)
         q, k, v = _inputs(2, 4096 + 13, 4096 + 13, 8, 2, 64, torch.float16, device)
         out = triflash.flash_attn_func(q, k, v, causal=causal)
         dout = torch.randn_like(out)
@@ -289,22 +323,23 @@ def test_hopper_backward_is_deterministic(device, monkeypatch, causal):
             again = torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
             for a, b in zip(first, again):
                 assert torch.equal(a, b), variant
+        assert launches == [variant] * 20
 
 
 def test_hopper_backward_chooser(monkeypatch):
     """configs.hopper_backward_variant: None off sm_90 (here: a CPU device); with the sm_90 check
-    stubbed to pass, the fused kernel at head_dim 64 from 4k keys only, and its picks are exactly the
-    candidates the GPU tests force."""
+    stubbed to pass, the fused kernel at head_dim 64, causal, from 4k keys only, and its picks are
+    exactly the candidates the GPU tests force."""
     from triflash.kernels import backward_hopper, configs
 
     pick = configs.hopper_backward_variant
     kw = dict(dtype=torch.float16, device="cpu")
-    assert pick(head_dim=64, causal=False, seqlen_q=4096, seqlen_k=4096, **kw) is None
+    assert pick(head_dim=64, causal=True, seqlen_q=4096, seqlen_k=4096, **kw) is None
     monkeypatch.setattr(configs, "hopper_forward_applies",
                         lambda *, head_dim, dtype, device: head_dim in (64, 128))
-    assert pick(head_dim=64, causal=False, seqlen_q=4096, seqlen_k=4096, **kw) == "split"
-    assert pick(head_dim=64, causal=False, seqlen_q=1024, seqlen_k=1024, **kw) is None
     assert pick(head_dim=64, causal=True, seqlen_q=4096, seqlen_k=4096, **kw) == "split"
+    assert pick(head_dim=64, causal=False, seqlen_q=4096, seqlen_k=4096, **kw) is None
+    assert pick(head_dim=64, causal=False, seqlen_q=1024, seqlen_k=1024, **kw) is None
     assert pick(head_dim=64, causal=True, seqlen_q=1024, seqlen_k=1024, **kw) is None
     assert pick(head_dim=128, causal=False, seqlen_q=16384, seqlen_k=16384, **kw) is None
     assert pick(head_dim=80, causal=False, seqlen_q=16384, seqlen_k=16384, **kw) is None

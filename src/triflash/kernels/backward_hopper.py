@@ -35,7 +35,8 @@ What keeps that safe and cheap:
   last one down), one block per step: key block n reaches block m in the same step as key block
   n + 1 and waits only for n + 1's write of it, a lag of a few short critical sections, not of whole
   steps. Causal, each CTA walks up from its diagonal block, so key block n reaches block m
-  BLOCK_N / BLOCK_M steps after key block n + 1 did: the turns arrive in chain order, with no wait.
+  G * BLOCK_N / BLOCK_M steps after key block n + 1 did (fewer where n + 1's first block is clamped
+  to 0): the turns arrive in chain order, with no wait.
 * *The lag is paid once per GPU, not once per wave.* Program ids interleave the heads of about one
   wave (``heads_per_group``), so the SMs freed by key block n of one group go to key block n of the
   next, which starts about one turn after the CTA it waits for.
@@ -215,8 +216,8 @@ def _bwd_producer(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc,
 def _bwd_step(i, dk, dv, zero_st, zero_dq,
               q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem,
               q_ready, q_empty, dq_full, dq_empty,
-              keys, cols0, m_full, m_first, m_step, kv_group_size, causal_offset, qk_scale,
-              BLOCK_M: gl.constexpr, STAGES: gl.constexpr, DQ_BUFS: gl.constexpr,
+              keys, cols0, m_full, key_tail, seqlen_k, m_first, m_step, kv_group_size, causal_offset,
+              qk_scale, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, DQ_BUFS: gl.constexpr,
               WG: gl.constexpr, NUM_WG: gl.constexpr, col_layout: gl.constexpr, a_layout: gl.constexpr):
     """One (query block, key block) step of a consumer partition: returns the updated dK, dV and hands
     its dQ partial to the writer. (Issuing the next step's S^T / dP^T before waiting for this step's
@@ -234,7 +235,13 @@ def _bwd_step(i, dk, dv, zero_st, zero_dq,
     # Rows past seqlen_q (and rows that saw no key) have lse2 = +inf: their p is 0.
     p_t = gl.exp2(s_t * qk_scale - lse_smem.index(s).load(col_layout)[None, :])
     if m < m_full:
+        # Causal: keys after a row's diagonal (which include every key past seqlen_k) get p = 0.
         p_t = gl.where(keys[:, None] <= cols[None, :] + causal_offset, p_t, 0.0)
+    elif key_tail:
+        # Key rows past seqlen_k read as zeros, so their score is 0 and p = exp2(-lse2), which is huge
+        # when every real score of a row is very negative: dS would overflow to inf and inf * 0 (the
+        # zero K row) would put NaN into dQ. Their p is set to 0.
+        p_t = gl.where(keys[:, None] < seqlen_k, p_t, 0.0)
     dp_t = warpgroup_mma_wait(0, deps=(dpt_tok,))
     ds_t = (p_t * (dp_t - delta_smem.index(s).load(col_layout)[None, :])).to(dtype)
     p_a = gl.convert_layout(p_t.to(dtype), a_layout)
@@ -303,6 +310,7 @@ def _bwd_consumer(DK, DV, q_smem, do_smem, k_all, v_all, lse_smem, delta_smem, d
         m_full = gl.cdiv(gl.maximum(start_n + KEYS - 1 - causal_offset, 0), BLOCK_M)
     else:
         m_full = 0
+    key_tail = start_n + KEYS > seqlen_k                 # this partition holds key rows past the end
 
     zero_st = gl.zeros([KEYS, BLOCK_M], gl.float32, st_layout)
     zero_dq = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, dq_layout)
@@ -313,7 +321,8 @@ def _bwd_consumer(DK, DV, q_smem, do_smem, k_all, v_all, lse_smem, delta_smem, d
         dk, dv = _bwd_step(i, dk, dv, zero_st, zero_dq,
                            q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem,
                            q_ready, q_empty, dq_full, dq_empty,
-                           keys, cols0, m_full, m_first, m_step, kv_group_size, causal_offset, qk_scale,
+                           keys, cols0, m_full, key_tail, seqlen_k, m_first, m_step, kv_group_size,
+                           causal_offset, qk_scale,
                            BLOCK_M, STAGES, DQ_BUFS, WG, NUM_WG, col_layout, a_layout)
 
     # -- epilogue: dK * sm_scale and dV; key rows past seqlen_k are not stored --
@@ -438,6 +447,8 @@ def _bwd_writer(DQW, SEM, dq_smem, dq_full, dq_empty,
                 x1 = gl.load(ptr1, mask=has1 & (turn1 > 0), other=0.0, cache_modifier=".cg")
                 gl.store(ptr0, x0 + _dq_partial(dq_smem, b0, c, CHUNK, NUM_WG, layout))
                 gl.store(ptr1, x1 + _dq_partial(dq_smem, b1, c, CHUNK, NUM_WG, layout), mask=has1)
+        # (Gluon's arrive is a barrier of the partition, then one thread's arrive: every warp has read
+        # the buffers before the consumers may refill them.)
         mbarrier.arrive(dq_empty.index(b0), count=1)
         mbarrier.arrive(dq_empty.index(b1), count=1, pred=has1)
         if WRITER_MODE == 0:

@@ -88,12 +88,13 @@ def hopper_backward_variant(*, head_dim: int, dtype, device, causal: bool, seqle
                             seqlen_k: int) -> str | None:
     """The fused Gluon backward variant (backward_hopper.py) the backward takes, or None for the
     Triton kernels. Measured on the H200 (performance-notes.md, runs 28-35), fp16 at B4 H16 S4096
-    D64: the fused kernel (``split``) 332 TFLOP/s non-causal (the Triton kernels 318-334 in the same
-    runs) and 300 causal (282); at 1k it is 2-4% slower, and at head_dim 128 it spills registers and
-    is slower everywhere. So: head_dim 64 from 4k keys."""
+    D64: the fused kernel (``split``) 300 TFLOP/s causal against 282 for the Triton kernels; 332
+    non-causal, level with them (334 in the same run, 318-319 in runs 33-34: not a clear gain); at 1k
+    2-4% slower; at head_dim 128 it spills registers and is slower everywhere. So: causal, head_dim
+    64, from 4k keys."""
     if not hopper_forward_applies(head_dim=head_dim, dtype=dtype, device=device):
         return None
-    if head_dim == 64 and seqlen_k >= 4096:
+    if head_dim == 64 and causal and seqlen_k >= 4096:
         return "split"
     return None
 
