@@ -97,8 +97,11 @@ def test_backward_bhsd_layout(device, causal):
                                          "even atomics would be deterministic there: only a GPU can tell")
 def test_backward_is_deterministic(device):
     """No atomics: 20 backward passes on the same inputs give bit-identical gradients."""
-    q, k, v = _inputs(2, 1024, 1024, 6, 2, 64, torch.float16, device)
-    out = triflash.flash_attn_func(q, k, v, causal=True)
+    _assert_20_passes_equal(*_inputs(2, 1024, 1024, 6, 2, 64, torch.float16, device), causal=True)
+
+
+def _assert_20_passes_equal(q, k, v, causal):
+    out = triflash.flash_attn_func(q, k, v, causal=causal)
     dout = torch.randn_like(out)
     first = torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
     for _ in range(19):
@@ -255,6 +258,15 @@ def _force_hopper_backward(monkeypatch, variant):
     return launches
 
 
+def _hopper_variants():
+    """Every fused-backward variant the chooser can take (at some head dim), or none off sm_90."""
+    from triflash.kernels import configs
+
+    if not HOPPER:
+        return []
+    return sorted({v for d in configs.HOPPER_BACKWARD_VARIANTS for v in configs.hopper_backward_candidates(d)})
+
+
 def _hopper_cases():
     from triflash.kernels import configs
 
@@ -287,43 +299,32 @@ def test_hopper_backward_matches_reference(device, monkeypatch, variant, batch, 
 
 
 @pytest.mark.skipif(not HOPPER, reason="the Gluon backward runs on sm_90 only")
+@pytest.mark.parametrize("variant", _hopper_variants())
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_hopper_backward_ragged_keys_with_very_negative_scores(device, monkeypatch, causal):
+def test_hopper_backward_ragged_keys_with_very_negative_scores(device, monkeypatch, variant, causal):
     """Every score about -24 and a key count that is no multiple of the 128-key block: the padded key
     rows (read as zeros, score 0) must not get p = exp2(-lse2) ~ 6e6, whose dS overflows fp16 and
     turns dQ into NaN through inf * 0."""
-    from triflash.kernels import configs
-
-    for variant in {v for d in configs.HOPPER_BACKWARD_VARIANTS for v in configs.hopper_backward_candidates(d)}:
-        launches = _force_hopper_backward(monkeypatch, variant)
-        q = torch.full((1, 4100, 2, 64), -3.0, dtype=torch.float16, device=device)
-        q = (q + 0.01 * torch.randn_like(q)).requires_grad_()
-        k = (1.0 + 0.01 * torch.randn(1, 4100, 2, 64, device=device)).half().requires_grad_()
-        v = torch.randn(1, 4100, 2, 64, dtype=torch.float16, device=device, requires_grad=True)
-        out = triflash.flash_attn_func(q, k, v, causal=causal)
-        dout = torch.randn_like(out)
-        out.backward(dout)
-        assert launches == [variant]
-        assert_grads_3x((q.grad, k.grad, v.grad), q, k, v, dout, causal, torch.float16)
+    launches = _force_hopper_backward(monkeypatch, variant)
+    q = torch.full((1, 4100, 2, 64), -3.0, dtype=torch.float16, device=device)
+    q = (q + 0.01 * torch.randn_like(q)).requires_grad_()
+    k = (1.0 + 0.01 * torch.randn(1, 4100, 2, 64, device=device)).half().requires_grad_()
+    v = torch.randn(1, 4100, 2, 64, dtype=torch.float16, device=device, requires_grad=True)
+    out = triflash.flash_attn_func(q, k, v, causal=causal)
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    assert launches == [variant]
+    assert_grads_3x((q.grad, k.grad, v.grad), q, k, v, dout, causal, torch.float16)
 
 
 @pytest.mark.skipif(not HOPPER, reason="the Gluon backward runs on sm_90 only")
+@pytest.mark.parametrize("variant", _hopper_variants())
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_hopper_backward_is_deterministic(device, monkeypatch, causal):
+def test_hopper_backward_is_deterministic(device, monkeypatch, variant, causal):
     """33 key blocks add into every dQ block, from 33 CTAs: 20 passes give bit-identical gradients."""
-    from triflash.kernels import configs
-
-    for variant in {v for d in configs.HOPPER_BACKWARD_VARIANTS for v in configs.hopper_backward_candidates(d)}:
-        launches = _force_hopper_backward(monkeypatch, variant)
-        q, k, v = _inputs(2, 4096 + 13, 4096 + 13, 8, 2, 64, torch.float16, device)
-        out = triflash.flash_attn_func(q, k, v, causal=causal)
-        dout = torch.randn_like(out)
-        first = torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
-        for _ in range(19):
-            again = torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
-            for a, b in zip(first, again):
-                assert torch.equal(a, b), variant
-        assert launches == [variant] * 20
+    launches = _force_hopper_backward(monkeypatch, variant)
+    _assert_20_passes_equal(*_inputs(2, 4096 + 13, 4096 + 13, 8, 2, 64, torch.float16, device), causal=causal)
+    assert launches == [variant] * 20
 
 
 def test_hopper_backward_chooser(monkeypatch):

@@ -374,7 +374,7 @@ def backward(dout, q, k, v, out, lse, sm_scale: float, causal: bool, *, dlse=Non
     group = heads_q // heads_k
     if hopper is not None:
         from . import backward_hopper     # imported here: Gluon is only needed on this path
-        if not backward_hopper.supported(q, k, v, dout):
+        if not backward_hopper.supported(q, k, v, dout, hopper):
             hopper = None
     # The Hopper kernel reads delta and lse2 in whole tiles: their rows are padded to a tile multiple.
     rows_out = backward_hopper.padded_rows(seqlen_q, hopper, head_dim) if hopper is not None else seqlen_q

@@ -49,9 +49,11 @@ for query blocks that no key block reached: rows that see no key).
 
 Partitions
 ----------
-* **consumer** (the default partition, 8 warps = 2 warpgroups, ``_bwd_consumer``): the key block's 128
-  rows (64 per warpgroup), every wgmma, the softmax recomputation, dK and dV in registers, and at the
-  end dK * sm_scale and dV to memory.
+* **consumers** (two partitions of one warpgroup each, ``_bwd_consumer``; the first is the default
+  partition): 64 of the key block's 128 rows each, every wgmma, the softmax recomputation, dK and dV
+  in registers, and at the end dK * sm_scale and dV to memory. They are not synchronised with each
+  other, so one's softmax runs under the other's products. Each hands its own dQ partial (its 64 keys'
+  share) to the writer, which sums the two.
 * **producer** (1 warp, ``_bwd_producer``): TMA loads of the K and V tiles (once) and of the Q and dO
   tiles of every step into a ring of ``STAGES`` slots.
 * **writer** (4 warps, ``_bwd_writer``): per step, takes the dQ partial from shared memory, waits for
@@ -86,29 +88,25 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTen
 
 from .common import LOG2E, on_input_device
 from .configs import sm_count
-from .forward import tma_compatible
 from .forward_hopper import _descriptor
+from .forward_hopper import supported as forward_supported
 
-BLOCK_N = 128              # keys per CTA: 64 per consumer warpgroup
+BLOCK_N = 128              # keys per CTA: 64 per consumer partition
+NUM_WG = 2                 # consumer partitions (one warpgroup each)
 SEM_STRIDE: gl.constexpr = gl.constexpr(32)   # int32 per turn counter: one 128-byte line each
-CONSUMER_WARPS = 8
-WRITER_WARPS = 4
 PRODUCER_REGS = 24
 
 # name -> head_dim -> config. block_m: query rows per step; stages: Q/dO ring depth;
 # dq_bufs: dQ partial buffers between the consumers and the writer (it takes two per round);
-# writer_regs: the writer's setmaxnreg; num_wg: consumer partitions (1: one of 8 warps on all 128 keys,
-# 2: two of 4 warps on 64 keys each, unsynchronised); writer_mode (timing experiments only, wrong dQ
-# on purpose): 1 = additions in no fixed order, 2 = no workspace traffic at all.
-_FUSED = dict(block_m=64, stages=2, dq_bufs=2, writer_mode=0, num_wg=1)
+# writer_regs: the writer's setmaxnreg; writer_mode (timing experiments only, wrong dQ on purpose):
+# 1 = additions in no fixed order, 2 = no workspace traffic at all.
+# (Run 28's first form, one 8-warp consumer partition on all 128 keys, is gone: its two warpgroups
+# did their softmax in step, so the tensor cores waited, and at head_dim 128 it spilled. Runs 28-33.)
+_SPLIT = dict(block_m=64, stages=2, dq_bufs=4, writer_regs=80, writer_mode=0)
 VARIANTS = {
-    # The backward takes "split" (configs.hopper_backward_variant). "fused" is the first form (runs
-    # 28-29): one 8-warp consumer partition, both warpgroups in step, so the tensor cores wait while
-    # both do their softmax; at head_dim 128 it spills (dK and dV alone hold 128 registers a thread).
-    "fused": {64: dict(_FUSED, writer_regs=80), 128: dict(_FUSED, writer_regs=56)},
-    "split": {64: dict(_FUSED, writer_regs=80, num_wg=2, dq_bufs=4)},
-    "x_split_unordered": {64: dict(_FUSED, writer_regs=80, num_wg=2, dq_bufs=4, writer_mode=1)},
-    "x_split_nowrite": {64: dict(_FUSED, writer_regs=80, num_wg=2, dq_bufs=4, writer_mode=2)},
+    "split": {64: _SPLIT},                      # the one configs.hopper_backward_variant takes
+    "x_split_unordered": {64: dict(_SPLIT, writer_mode=1)},
+    "x_split_nowrite": {64: dict(_SPLIT, writer_mode=2)},
 }
 EXPERIMENTS = ("x_split_unordered", "x_split_nowrite")     # wrong dQ on purpose: timing only
 
@@ -121,18 +119,14 @@ def padded_rows(seqlen_q: int, variant: str, head_dim: int) -> int:
 
 def variant_config(variant: str, head_dim: int) -> dict:
     cfg = dict(VARIANTS[variant][head_dim])
-    # 16 warps at launch (Triton pads the producer's warp to a warpgroup), each with maxnreg registers:
-    # 128, the whole register file. setmaxnreg then moves registers from the producer's warpgroup (24)
-    # and the writer (writer_regs) to the consumers: 216 with a 56-register writer. With two consumer
-    # partitions the second one asks for consumer_regs and the first (the default) gets the rest.
-    warps = CONSUMER_WARPS + WRITER_WARPS + 4
-    cfg["maxnreg"] = (65536 // (32 * warps)) // 8 * 8
-    cfg["num_warps"] = CONSUMER_WARPS // cfg["num_wg"]
-    if cfg["num_wg"] == 2:
-        leftover = 128 * 4 - 24 - cfg["writer_regs"]       # per-thread registers the two consumers share
-        cfg["consumer_regs"] = (leftover // 2) // 8 * 8
-    else:
-        cfg["consumer_regs"] = 0                             # unused: no worker consumer
+    # Four warpgroups at launch: two consumers, the writer, and the producer's warp (Triton pads it to
+    # a warpgroup), each thread with maxnreg registers: 128, the whole register file. setmaxnreg then
+    # moves registers from the producer's warpgroup (PRODUCER_REGS) and the writer to the consumers:
+    # the second consumer asks for consumer_regs, the first (the default partition) gets the rest.
+    cfg["maxnreg"] = 65536 // (32 * 4 * (NUM_WG + 2)) // 8 * 8
+    cfg["num_warps"] = 4
+    spare = cfg["maxnreg"] * (NUM_WG + 2) - PRODUCER_REGS - cfg["writer_regs"]
+    cfg["consumer_regs"] = spare // NUM_WG // 8 * 8
     return cfg
 
 
@@ -181,6 +175,12 @@ def _bwd_coords(num_n_blocks, num_heads_k, kv_group_size, seqlen_q, seqlen_k, nu
 
 
 @gluon.jit
+def _step_block(i, m_first, m_step, off_hk, kv_group_size):
+    """Step i's query block m and query head (``_bwd_coords``): every partition walks the same steps."""
+    return m_first + m_step * (i // kv_group_size), off_hk * kv_group_size + i % kv_group_size
+
+
+@gluon.jit
 def _bwd_producer(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc,
                   q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem,
                   kv_ready, q_ready, q_empty,
@@ -198,8 +198,7 @@ def _bwd_producer(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc,
     tma.async_copy_global_to_shared(v_desc, [off_b, start_n, off_hk, 0], kv_ready, v_smem)
     for i in range(n_steps):
         s = i % STAGES
-        m = m_first + m_step * (i // kv_group_size)
-        off_h = off_hk * kv_group_size + i % kv_group_size
+        m, off_h = _step_block(i, m_first, m_step, off_hk, kv_group_size)
         mbarrier.wait(q_empty.index(s), ((i // STAGES) & 1) ^ 1)     # a fresh barrier passes parity 1
         mbarrier.expect(q_ready.index(s), q_desc.block_type.nbytes + do_desc.block_type.nbytes
                         + 2 * lse_desc.block_type.nbytes)
@@ -229,7 +228,7 @@ def _bwd_step(i, dk, dv, zero_st, zero_dq,
     mbarrier.wait(q_ready.index(s), (i // STAGES) & 1)
     st_tok = warpgroup_mma(k_smem, q_tile.permute((1, 0)), zero_st, use_acc=False, is_async=True)
     dpt_tok = warpgroup_mma(v_smem, do_tile.permute((1, 0)), zero_st, use_acc=False, is_async=True)
-    m = m_first + m_step * (i // kv_group_size)
+    m, _ = _step_block(i, m_first, m_step, 0, kv_group_size)
     cols = m * BLOCK_M + cols0                                     # query positions
     s_t = warpgroup_mma_wait(1, deps=(st_tok,))
     # Rows past seqlen_q (and rows that saw no key) have lse2 = +inf: their p is 0.
@@ -273,32 +272,26 @@ def _bwd_consumer(DK, DV, q_smem, do_smem, k_all, v_all, lse_smem, delta_smem, d
                   HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                   STAGES: gl.constexpr, DQ_BUFS: gl.constexpr, IS_CAUSAL: gl.constexpr,
                   WG: gl.constexpr, NUM_WG: gl.constexpr):
-    """Consumer partition WG of NUM_WG: key rows [WG * KEYS, WG * KEYS + KEYS) of the CTA's block,
-    KEYS = BLOCK_N / NUM_WG (one 8-warp partition for all 128 keys, or two 4-warp ones with 64 each,
-    which run unsynchronised: one's softmax overlaps the other's products)."""
+    """Consumer partition WG of NUM_WG (one warpgroup each): key rows [WG * KEYS, WG * KEYS + KEYS) of
+    the CTA's block, KEYS = BLOCK_N / NUM_WG = 64. The partitions run unsynchronised, so one's softmax
+    overlaps the other's products."""
     dtype: gl.constexpr = q_smem.dtype
     KEYS: gl.constexpr = BLOCK_N // NUM_WG
-    WARPS: gl.constexpr = KEYS // 16
+    gl.static_assert(KEYS == 64, "a consumer partition is one warpgroup: 64 key rows")
     pid_n, off_b, off_hk, start_n, n_steps, m_first, m_step = _bwd_coords(
         num_n_blocks, num_heads_k, kv_group_size, seqlen_q, seqlen_k, num_m_blocks, batch,
         heads_per_group, BLOCK_M, BLOCK_N, IS_CAUSAL)
     start_n = start_n + WG * KEYS
-    if NUM_WG == 1:
-        k_smem = k_all
-        v_smem = v_all
-        ds_smem = ds_all
-    else:
-        k_smem = k_all.slice(WG * KEYS, KEYS)
-        v_smem = v_all.slice(WG * KEYS, KEYS)
-        ds_smem = ds_all.slice(WG * KEYS, KEYS)
-    # wgmma accumulators. S^T, dP^T [KEYS, BM] and dK, dV [KEYS, D]: warps stacked on the key rows, 64
-    # per warpgroup. dQ [BM, D]: with two warpgroups in the partition, each takes one half of D.
-    st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
+    k_smem = k_all.slice(WG * KEYS, KEYS)
+    v_smem = v_all.slice(WG * KEYS, KEYS)
+    ds_smem = ds_all.slice(WG * KEYS, KEYS)
+    # wgmma accumulators: S^T, dP^T [KEYS, BM], dK, dV [KEYS, D] and dQ [BM, D], 4 warps on the rows.
+    st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                         instr_shape=[16, BLOCK_M, 16])
-    kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
+    kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                         instr_shape=[16, HEAD_DIM, 16])
-    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, WARPS // 4],
-                                                        instr_shape=[16, HEAD_DIM // (WARPS // 4), 16])
+    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, HEAD_DIM, 16])
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)
     col_layout: gl.constexpr = gl.SliceLayout(0, st_layout)             # one value per query
     key_layout: gl.constexpr = gl.SliceLayout(1, st_layout)             # one value per key
@@ -349,6 +342,18 @@ def _wait_turn(sem_ptr, turn):
 
 
 @gluon.jit
+def _pass_turns(sem0, sem1, value0, value1):
+    """Release two counters: after a barrier of the (4-warp) partition, so that every thread's stores are
+    issued, its first thread stores value0 / value1 with release semantics (CUTLASS's semaphore does
+    the same)."""
+    gl.thread_barrier()
+    gl.inline_asm_elementwise(
+        "{ .reg .pred p; .reg .b32 t; mov.u32 t, %tid.x; and.b32 t, t, 127; setp.eq.u32 p, t, 0; "
+        "@p st.release.gpu.global.b32 [$1], $3; @p st.release.gpu.global.b32 [$2], $4; mov.b32 $0, 0; }",
+        "=r,l,l,r,r", [sem0, sem1, value0, value1], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
 def _dq_turn(i, pid_n, num_n_blocks, m_first, m_step, kv_group_size, causal_offset,
              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, IS_CAUSAL: gl.constexpr):
     """Key block pid_n's place in the order of additions into step i's query block m: the blocks
@@ -360,18 +365,6 @@ def _dq_turn(i, pid_n, num_n_blocks, m_first, m_step, kv_group_size, causal_offs
     else:
         n_max = num_n_blocks - 1
     return n_max - pid_n
-
-
-@gluon.jit
-def _pass_turns(sem0, sem1, value0, value1):
-    """Release two counters: after a barrier of the (4-warp) partition, so that every thread's stores are
-    issued, its first thread stores value0 / value1 with release semantics (CUTLASS's semaphore does
-    the same)."""
-    gl.thread_barrier()
-    gl.inline_asm_elementwise(
-        "{ .reg .pred p; .reg .b32 t; mov.u32 t, %tid.x; and.b32 t, t, 127; setp.eq.u32 p, t, 0; "
-        "@p st.release.gpu.global.b32 [$1], $3; @p st.release.gpu.global.b32 [$2], $4; mov.b32 $0, 0; }",
-        "=r,l,l,r,r", [sem0, sem1, value0, value1], dtype=gl.int32, is_pure=False, pack=1)
 
 
 @gluon.jit
@@ -400,7 +393,8 @@ def _bwd_writer(DQW, SEM, dq_smem, dq_full, dq_empty,
                 DQ_BUFS: gl.constexpr, IS_CAUSAL: gl.constexpr, THREADS: gl.constexpr,
                 WRITER_MODE: gl.constexpr, NUM_WG: gl.constexpr):
     """Adds each step's dQ partial into workspace rows [m * BM, m * BM + BM) of its (batch, query head),
-    in key-block order. DQW is [B, Hq, num_m_blocks * BM, D] fp32, SEM [B, Hq, num_m_blocks, SEM_STRIDE] int32.
+    in key-block order. DQW is [B, Hq, num_m_blocks * BM, D] fp32, SEM [B, Hq, num_m_blocks,
+    SEM_STRIDE] int32.
 
     Two steps per round: both turns are awaited, both tiles loaded, summed, stored and released
     together, so one round trip to L2 (and one release) serves two steps. Their counters are different
@@ -495,51 +489,32 @@ def _attn_bwd_hopper_kernel(
         mbarrier.init(dq_full.index(b), count=NUM_WG)      # every consumer partition's partial
         mbarrier.init(dq_empty.index(b), count=1)
 
-    # The partitions' arguments are spelled out per branch (see forward_hopper.py: a shared tuple loses
-    # the constexpr-ness of the block sizes in Triton 3.6's warp_specialize).
-    if NUM_WG == 1:
-        gl.warp_specialize([
-            (_bwd_consumer, (DK, DV, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem,
-                             kv_ready, q_ready, q_empty, dq_full, dq_empty,
-                             stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh,
-                             num_n_blocks, num_heads_q, num_heads_k, kv_group_size, seqlen_q, seqlen_k,
-                             num_m_blocks, batch, heads_per_group, sm_scale, qk_scale,
-                             HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, DQ_BUFS, IS_CAUSAL, 0, NUM_WG)),
-            (_bwd_writer, (DQW, SEM, dq_smem, dq_full, dq_empty,
-                           num_n_blocks, num_heads_k, kv_group_size, seqlen_q, seqlen_k, num_m_blocks,
-                           batch, heads_per_group, HEAD_DIM, BLOCK_M, BLOCK_N, DQ_BUFS, IS_CAUSAL, 128,
-                           WRITER_MODE, NUM_WG)),
-            (_bwd_producer, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc,
-                             q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem,
-                             kv_ready, q_ready, q_empty,
-                             num_n_blocks, num_heads_k, kv_group_size, seqlen_q, seqlen_k, num_m_blocks,
-                             batch, heads_per_group, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL)),
-        ], [4, 1], [WRITER_REGS_, PRODUCER_REGS_])
-    else:
-        gl.static_assert(NUM_WG == 2, "NUM_WG: 1 or 2 consumer partitions")
-        gl.warp_specialize([
-            (_bwd_consumer, (DK, DV, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem,
-                             kv_ready, q_ready, q_empty, dq_full, dq_empty,
-                             stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh,
-                             num_n_blocks, num_heads_q, num_heads_k, kv_group_size, seqlen_q, seqlen_k,
-                             num_m_blocks, batch, heads_per_group, sm_scale, qk_scale,
-                             HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, DQ_BUFS, IS_CAUSAL, 0, NUM_WG)),
-            (_bwd_consumer, (DK, DV, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem,
-                             kv_ready, q_ready, q_empty, dq_full, dq_empty,
-                             stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh,
-                             num_n_blocks, num_heads_q, num_heads_k, kv_group_size, seqlen_q, seqlen_k,
-                             num_m_blocks, batch, heads_per_group, sm_scale, qk_scale,
-                             HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, DQ_BUFS, IS_CAUSAL, 1, NUM_WG)),
-            (_bwd_writer, (DQW, SEM, dq_smem, dq_full, dq_empty,
-                           num_n_blocks, num_heads_k, kv_group_size, seqlen_q, seqlen_k, num_m_blocks,
-                           batch, heads_per_group, HEAD_DIM, BLOCK_M, BLOCK_N, DQ_BUFS, IS_CAUSAL, 128,
-                           WRITER_MODE, NUM_WG)),
-            (_bwd_producer, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc,
-                             q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem,
-                             kv_ready, q_ready, q_empty,
-                             num_n_blocks, num_heads_k, kv_group_size, seqlen_q, seqlen_k, num_m_blocks,
-                             batch, heads_per_group, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL)),
-        ], [4, 4, 1], [CONSUMER_REGS_, WRITER_REGS_, PRODUCER_REGS_])
+    # The two consumers' argument lists are spelled out (see forward_hopper.py: a shared tuple loses the
+    # constexpr-ness of the block sizes in Triton 3.6's warp_specialize).
+    gl.static_assert(NUM_WG == 2, "two consumer partitions")
+    gl.warp_specialize([
+        (_bwd_consumer, (DK, DV, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem,
+                         kv_ready, q_ready, q_empty, dq_full, dq_empty,
+                         stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh,
+                         num_n_blocks, num_heads_q, num_heads_k, kv_group_size, seqlen_q, seqlen_k,
+                         num_m_blocks, batch, heads_per_group, sm_scale, qk_scale,
+                         HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, DQ_BUFS, IS_CAUSAL, 0, NUM_WG)),
+        (_bwd_consumer, (DK, DV, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem,
+                         kv_ready, q_ready, q_empty, dq_full, dq_empty,
+                         stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh,
+                         num_n_blocks, num_heads_q, num_heads_k, kv_group_size, seqlen_q, seqlen_k,
+                         num_m_blocks, batch, heads_per_group, sm_scale, qk_scale,
+                         HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, DQ_BUFS, IS_CAUSAL, 1, NUM_WG)),
+        (_bwd_writer, (DQW, SEM, dq_smem, dq_full, dq_empty,
+                       num_n_blocks, num_heads_k, kv_group_size, seqlen_q, seqlen_k, num_m_blocks,
+                       batch, heads_per_group, HEAD_DIM, BLOCK_M, BLOCK_N, DQ_BUFS, IS_CAUSAL, 128,
+                       WRITER_MODE, NUM_WG)),
+        (_bwd_producer, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc,
+                         q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem,
+                         kv_ready, q_ready, q_empty,
+                         num_n_blocks, num_heads_k, kv_group_size, seqlen_q, seqlen_k, num_m_blocks,
+                         batch, heads_per_group, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL)),
+    ], [4, 4, 1], [CONSUMER_REGS_, WRITER_REGS_, PRODUCER_REGS_])
 
 
 @triton.jit
@@ -579,20 +554,16 @@ def _row_descriptor(t: torch.Tensor, rows: int) -> GluonTensorDescriptor:
     return desc
 
 
-def supported(q, k, v, dout) -> bool:
-    """CUDA fp16/bf16 [B, S, H, D] views with head_dim 64 or 128 and TMA-compatible strides."""
-    if q.dtype not in (torch.float16, torch.bfloat16) or not q.is_cuda:
-        return False
-    if any(t.dtype != q.dtype for t in (k, v, dout)):
-        return False
-    if q.shape[-1] not in (64, 128):
-        return False
-    return tma_compatible(q, k, v, dout)
+def supported(q, k, v, dout, variant: str) -> bool:
+    """The forward Hopper kernel's conditions (forward_hopper.supported: CUDA fp16/bf16 [B, S, H, D]
+    views, GQA, TMA-compatible strides; dout checked like its output) and a head dim the variant has a
+    config for."""
+    return q.shape[-1] in VARIANTS[variant] and forward_supported(q, k, v, dout)
 
 
 @on_input_device
 def backward_hopper(dout, q, k, v, lse2, delta, sm_scale: float, causal: bool, dq, dk, dv, *,
-                    variant: str = "fused"):
+                    variant: str = "split"):
     """Fill dq, dk, dv ([B, S, H, D] views, last stride 1) from dout and the preprocess kernel's lse2
     (base-2 LSE, +inf for rows without keys) and delta ([B, Hq, Sq] float32)."""
     batch, seqlen_q, heads_q, head_dim = q.shape
@@ -622,7 +593,7 @@ def backward_hopper(dout, q, k, v, lse2, delta, sm_scale: float, causal: bool, d
         num_n_blocks, heads_q, heads_k, heads_q // heads_k, seqlen_q, seqlen_k, num_m_blocks,
         batch, heads_per_group, sm_scale, sm_scale * LOG2E,
         HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=BLOCK_N, STAGES=cfg["stages"], DQ_BUFS=cfg["dq_bufs"],
-        IS_CAUSAL=causal, WRITER_MODE=cfg["writer_mode"], NUM_WG=cfg["num_wg"],
+        IS_CAUSAL=causal, WRITER_MODE=cfg["writer_mode"], NUM_WG=NUM_WG,
         WRITER_REGS_=cfg["writer_regs"], PRODUCER_REGS_=PRODUCER_REGS, CONSUMER_REGS_=cfg["consumer_regs"],
         num_warps=cfg["num_warps"], maxnreg=cfg["maxnreg"],
     )
