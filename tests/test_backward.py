@@ -329,7 +329,7 @@ def test_hopper_backward_is_deterministic(device, monkeypatch, variant, causal):
 
 def test_hopper_backward_chooser(monkeypatch):
     """configs.hopper_backward_variant: None off sm_90 (here: a CPU device); with the sm_90 check
-    stubbed to pass, the fused kernel at head_dim 64, causal, from 4k keys only, and its picks are
+    stubbed to pass, the fused kernel at head_dim 64 from 4k keys only, and its picks are
     exactly the candidates the GPU tests force."""
     from triflash.kernels import backward_hopper, configs
 
@@ -339,7 +339,8 @@ def test_hopper_backward_chooser(monkeypatch):
     monkeypatch.setattr(configs, "hopper_forward_applies",
                         lambda *, head_dim, dtype, device: head_dim in (64, 128))
     assert pick(head_dim=64, causal=True, seqlen_q=4096, seqlen_k=4096, **kw) == "split"
-    assert pick(head_dim=64, causal=False, seqlen_q=4096, seqlen_k=4096, **kw) is None
+    assert pick(head_dim=64, causal=False, seqlen_q=4096, seqlen_k=4096, **kw) == "split"
+    assert pick(head_dim=64, causal=False, seqlen_q=2048, seqlen_k=2048, **kw) is None
     assert pick(head_dim=64, causal=False, seqlen_q=1024, seqlen_k=1024, **kw) is None
     assert pick(head_dim=64, causal=True, seqlen_q=1024, seqlen_k=1024, **kw) is None
     assert pick(head_dim=128, causal=False, seqlen_q=16384, seqlen_k=16384, **kw) is None

@@ -19,7 +19,7 @@ Three launches, no atomics, so the result is bit-for-bit deterministic:
 Causal blocks are skipped in both loops exactly as in the forward (bottom-right alignment), and only
 blocks on the diagonal or at the ragged end of the keys pay for an element mask.
 
-On sm_90, where ``configs.hopper_backward_variant`` picks it (head_dim 64, causal, from 4k keys), steps 2 and 3
+On sm_90, where ``configs.hopper_backward_variant`` picks it (head_dim 64, from 4k keys), steps 2 and 3
 are one fused Gluon kernel instead (backward_hopper.py): 5 tile matmuls per block pair instead of 7,
 its dQ added across CTAs in a fixed order, so it is just as deterministic.
 """

@@ -87,13 +87,17 @@ def hopper_backward_candidates(head_dim: int) -> tuple[str, ...]:
 def hopper_backward_variant(*, head_dim: int, dtype, device, causal: bool, seqlen_q: int,
                             seqlen_k: int) -> str | None:
     """The fused Gluon backward variant (backward_hopper.py) the backward takes, or None for the
-    Triton kernels. Measured on the H200 (performance-notes.md, runs 28-35), fp16 at B4 H16 S4096
-    D64: the fused kernel (``split``) 300 TFLOP/s causal against 282 for the Triton kernels; 332
-    non-causal, level with them (334 in the same run, 318-319 in runs 33-34: not a clear gain); at 1k
-    2-4% slower; at head_dim 128 it spills registers and is slower everywhere. So: causal, head_dim
-    64, from 4k keys."""
+    Triton kernels. Measured on the H200 (performance-notes.md, runs 28-39), head_dim 64, backward
+    TFLOP/s of the fused kernel (``split``) against the Triton kernels in the same run: from 4k keys
+    +3-8% (run 39, fp16: 330.8 / 317.5 at 4k non-causal, 341.9 / 323.5 at 8k, 345.5 / 328.2 at 16k;
+    run 38, causal: 290.0 / 276.1 at 4k, 319.8 / 296.6 at 8k, 333.3 / 309.9 at 16k; bf16 +1-3%);
+    at 2k level, at 1k 2-7% slower; at head_dim 128 it spills registers and is slower everywhere.
+    So: head_dim 64, from 4k keys, causal or not."""
     if not hopper_forward_applies(head_dim=head_dim, dtype=dtype, device=device):
         return None
+    if head_dim == 64 and seqlen_k >= 4096:
+        return "split"
+    return None
     if head_dim == 64 and causal and seqlen_k >= 4096:
         return "split"
     return None
