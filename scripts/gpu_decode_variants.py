@@ -18,6 +18,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 import triton
@@ -95,7 +96,7 @@ def main(argv=None) -> int:
                 if i in broken:
                     continue
                 res = run_one(prov, case, timer, device)
-                row = result_row(type("P", (), {"batch": batch, "context": context})(), kind, f"round{r}",
+                row = result_row(SimpleNamespace(batch=batch, context=context), kind, f"round{r}",
                                  name, res)
                 rows.append(row)
                 if row.get("status") != "ok" or row.get("us") is None:

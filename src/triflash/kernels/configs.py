@@ -98,9 +98,6 @@ def hopper_backward_variant(*, head_dim: int, dtype, device, causal: bool, seqle
     if head_dim == 64 and seqlen_k >= 4096:
         return "split"
     return None
-    if head_dim == 64 and causal and seqlen_k >= 4096:
-        return "split"
-    return None
 
 
 def backward_config(*, head_dim: int, dtype, device) -> tuple[BwdConfig, BwdConfig]:
