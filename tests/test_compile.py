@@ -80,9 +80,10 @@ def test_opcheck_backward(device):
                           (dout, q, k, v, out, lse, None, 0.2, False, False, True, True))
 
 
-def test_plain_eager_calls_skip_the_op_but_autograd_and_dispatch_modes_see_it(device, monkeypatch):
-    """A call that records no graph goes straight to the launcher (less host time per call); one that
-    autograd, torch.compile or a dispatch mode must see goes through triflash::attn_fwd."""
+def test_plain_eager_calls_skip_the_op_but_dispatch_modes_see_it(device, monkeypatch):
+    """A call that records no graph goes straight to the launcher, and eager autograd through an
+    autograd.Function (less host time per call, bit-identical gradients); a call that torch.compile or
+    a dispatch mode must see goes through triflash::attn_fwd."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     through_op = []
@@ -104,9 +105,24 @@ def test_plain_eager_calls_skip_the_op_but_autograd_and_dispatch_modes_see_it(de
     with torch.no_grad():
         triflash.flash_attn_func(q.requires_grad_(), k, v)
     assert len(through_op) == 0                      # requires_grad, but no graph is recorded
-    out = triflash.flash_attn_func(q, k, v, causal=True)
-    assert len(through_op) == 1 and out.grad_fn is not None
+    out, lse = triflash.flash_attn_func(q, k, v, causal=True, return_lse=True)
+    assert len(through_op) == 0 and type(out.grad_fn).__name__ == "_EagerAttentionBackward"
     assert torch.equal(out.detach(), direct)
+    op_out, op_lse = real_op(q, k, v, 32 ** -0.5, True, False)
+    assert op_out.grad_fn is not None and len(through_op) == 0
+    dout, dlse = torch.randn_like(out), torch.randn_like(lse)
+    assert torch.equal(torch.autograd.grad((out, lse), q, (dout, dlse))[0],
+                       torch.autograd.grad((op_out, op_lse), q, (dout, dlse))[0])
+    k, v = k.clone().requires_grad_(), v.clone().requires_grad_()
+    out = triflash.flash_attn_func(q, k, v)
+    op_out, _ = real_op(q, k, v, 32 ** -0.5, False, False)
+    for eager, by_op in zip(torch.autograd.grad(out, (q, k, v), dout),
+                            torch.autograd.grad(op_out, (q, k, v), dout)):
+        assert torch.equal(eager, by_op)
+    with pytest.raises(RuntimeError, match="no autograd formula"):    # no second derivative, as the op
+        g = torch.autograd.grad(triflash.flash_attn_func(q, k, v).float().sum(), q, create_graph=True)
+        g[0].float().sum().backward()
+    k, v = k.detach(), v.detach()
 
     class Recorder(TorchDispatchMode):
         def __init__(self):
@@ -119,7 +135,7 @@ def test_plain_eager_calls_skip_the_op_but_autograd_and_dispatch_modes_see_it(de
 
     with torch.no_grad(), Recorder() as recorder:
         triflash.attention(q.detach().transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
-    assert len(through_op) == 2
+    assert len(through_op) == 1
     assert torch.ops.triflash.attn_fwd.default in recorder.ops
 
 

@@ -5,9 +5,10 @@ Two layouts, one kernel:
 * ``flash_attn_func``: FlashAttention's [batch, seqlen, heads, head_dim].
 * ``attention``: the seeds' (and SDPA's) [batch, heads, seqlen, head_dim].
 
-Both go through the same custom op (``triflash.autograd``; a plain eager call that records no autograd
-graph skips the op's dispatch and calls the same implementation directly), which hands [B, S, H, D]
-*views* (no copies) to the kernel launchers; the kernels read every tensor through its strides. Only a tensor whose
+Both go through ``triflash.autograd``: the custom op where torch.compile, tracing or a dispatch mode
+must see one, an autograd.Function for eager autograd, and the bare implementation for an eager call
+that records no graph; all three run the same implementation, which hands [B, S, H, D] *views* (no
+copies) to the kernel launchers; the kernels read every tensor through its strides. Only a tensor whose
 last dimension is not contiguous is copied. Both functions are differentiable in q, k, v (and through
 the returned lse) and work under torch.compile.
 """

@@ -7,6 +7,13 @@ without graph breaks, and ``torch.library.opcheck`` can verify the registrations
 
 The forward saves only q, k, v, out and lse for the backward: no S x S tensor exists in any pass.
 
+Eager autograd on plain tensors takes a shorter road to the same implementations: ``_EagerAttention``,
+a ``torch.autograd.Function``. A custom op's Python autograd wrapper (argument binding, redispatch,
+the dynamo guard around it) costs as much host time as the autograd engine itself or more, and at
+short sequences that is longer than the kernels take (docs/performance-notes.md, run 42). Everything that
+must see an op (torch.compile, fake tensors, functorch transforms, tracing, dispatch modes) still
+gets ``triflash::attn_fwd``; both roads give bit-identical results.
+
 Both ops take tensors in their caller's layout: ``bhsd=False`` for FlashAttention's [B, S, H, D],
 ``bhsd=True`` for [B, H, S, D]. They hand [B, S, H, D] views to the launchers and return outputs and
 gradients in the caller's layout (custom ops may not return views of their inputs, and a gradient must
@@ -45,19 +52,20 @@ def attn_fwd(q: Tensor, k: Tensor, v: Tensor, softmax_scale: float, causal: bool
 
 def forward(q: Tensor, k: Tensor, v: Tensor, softmax_scale: float, causal: bool,
             bhsd: bool) -> tuple[Tensor, Tensor]:
-    """The forward through the custom op, or straight to the launcher when nothing needs the op.
+    """The forward through the custom op, through ``_EagerAttention``, or straight to the launcher.
 
-    The op is what autograd, torch.compile, torch.export, torch.func transforms, torch.jit.trace and
-    dispatch modes (FlopCounterMode, fake tensors, ...) see. A plain eager call that records no graph needs none of that, and skipping the
-    op's dispatch saves host time that, at short sequences, is a visible part of every call."""
+    The op is what torch.compile, torch.export, torch.func transforms, torch.jit.trace and dispatch
+    modes (FlopCounterMode, fake tensors, ...) see. Eager autograd on plain tensors needs only an
+    autograd node, and a plain eager call that records no graph needs nothing: both skip the op's
+    dispatch, whose host time at short sequences is a visible part of every call."""
     if _needs_op(q, k, v):
         return attn_fwd(q, k, v, softmax_scale, causal, bhsd)
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        return _EagerAttention.apply(q, k, v, softmax_scale, causal, bhsd)
     return forward_impl(q, k, v, softmax_scale, causal, bhsd)
 
 
 def _needs_op(q: Tensor, k: Tensor, v: Tensor) -> bool:
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        return True
     if torch.compiler.is_compiling():
         return True
     if type(q) is not Tensor or type(k) is not Tensor or type(v) is not Tensor:
@@ -76,10 +84,9 @@ def _attn_fwd_fake(q, k, v, softmax_scale, causal, bhsd):
         q.new_empty((batch, heads, seqlen), dtype=torch.float32)
 
 
-@torch.library.custom_op("triflash::attn_bwd", mutates_args=())
-def attn_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-             dlse: Tensor | None, softmax_scale: float, causal: bool, bhsd: bool, need_dq: bool,
-             need_dkdv: bool) -> tuple[Tensor, Tensor, Tensor]:
+def backward_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                  dlse: Tensor | None, softmax_scale: float, causal: bool, bhsd: bool, need_dq: bool,
+                  need_dkdv: bool) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients (dq, dk, dv) in the inputs' layouts. Gradients not asked for come back empty (0 elements)."""
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device) if need_dq else q.new_empty(0)
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device) if need_dkdv else k.new_empty(0)
@@ -94,6 +101,14 @@ def attn_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Te
     return dq, dk, dv
 
 
+@torch.library.custom_op("triflash::attn_bwd", mutates_args=())
+def attn_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+             dlse: Tensor | None, softmax_scale: float, causal: bool, bhsd: bool, need_dq: bool,
+             need_dkdv: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """Gradients (dq, dk, dv) in the inputs' layouts. Gradients not asked for come back empty (0 elements)."""
+    return backward_impl(dout, q, k, v, out, lse, dlse, softmax_scale, causal, bhsd, need_dq, need_dkdv)
+
+
 @attn_bwd.register_fake
 def _attn_bwd_fake(dout, q, k, v, out, lse, dlse, softmax_scale, causal, bhsd, need_dq, need_dkdv):
     def like(t, needed):
@@ -104,6 +119,10 @@ def _attn_bwd_fake(dout, q, k, v, out, lse, dlse, softmax_scale, causal, bhsd, n
 def _setup_context(ctx, inputs, output):
     q, k, v, softmax_scale, causal, bhsd = inputs
     out, lse = output
+    _save(ctx, q, k, v, out, lse, softmax_scale, causal, bhsd)
+
+
+def _save(ctx, q, k, v, out, lse, softmax_scale, causal, bhsd):
     ctx.save_for_backward(q, k, v, out, lse)
     ctx.softmax_scale, ctx.causal, ctx.bhsd = softmax_scale, causal, bhsd
     # An unused output's gradient arrives as None instead of a tensor of zeros: the usual loss never
@@ -111,18 +130,43 @@ def _setup_context(ctx, inputs, output):
     ctx.set_materialize_grads(False)
 
 
-def _backward(ctx, dout, dlse):
+def _gradients(ctx, dout, dlse, backward_fn):
+    """The autograd formula of both roads; ``backward_fn`` is the op (attn_bwd) or its implementation."""
     q, k, v, out, lse = ctx.saved_tensors
     need_dq = ctx.needs_input_grad[0]
     need_dkdv = ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
     if dout is None:                       # a loss on lse alone
         dout = torch.zeros_like(out)
-    dq, dk, dv = attn_bwd(dout, q, k, v, out, lse, dlse, ctx.softmax_scale, ctx.causal, ctx.bhsd,
-                          need_dq, need_dkdv)
+    dq, dk, dv = backward_fn(dout, q, k, v, out, lse, dlse, ctx.softmax_scale, ctx.causal, ctx.bhsd,
+                             need_dq, need_dkdv)
     return (dq if need_dq else None,
             dk if ctx.needs_input_grad[1] else None,
             dv if ctx.needs_input_grad[2] else None,
             None, None, None)
 
 
+def _backward(ctx, dout, dlse):
+    return _gradients(ctx, dout, dlse, attn_bwd)
+
+
 attn_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+class _EagerAttention(torch.autograd.Function):
+    """The op's forward and autograd formula as a plain autograd.Function (see the module docstring).
+    The forward takes ``ctx`` itself: the setup_context style binds arguments through inspect.signature
+    on every call."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, softmax_scale, causal, bhsd):
+        out, lse = forward_impl(q, k, v, softmax_scale, causal, bhsd)
+        _save(ctx, q, k, v, out, lse, softmax_scale, causal, bhsd)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        # Under create_graph=True this runs in grad mode. The gradients then come from the op, which
+        # records that it has no derivative, so a second backward raises instead of silently leaving
+        # out the second-order terms (which is what torch's once_differentiable would do here: it only
+        # guards gradients that flow in through dout).
+        return _gradients(ctx, dout, dlse, attn_bwd if torch.is_grad_enabled() else backward_impl)
