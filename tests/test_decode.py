@@ -303,6 +303,15 @@ def test_effective_splits_never_leave_a_split_empty():
             assert per == triton.cdiv(blocks, min(asked, blocks))   # same share as asked for
 
 
+def test_host_integer_helpers_match_tritons():
+    """configs.cdiv / next_power_of_2 stand in for Triton's on the host (cheaper to call)."""
+    for a in range(0, 600, 7):
+        for b in (1, 2, 3, 16, 64, 100, 128):
+            assert configs.cdiv(a, b) == triton.cdiv(a, b), (a, b)
+    for n in range(1, 4200):
+        assert configs.next_power_of_2(n) == triton.next_power_of_2(n), n
+
+
 def test_decode_config_rejects_zero_splits():
     with pytest.raises(ValueError, match="num_splits must be >= 1"):
         configs.DecodeConfig(16, 32, 4, 2, num_splits=0)

@@ -305,7 +305,7 @@ def _bwd_dq_kernel(
 
 def _s(t):
     """(batch, seq, head) strides of a [B, S, H, D] view."""
-    return t.stride(0), t.stride(1), t.stride(2)
+    return t.stride()[:3]
 
 
 def preprocess(dout, out, lse, dlse, rows_out: int, precise_p: bool):
@@ -316,7 +316,7 @@ def preprocess(dout, out, lse, dlse, rows_out: int, precise_p: bool):
     delta = torch.empty((batch, heads_q, rows_out), dtype=torch.float32, device=out.device)
     lse2 = torch.empty_like(delta)
     pre_block = configs.BWD_PREPROCESS_BLOCK_M
-    pre_blocks = triton.cdiv(rows_out, pre_block)
+    pre_blocks = configs.cdiv(rows_out, pre_block)
     if dlse is not None:
         dlse = dlse.contiguous().float()
     _bwd_preprocess_kernel[(pre_blocks * batch * heads_q,)](
@@ -387,7 +387,7 @@ def backward(dout, q, k, v, out, lse, sm_scale: float, causal: bool, *, dlse=Non
             dv if need_dkdv else torch.empty_like(v), variant=hopper)
         return dq, dk, dv
     if need_dkdv:
-        n_blocks = triton.cdiv(seqlen_k, dkdv_cfg.block_n)
+        n_blocks = configs.cdiv(seqlen_k, dkdv_cfg.block_n)
         tma = dkdv_cfg.tma and tma_compatible(q, dout)
         Q, DO = host_descriptors(dkdv_cfg.block_m, block_d, q, dout) if tma else (q, dout)
         _bwd_dkdv_kernel[(n_blocks * batch * heads_k,)](
@@ -400,7 +400,7 @@ def backward(dout, q, k, v, out, lse, sm_scale: float, causal: bool, *, dlse=Non
             num_warps=dkdv_cfg.num_warps, num_stages=dkdv_cfg.num_stages,
         )
     if need_dq:
-        m_blocks = triton.cdiv(seqlen_q, dq_cfg.block_m)
+        m_blocks = configs.cdiv(seqlen_q, dq_cfg.block_m)
         tma = dq_cfg.tma and tma_compatible(k, v)
         K, V = host_descriptors(dq_cfg.block_n, block_d, k, v) if tma else (k, v)
         _bwd_dq_kernel[(m_blocks * batch * heads_q,)](

@@ -87,8 +87,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTensorDescriptor
 
 from .common import LOG2E, on_input_device
-from .configs import sm_count
-from .forward_hopper import _descriptor
+from .configs import cdiv, sm_count
+from .forward_hopper import _descriptor, shared_layout
 from .forward_hopper import supported as forward_supported
 
 BLOCK_N = 128              # keys per CTA: 64 per consumer partition
@@ -114,7 +114,7 @@ EXPERIMENTS = ("x_split_unordered", "x_split_nowrite")     # wrong dQ on purpose
 def padded_rows(seqlen_q: int, variant: str, head_dim: int) -> int:
     """Rows of the delta / lse2 buffers the kernel reads: whole query tiles."""
     block_m = VARIANTS[variant][head_dim]["block_m"]
-    return triton.cdiv(seqlen_q, block_m) * block_m
+    return cdiv(seqlen_q, block_m) * block_m
 
 
 def variant_config(variant: str, head_dim: int) -> dict:
@@ -550,7 +550,7 @@ def _row_descriptor(t: torch.Tensor, rows: int) -> GluonTensorDescriptor:
     desc = object.__new__(GluonTensorDescriptor)
     desc.base, desc.shape, desc.strides = flat, [flat.numel()], [1]
     desc.block_shape, desc.padding = [rows], "zero"
-    desc.layout = gl.NVMMASharedLayout.get_default_for([rows], gl.float32)
+    desc.layout = shared_layout((rows,), gl.float32)
     return desc
 
 
@@ -570,8 +570,8 @@ def backward_hopper(dout, q, k, v, lse2, delta, sm_scale: float, causal: bool, d
     _, seqlen_k, heads_k, _ = k.shape
     cfg = variant_config(variant, head_dim)
     block_m = cfg["block_m"]
-    num_m_blocks = triton.cdiv(seqlen_q, block_m)
-    num_n_blocks = triton.cdiv(seqlen_k, BLOCK_N)
+    num_m_blocks = cdiv(seqlen_q, block_m)
+    num_n_blocks = cdiv(seqlen_k, BLOCK_N)
     dq_work = torch.empty((batch, heads_q, num_m_blocks * block_m, head_dim), dtype=torch.float32,
                           device=q.device)
     sem = torch.zeros((batch, heads_q, num_m_blocks, int(SEM_STRIDE)), dtype=torch.int32, device=q.device)
@@ -598,7 +598,7 @@ def backward_hopper(dout, q, k, v, lse2, delta, sm_scale: float, causal: bool, d
         num_warps=cfg["num_warps"], maxnreg=cfg["maxnreg"],
     )
     rows = 32
-    _dq_finish_kernel[(batch * heads_q * triton.cdiv(seqlen_q, rows),)](
+    _dq_finish_kernel[(batch * heads_q * cdiv(seqlen_q, rows),)](
         dq_work, sem, dq, dq.stride(0), dq.stride(1), dq.stride(2), heads_q, seqlen_q, num_m_blocks,
         sm_scale, HEAD_DIM=head_dim, BLOCK_M=block_m, ROWS=rows, SEM_STRIDE_=int(SEM_STRIDE), num_warps=4,
     )

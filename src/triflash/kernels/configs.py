@@ -15,7 +15,7 @@ import functools
 import os
 from dataclasses import dataclass
 
-import triton
+
 
 # Read once: Triton decides between compiling and interpreting when a kernel is decorated.
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -123,9 +123,21 @@ def backward_config(*, head_dim: int, dtype, device) -> tuple[BwdConfig, BwdConf
     return BwdConfig(16, 64, 4, 1), BwdConfig(64, 16, 4, 1)
 
 
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) of host integers. ``triton.cdiv`` gives the same, but in Triton 3.6 it is a
+    constexpr_function, whose call from host code costs ~7 us (it unwraps its arguments as
+    constexprs); the launchers run on every call (docs/performance-notes.md, run 42)."""
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    """The smallest power of two >= n, and 1 for n <= 1 (host integers; see ``cdiv``)."""
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
 def head_dim_block(head_dim: int) -> int:
     """The power of two (at least 16, the smallest tensor-core K) that holds head_dim."""
-    return max(16, triton.next_power_of_2(head_dim))
+    return max(16, next_power_of_2(head_dim))
 
 
 @functools.lru_cache(maxsize=None)
@@ -234,7 +246,7 @@ def forward_config(*, head_dim: int, dtype, causal: bool, batch_heads: int, seql
     else:
         cfg = FwdConfig(64, 64, 4, 2, tma=tma)
     # Short problems: 64-row query blocks when the grid would leave multiprocessors idle.
-    if cfg.block_m > 64 and batch_heads * triton.cdiv(seqlen_q, cfg.block_m) < sm_count(device):
+    if cfg.block_m > 64 and batch_heads * cdiv(seqlen_q, cfg.block_m) < sm_count(device):
         cfg = FwdConfig(64, 64, 4, 3, cfg.tma)
     return cfg
 
@@ -326,7 +338,7 @@ def decode_num_splits(*, programs: int, max_seqlen: int, block_n: int, per_sm: i
     DECODE_MIN_BLOCKS_PER_SPLIT key blocks per split. ``programs`` is the count before splitting,
     ``max_seqlen`` the longest sequence (keys attended, after an append)."""
     want = max(1, (per_sm * sms) // max(1, programs))
-    by_length = triton.cdiv(max(1, max_seqlen), block_n) // DECODE_MIN_BLOCKS_PER_SPLIT
+    by_length = cdiv(max(1, max_seqlen), block_n) // DECODE_MIN_BLOCKS_PER_SPLIT
     return max(1, min(want, by_length, DECODE_MAX_SPLITS))
 
 
@@ -334,8 +346,8 @@ def effective_splits(num_splits: int, max_seqlen: int, block_n: int) -> int:
     """Splits get whole key blocks (ceil(blocks / splits) each), so asking for more splits than that
     share can fill leaves the last ones empty: 66 splits of 1024 blocks are 64 splits of 16 and two
     empty programs. Return the number that actually get keys of the longest sequence."""
-    blocks = triton.cdiv(max(1, max_seqlen), block_n)
-    return triton.cdiv(blocks, triton.cdiv(blocks, max(1, num_splits)))
+    blocks = cdiv(max(1, max_seqlen), block_n)
+    return cdiv(blocks, cdiv(blocks, max(1, num_splits)))
 
 
 def decode_config(*, head_dim: int, dtype, rows: int, batch: int, heads_kv: int, max_seqlen: int,
@@ -355,8 +367,8 @@ def decode_config(*, head_dim: int, dtype, rows: int, batch: int, heads_kv: int,
         block_m_cap = INTERPRETER_DECODE.block_m
     else:
         block_m_cap = 32 if wide else 64
-    block_m = max(16, min(triton.next_power_of_2(max(1, rows)), block_m_cap))
-    m_blocks = triton.cdiv(max(1, rows), block_m)
+    block_m = max(16, min(next_power_of_2(max(1, rows)), block_m_cap))
+    m_blocks = cdiv(max(1, rows), block_m)
     if INTERPRET:
         tile = _DecodeTile(INTERPRETER_DECODE.block_n, INTERPRETER_DECODE.num_warps,
                            INTERPRETER_DECODE.num_stages, per_sm=4)
@@ -383,7 +395,7 @@ def merge_config(*, block_d: int, num_parts: int, num_rows: int, device) -> tupl
     fit, else as many as fit; then as many rows as fit, but never so many that fewer than ~2 programs
     per multiprocessor remain (few rows: one row per program, many parts per step)."""
     tile = MERGE_TILE_INTERPRETER if INTERPRET else MERGE_TILE
-    block_p = min(triton.next_power_of_2(max(1, num_parts)), max(1, tile // block_d), MERGE_MAX_PAIRS)
+    block_p = min(next_power_of_2(max(1, num_parts)), max(1, tile // block_d), MERGE_MAX_PAIRS)
     block_r = max(1, min(tile // (block_p * block_d), MERGE_MAX_PAIRS // block_p))
     if INTERPRET:
         return block_r, block_p, 1

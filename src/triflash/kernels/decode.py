@@ -268,7 +268,7 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                        device=q.device,
                                        page_size=k_cache.shape[1] if block_table is not None else None)
     splits = config.num_splits
-    num_m_blocks = triton.cdiv(rows, config.block_m)
+    num_m_blocks = configs.cdiv(rows, config.block_m)
     if splits == 1:
         o_part, l_part = out.unsqueeze(0), lse.unsqueeze(0)
     else:

@@ -256,7 +256,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float, 
     if tma:
         Q, O = host_descriptors(config.block_m, block_d, q, out)
         K, V = host_descriptors(config.block_n, block_d, k, v)
-    num_m_blocks = triton.cdiv(seqlen_q, config.block_m)
+    num_m_blocks = configs.cdiv(seqlen_q, config.block_m)
     grid = (num_m_blocks * batch * heads_q,)
     _attn_fwd_kernel[grid](
         Q, K, V, O, lse,

@@ -88,6 +88,8 @@ permuted view (wgmma transposes 16-bit B operands for free), P goes in registers
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 from triton.experimental import gluon
@@ -97,7 +99,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTensorDescriptor
 
 from .common import LOG2E, on_input_device
-from .configs import sm_count
+from .configs import cdiv, sm_count
 from .forward import tma_compatible
 
 # --------------------------------------------------------------------------------------------------
@@ -639,12 +641,20 @@ def _attn_fwd_hopper_kernel(
 _GL_DTYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}
 
 
+@functools.lru_cache(maxsize=None)
+def shared_layout(block_shape: tuple[int, ...], dtype) -> gl.NVMMASharedLayout:
+    """The swizzled shared-memory layout of a TMA box, made once per (box, dtype): Gluon's
+    ``get_default_for`` costs ~10 us of host time per call, a sixth of a short forward's launch path
+    (docs/performance-notes.md, run 42). Layouts are frozen dataclasses, safe to share."""
+    return gl.NVMMASharedLayout.get_default_for(list(block_shape), dtype)
+
+
 def _descriptor(t: torch.Tensor, rows: int, head_dim: int) -> GluonTensorDescriptor:
     """Host-built 4-D [B, S, H, D] descriptor moving [1, rows, 1, D] boxes (one (batch, head)'s block
     of rows), 128-byte swizzled like the kernel's shared-memory tiles. Built without the dataclass's
     re-validation (``supported`` already checked what TMA needs): host time per call matters at
     short sequences."""
-    layout = gl.NVMMASharedLayout.get_default_for([1, rows, 1, head_dim], _GL_DTYPES[t.dtype])
+    layout = shared_layout((1, rows, 1, head_dim), _GL_DTYPES[t.dtype])
     desc = object.__new__(GluonTensorDescriptor)
     desc.base, desc.shape, desc.strides = t, list(t.shape), list(t.stride())
     desc.block_shape, desc.layout, desc.padding = [1, rows, 1, head_dim], layout, "zero"
@@ -695,7 +705,7 @@ def forward_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: 
     o_desc = _descriptor(out, cfg["rows"], head_dim)
     k_desc = _descriptor(k, cfg["block_n"], head_dim)
     v_desc = _descriptor(v, cfg["block_n"], head_dim)
-    num_m_blocks = triton.cdiv(seqlen_q, cfg["block_m"])
+    num_m_blocks = cdiv(seqlen_q, cfg["block_m"])
     # Causal and persistent: items of two query blocks of equal total cost (see _tile_coords).
     paired = bool(causal and cfg["persistent"])
     num_items = batch * heads_q * ((num_m_blocks + 1) // 2 if paired else num_m_blocks)

@@ -119,7 +119,7 @@ def merge(out_partials: torch.Tensor, lse_partials: torch.Tensor, out: torch.Ten
     block_d = configs.head_dim_block(head_dim)
     block_r, block_p, num_warps = configs.merge_config(block_d=block_d, num_parts=num_parts,
                                                        num_rows=num_rows, device=out.device)
-    grid = (triton.cdiv(num_rows, block_r),)
+    grid = (configs.cdiv(num_rows, block_r),)
     _merge_kernel[grid](
         out_partials, lse_partials, out, lse,
         out_partials.stride(0), out_partials.stride(1), out_partials.stride(2), out_partials.stride(3),
