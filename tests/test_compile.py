@@ -34,24 +34,33 @@ def test_compiled_model_matches_eager_without_graph_breaks(device, dtype):
     model = TinyAttention(64, 4, 2).to(device=device, dtype=dtype)
     x = torch.randn(2, 40, 64, device=device, dtype=dtype, requires_grad=True)
     compiled = torch.compile(model, backend=BACKEND, fullgraph=True)   # fullgraph: a break would raise
-    out_c = compiled(x)
-    out_c.square().mean().backward()
-    grads_c = [p.grad.clone() for p in model.parameters()] + [x.grad.clone()]
-    model.zero_grad()
-    x.grad = None
-    out_e = model(x)
-    out_e.square().mean().backward()
-    grads_e = [p.grad for p in model.parameters()] + [x.grad]
+    out_c, grads_c = _loss_step(compiled, model, x)
+    out_e, grads_e = _loss_step(model, model, x)
     if not ON_GPU:
         # aot_eager runs the same eager kernels in the same order: bit-identical.
         assert torch.equal(out_c, out_e)
         assert all(torch.equal(gc, ge) for gc, ge in zip(grads_c, grads_e))
     else:
-        # Inductor generates its own kernels for the projections and the loss (fused, other fp32
-        # summation orders); triflash's op is the same call in both. A few fp32 ulps of the sums.
-        torch.testing.assert_close(out_c, out_e, rtol=1e-5, atol=1e-5)
-        for gc, ge in zip(grads_c, grads_e):
-            torch.testing.assert_close(gc, ge, rtol=1e-4, atol=1e-5)
+        _assert_inductor_close(out_c, grads_c, out_e, grads_e)
+
+
+def _loss_step(fn, model, x):
+    """out = fn(x) and the gradients of mean(out ** 2) for the model's parameters and x (cleared
+    afterwards). out is cloned: a CUDA-graph replay would overwrite its memory."""
+    out = fn(x).clone()
+    out.square().mean().backward()
+    grads = [p.grad.clone() for p in model.parameters()] + [x.grad.clone()]
+    model.zero_grad()
+    x.grad = None
+    return out, grads
+
+
+def _assert_inductor_close(out_c, grads_c, out_e, grads_e):
+    """Inductor generates its own kernels for the projections and the loss (fused, other fp32
+    summation orders); triflash's op is the same call in both. A few fp32 ulps of the sums."""
+    torch.testing.assert_close(out_c, out_e, rtol=1e-5, atol=1e-5)
+    for gc, ge in zip(grads_c, grads_e):
+        torch.testing.assert_close(gc, ge, rtol=1e-4, atol=1e-5)
 
 
 def test_dynamo_sees_one_graph(device):
@@ -205,20 +214,9 @@ def test_reduce_overhead_compile_matches_eager():
     compiled = torch.compile(model, mode="reduce-overhead", fullgraph=True)
     for _ in range(4):                  # warm-up, recording, then replays
         x = torch.randn(2, 40, 64, device="cuda", requires_grad=True)
-        out_c = compiled(x).clone()
-        out_c.square().mean().backward()
-        grads_c = [p.grad.clone() for p in model.parameters()] + [x.grad.clone()]
-        model.zero_grad()
-        x.grad = None
-        out_e = model(x)
-        out_e.square().mean().backward()
-        grads_e = [p.grad for p in model.parameters()] + [x.grad]
-        model.zero_grad()
-        # As in test_compiled_model_matches_eager_without_graph_breaks: Inductor's own kernels for
-        # the projections and the loss sum in other orders.
-        torch.testing.assert_close(out_c, out_e, rtol=1e-5, atol=1e-5)
-        for gc, ge in zip(grads_c, grads_e):
-            torch.testing.assert_close(gc, ge, rtol=1e-4, atol=1e-5)
+        out_c, grads_c = _loss_step(compiled, model, x)
+        out_e, grads_e = _loss_step(model, model, x)
+        _assert_inductor_close(out_c, grads_c, out_e, grads_e)
     # Inductor falls back to plain launches, with only a warning, where it cannot capture (a host
     # sync, an unsupported op): the graphs must really have been recorded.
     assert counters["inductor"]["cudagraph_skips"] == 0
