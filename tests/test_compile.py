@@ -148,6 +148,53 @@ def test_plain_eager_calls_skip_the_op_but_dispatch_modes_see_it(device, monkeyp
     assert torch.ops.triflash.attn_fwd.default in recorder.ops
 
 
+def test_a_backward_watched_on_its_own_goes_through_the_op(device):
+    """The forward ran eagerly (no op), the backward is watched: a dispatch mode around it sees
+    triflash::attn_bwd, and compiled autograd traces it (fake tensors) as one op, with eager's result."""
+    from torch._dynamo import compiled_autograd
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Recorder(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(func)
+            return func(*args, **(kwargs or {}))
+
+    q = torch.randn(1, 20, 2, 32, device=device, dtype=torch.float16, requires_grad=True)
+    k, v = (torch.randn(1, 24, 2, 32, device=device, dtype=torch.float16, requires_grad=True)
+            for _ in range(2))
+    dout = torch.randn(1, 20, 2, 32, device=device, dtype=torch.float16)
+    expected = torch.autograd.grad(triflash.flash_attn_func(q, k, v, causal=True), (q, k, v), dout)
+    out = triflash.flash_attn_func(q, k, v, causal=True)
+    with Recorder() as recorder:
+        watched = torch.autograd.grad(out, (q, k, v), dout)
+    assert torch.ops.triflash.attn_bwd.default in recorder.ops
+    assert all(torch.equal(a, b) for a, b in zip(watched, expected))
+
+    torch._dynamo.reset()
+    out = triflash.flash_attn_func(q, k, v, causal=True)
+    with compiled_autograd._enable(torch.compile(backend="aot_eager", fullgraph=True)):
+        out.backward(dout)
+    assert all(torch.equal(t.grad, e) for t, e in zip((q, k, v), expected))
+
+
+def test_forward_mode_ad_raises_instead_of_dropping_the_tangent(device):
+    import torch.autograd.forward_ad as fwAD
+
+    q = torch.randn(1, 20, 2, 32, device=device, dtype=torch.float16)
+    k, v = (torch.randn(1, 24, 2, 32, device=device, dtype=torch.float16) for _ in range(2))
+    with fwAD.dual_level():
+        triflash.flash_attn_func(q, k, v)                    # no tangent anywhere: runs
+        dual = fwAD.make_dual(k, torch.randn_like(k))
+        with pytest.raises(NotImplementedError, match="forward-mode derivative"):
+            triflash.flash_attn_func(q, dual, v)
+        with pytest.raises(NotImplementedError, match="forward-mode derivative"):
+            triflash.attention(q.transpose(1, 2), dual.transpose(1, 2), v.transpose(1, 2))
+
+
 def test_vmap_and_jit_trace_go_through_the_op(device):
     """torch.func.vmap hands batched tensors without storage, and torch.jit.trace records only ops:
     both must take the custom op (PyTorch's fallback loops vmap over it), never the bare launch."""

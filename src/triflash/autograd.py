@@ -12,7 +12,9 @@ a ``torch.autograd.Function``. A custom op's Python autograd wrapper (argument b
 the dynamo guard around it) costs as much host time as the autograd engine itself or more, and at
 short sequences that is longer than the kernels take (docs/performance-notes.md, run 42). Everything that
 must see an op (torch.compile, fake tensors, functorch transforms, tracing, dispatch modes) still
-gets ``triflash::attn_fwd``; both roads give bit-identical results.
+gets ``triflash::attn_fwd``, and a backward that is recorded or watched gets ``triflash::attn_bwd``
+(``_gradients``); both roads give bit-identical results. ``__torch_function__`` modes see neither
+op on the eager roads (only the public functions), as calls without a gradient never did.
 
 Both ops take tensors in their caller's layout: ``bhsd=False`` for FlashAttention's [B, S, H, D],
 ``bhsd=True`` for [B, H, S, D]. They hand [B, S, H, D] views to the launchers and return outputs and
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
+from torch.autograd import forward_ad
 from torch.utils._python_dispatch import _get_current_dispatch_mode as _current_dispatch_mode
 
 from .kernels.backward import backward as _backward_launch
@@ -58,11 +61,24 @@ def forward(q: Tensor, k: Tensor, v: Tensor, softmax_scale: float, causal: bool,
     modes (FlopCounterMode, fake tensors, ...) see. Eager autograd on plain tensors needs only an
     autograd node, and a plain eager call that records no graph needs nothing: both skip the op's
     dispatch, whose host time at short sequences is a visible part of every call."""
+    if _has_tangent(q, k, v):
+        raise NotImplementedError(
+            "triflash has no forward-mode derivative (jvp): q, k or v is a dual tensor of "
+            "torch.autograd.forward_ad; expected plain tensors (use reverse mode, or PyTorch's "
+            "scaled_dot_product_attention for jvp)")
     if _needs_op(q, k, v):
         return attn_fwd(q, k, v, softmax_scale, causal, bhsd)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         return _EagerAttention.apply(q, k, v, softmax_scale, causal, bhsd)
     return forward_impl(q, k, v, softmax_scale, causal, bhsd)
+
+
+def _has_tangent(q: Tensor, k: Tensor, v: Tensor) -> bool:
+    """Whether a forward-mode AD tangent rides on q, k or v. Neither road has a jvp formula, and
+    without this check the output would silently come back without a tangent."""
+    if getattr(forward_ad, "_current_level", -1) < 0:       # no dual level open: nothing to unpack
+        return False
+    return any(forward_ad.unpack_dual(t).tangent is not None for t in (q, k, v))
 
 
 def _needs_op(q: Tensor, k: Tensor, v: Tensor) -> bool:
@@ -130,9 +146,15 @@ def _save(ctx, q, k, v, out, lse, softmax_scale, causal, bhsd):
     ctx.set_materialize_grads(False)
 
 
-def _gradients(ctx, dout, dlse, backward_fn):
-    """The autograd formula of both roads; ``backward_fn`` is the op (attn_bwd) or its implementation."""
-    q, k, v, out, lse = ctx.saved_tensors
+def _gradients(ctx, dout, dlse, backward_fn=None):
+    """The autograd formula of both roads. ``backward_fn``: the op (attn_bwd), or None to choose, as
+    the eager road does: the op when the backward is recorded (create_graph=True: the op says it has
+    no derivative, so a second backward raises instead of silently leaving out the second-order
+    terms, which torch's once_differentiable would do here) or watched (compiled autograd traces it
+    with fake tensors; a dispatch mode around the backward alone), else the implementation."""
+    q, k, v, out, lse = ctx.saved_tensors          # once: each read runs the saved-tensor hooks
+    if backward_fn is None:
+        backward_fn = attn_bwd if torch.is_grad_enabled() or _needs_op(q, k, v) else backward_impl
     need_dq = ctx.needs_input_grad[0]
     need_dkdv = ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
     if dout is None:                       # a loss on lse alone
@@ -165,8 +187,4 @@ class _EagerAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        # Under create_graph=True this runs in grad mode. The gradients then come from the op, which
-        # records that it has no derivative, so a second backward raises instead of silently leaving
-        # out the second-order terms (which is what torch's once_differentiable would do here: it only
-        # guards gradients that flow in through dout).
-        return _gradients(ctx, dout, dlse, attn_bwd if torch.is_grad_enabled() else backward_impl)
+        return _gradients(ctx, dout, dlse)
