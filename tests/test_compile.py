@@ -2,6 +2,8 @@
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
 from conftest import ON_GPU
 
 import triflash
@@ -89,12 +91,22 @@ def test_opcheck_backward(device):
                           (dout, q, k, v, out, lse, None, 0.2, False, False, True, True))
 
 
+class _OpRecorder(TorchDispatchMode):
+    """A dispatch mode that records every op it sees."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(func)
+        return func(*args, **(kwargs or {}))
+
+
 def test_plain_eager_calls_skip_the_op_but_dispatch_modes_see_it(device, monkeypatch):
     """A call that records no graph goes straight to the launcher, and eager autograd through an
     autograd.Function (less host time per call, bit-identical gradients); a call that torch.compile or
     a dispatch mode must see goes through triflash::attn_fwd."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     through_op = []
     real_op = triflash.autograd.attn_fwd
 
@@ -133,16 +145,7 @@ def test_plain_eager_calls_skip_the_op_but_dispatch_modes_see_it(device, monkeyp
         g[0].float().sum().backward()
     k, v = k.detach(), v.detach()
 
-    class Recorder(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.ops = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.ops.append(func)
-            return func(*args, **(kwargs or {}))
-
-    with torch.no_grad(), Recorder() as recorder:
+    with torch.no_grad(), _OpRecorder() as recorder:
         triflash.attention(q.detach().transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
     assert len(through_op) == 1
     assert torch.ops.triflash.attn_fwd.default in recorder.ops
@@ -152,16 +155,6 @@ def test_a_backward_watched_on_its_own_goes_through_the_op(device):
     """The forward ran eagerly (no op), the backward is watched: a dispatch mode around it sees
     triflash::attn_bwd, and compiled autograd traces it (fake tensors) as one op, with eager's result."""
     from torch._dynamo import compiled_autograd
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Recorder(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.ops = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.ops.append(func)
-            return func(*args, **(kwargs or {}))
 
     q = torch.randn(1, 20, 2, 32, device=device, dtype=torch.float16, requires_grad=True)
     k, v = (torch.randn(1, 24, 2, 32, device=device, dtype=torch.float16, requires_grad=True)
@@ -169,7 +162,7 @@ def test_a_backward_watched_on_its_own_goes_through_the_op(device):
     dout = torch.randn(1, 20, 2, 32, device=device, dtype=torch.float16)
     expected = torch.autograd.grad(triflash.flash_attn_func(q, k, v, causal=True), (q, k, v), dout)
     out = triflash.flash_attn_func(q, k, v, causal=True)
-    with Recorder() as recorder:
+    with _OpRecorder() as recorder:
         watched = torch.autograd.grad(out, (q, k, v), dout)
     assert torch.ops.triflash.attn_bwd.default in recorder.ops
     assert all(torch.equal(a, b) for a, b in zip(watched, expected))

@@ -15,8 +15,6 @@ import functools
 import os
 from dataclasses import dataclass
 
-
-
 # Read once: Triton decides between compiling and interpreting when a kernel is decorated.
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
