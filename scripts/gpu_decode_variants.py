@@ -9,7 +9,7 @@ the median over rounds, in µs per call and GB/s of K/V read, CUDA-graph replays
 decode. Hq=32, Hkv=8, D=128, fp16, one query token, page size 16 (pages shuffled).
 
     PYTHONPATH=src python3 scripts/gpu_decode_variants.py [--shapes 16,8192 ...] [--rounds 5]
-        [--out $OUT/decode_variants.json]
+        [--clean-l2] [--out $OUT/decode_variants.json]
 """
 
 import argparse
@@ -52,6 +52,34 @@ def candidates(batch: int):
     return out
 
 
+class CleanL2:
+    """A timer like do_bench's (its 256 MB flush before every call, CUDA events around the call)
+    that then reads a second 256 MB buffer before the call, so the L2 holds clean lines only. The
+    difference to do_bench is what writing back the flush's dirty lines costs inside the call."""
+
+    def __init__(self, rep: int = 200):
+        self.rep = rep
+        self.flush = torch.empty(256 * 2**20 // 4, dtype=torch.int32, device="cuda")
+        self.clean = torch.ones(256 * 2**20 // 4, dtype=torch.int32, device="cuda")
+        self.sink = torch.empty((), dtype=torch.int64, device="cuda")
+
+    def __call__(self, fn):
+        for _ in range(5):
+            fn()
+        times = []
+        for _ in range(self.rep):
+            self.flush.zero_()
+            self.sink.copy_(self.clean.sum())
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            times.append((start, end))
+        torch.cuda.synchronize()
+        ms = sorted(s.elapsed_time(e) for s, e in times)
+        return ms[len(ms) // 2], ms[len(ms) // 5], ms[(4 * len(ms)) // 5]
+
+
 def ordered_pages(case, page_size: int = 16) -> tuple:
     """The contiguous cache viewed as [B * S / page_size, page_size, Hkv, D] pages, in order."""
     batch, s_alloc, heads_kv, head_dim = case.k_cache.shape
@@ -69,11 +97,14 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=float, default=25)
     ap.add_argument("--rep", type=float, default=100)
     ap.add_argument("--out", default="decode_variants.json")
+    ap.add_argument("--clean-l2", action="store_true",
+                    help="also time every variant behind a flush whose dirty lines were read out "
+                         "of the L2 first (CleanL2), next to do_bench's flush")
     a = ap.parse_args(argv)
     device = torch.device("cuda")
     print(f"GPU {torch.cuda.get_device_name(device)} | torch {torch.__version__} | triton "
           f"{triton.__version__}", flush=True)
-    timer = DoBench(a.warmup, a.rep)
+    timers = [("bench", DoBench(a.warmup, a.rep))] + ([("clean", CleanL2())] if a.clean_l2 else [])
     rows, table = [], []
     t0 = time.time()
     for batch, context in a.shapes:
@@ -89,15 +120,17 @@ def main(argv=None) -> int:
                 providers.append(("contiguous", sdpa.name, sdpa))
         providers += [(kind, name, DecodeVariant(name, prepared[kind], cfg, context))
                       for kind, name, cfg in candidates(batch)]
-        times = {i: [] for i in range(len(providers))}
+        entries = [(kind, name, prov, tname, timer) for kind, name, prov in providers
+                   for tname, timer in timers]
+        times = {i: [] for i in range(len(entries))}
         broken = set()
         for r in range(a.rounds):
-            for i, (kind, name, prov) in enumerate(providers):
+            for i, (kind, name, prov, tname, timer) in enumerate(entries):
                 if i in broken:
                     continue
                 res = run_one(prov, case, timer, device)
                 row = result_row(SimpleNamespace(batch=batch, context=context), kind, f"round{r}",
-                                 name, res)
+                                 name, res, timer=tname)
                 rows.append(row)
                 if row.get("status") != "ok" or row.get("us") is None:
                     broken.add(i)
@@ -105,18 +138,18 @@ def main(argv=None) -> int:
                     continue
                 times[i].append(row["us"])
         kv_bytes = 2 * batch * context * HEADS_KV * HEAD_DIM * 2
-        for i, (kind, name, _) in enumerate(providers):
+        for i, (kind, name, _, tname, _) in enumerate(entries):
             if times[i]:
                 us = statistics.median(times[i])
-                table.append((batch, context, kind, name, us, kv_bytes / us / 1e3,
+                table.append((batch, context, kind, name, tname, us, kv_bytes / us / 1e3,
                               min(times[i]), max(times[i])))
         del case, prepared
         free_memory(device)
     Path(a.out).write_text(json.dumps(dict(rows=rows, table=table), indent=1))
-    print(f"\n| batch | context | cache | variant | µs (median of {a.rounds}) | GB/s | min-max µs |")
-    print("|---|---|---|---|---|---|---|")
-    for b, c, kind, name, us, gbps, lo, hi in table:
-        print(f"| {b} | {c} | {kind} | {name} | {us:.1f} | {gbps:.0f} | {lo:.1f}-{hi:.1f} |")
+    print(f"\n| batch | context | cache | variant | timer | µs (median of {a.rounds}) | GB/s | min-max µs |")
+    print("|---|---|---|---|---|---|---|---|")
+    for b, c, kind, name, tname, us, gbps, lo, hi in table:
+        print(f"| {b} | {c} | {kind} | {name} | {tname} | {us:.1f} | {gbps:.0f} | {lo:.1f}-{hi:.1f} |")
     print(f"\n{time.time() - t0:.0f}s", flush=True)
     return 0
 
