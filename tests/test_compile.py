@@ -203,6 +203,57 @@ def test_vmap_and_jit_trace_go_through_the_op(device):
     assert torch.equal(traced(q[1]), triflash.flash_attn_func(q[1], k, v))
 
 
+@pytest.mark.parametrize("api", ["flash_attn_func", "attention"])
+def test_torch_func_grad_matches_autograd(device, api):
+    """torch.func.grad / vjp (functorch's reverse mode) give the gradients that loss.backward() gives,
+    bit for bit (the same kernels), for q, k and v at once, GQA and causal; vmap over grad gives each
+    sample's own gradient. The custom op's autograd wrapper alone raises under torch.func.grad."""
+    gen = torch.Generator(device=device).manual_seed(3)
+
+    def randn(*shape):
+        return torch.randn(*shape, device=device, dtype=torch.float16, generator=gen)
+
+    q, k, v = randn(2, 40, 4, 32), randn(2, 33, 2, 32), randn(2, 33, 2, 32)
+    if api == "attention":
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+    dout = randn(*q.shape)
+
+    def loss(q, k, v):
+        fn = triflash.flash_attn_func if api == "flash_attn_func" else triflash.attention
+        return (fn(q, k, v, causal=True).float() * dout.float()).sum()
+
+    grads = torch.func.grad(loss, argnums=(0, 1, 2))(q, k, v)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    loss(*leaves).backward()
+    for name, got, leaf in zip("qkv", grads, leaves):
+        assert got.shape == leaf.shape and torch.equal(got, leaf.grad), name
+
+    out, vjp_fn = torch.func.vjp(lambda x: triflash.flash_attn_func(x, k, v) if api == "flash_attn_func"
+                                 else triflash.attention(x, k, v), q)
+    (dq,) = vjp_fn(torch.ones_like(out))
+    leaf = q.clone().requires_grad_()
+    (triflash.flash_attn_func(leaf, k, v) if api == "flash_attn_func"
+     else triflash.attention(leaf, k, v)).backward(torch.ones_like(out))
+    assert torch.equal(dq, leaf.grad)
+
+    samples = torch.stack([q, q.flip(0) * 0.5])
+    per_sample = torch.func.vmap(torch.func.grad(lambda x: loss(x, k, v)))(samples)
+    for i in range(2):
+        assert torch.equal(per_sample[i], torch.func.grad(lambda x: loss(x, k, v))(samples[i]))
+
+
+def test_torch_func_second_derivative_raises(device):
+    """grad of grad has no formula: it raises and names the problem instead of returning a second
+    derivative without the attention's terms."""
+    q, k, v = (torch.randn(1, 16, 2, 16, device=device, dtype=torch.float16) for _ in range(3))
+
+    def first(x):
+        return torch.func.grad(lambda y: triflash.flash_attn_func(y, k, v).float().sum())(x).float().sum()
+
+    with pytest.raises(NotImplementedError, match="no second derivative"):
+        torch.func.grad(first)(q)
+
+
 @pytest.mark.skipif(not ON_GPU, reason="CUDA graphs need a GPU")
 @pytest.mark.parametrize("seqlen,head_dim", [(512, 128), (4096, 64)])
 def test_training_step_replays_in_a_cuda_graph(seqlen, head_dim):

@@ -16,6 +16,10 @@ gets ``triflash::attn_fwd``, and a backward that is recorded or watched gets ``t
 (``_gradients``); both roads give bit-identical results. ``__torch_function__`` modes see neither
 op on the eager roads (only the public functions), as calls without a gradient never did.
 
+torch.func's reverse-mode transforms (``grad``, ``vjp``, ``jacrev``, ``vmap`` over them) take a third
+road, ``_FunctorchAttention``: functorch differentiates only setup_context-style Functions, which a
+custom op's autograd wrapper is not. It calls the same ops, with the same formula.
+
 Both ops take tensors in their caller's layout: ``bhsd=False`` for FlashAttention's [B, S, H, D],
 ``bhsd=True`` for [B, H, S, D]. They hand [B, S, H, D] views to the launchers and return outputs and
 gradients in the caller's layout (custom ops may not return views of their inputs, and a gradient must
@@ -55,7 +59,8 @@ def attn_fwd(q: Tensor, k: Tensor, v: Tensor, softmax_scale: float, causal: bool
 
 def forward(q: Tensor, k: Tensor, v: Tensor, softmax_scale: float, causal: bool,
             bhsd: bool) -> tuple[Tensor, Tensor]:
-    """The forward through the custom op, through ``_EagerAttention``, or straight to the launcher.
+    """The forward through the custom op, through ``_EagerAttention`` or ``_FunctorchAttention``, or
+    straight to the launcher.
 
     The op is what torch.compile, torch.export, torch.func transforms, torch.jit.trace and dispatch
     modes (FlopCounterMode, fake tensors, ...) see. Eager autograd on plain tensors needs only an
@@ -66,9 +71,12 @@ def forward(q: Tensor, k: Tensor, v: Tensor, softmax_scale: float, causal: bool,
             "triflash has no forward-mode derivative (jvp): q, k or v is a dual tensor of "
             "torch.autograd.forward_ad; expected plain tensors (use reverse mode, or PyTorch's "
             "scaled_dot_product_attention for jvp)")
+    wants_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     if _needs_op(q, k, v):
+        if wants_grad and torch._C._are_functorch_transforms_active() and not torch.compiler.is_compiling():
+            return _FunctorchAttention.apply(q, k, v, softmax_scale, causal, bhsd)
         return attn_fwd(q, k, v, softmax_scale, causal, bhsd)
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+    if wants_grad:
         return _EagerAttention.apply(q, k, v, softmax_scale, causal, bhsd)
     return forward_impl(q, k, v, softmax_scale, causal, bhsd)
 
@@ -188,3 +196,48 @@ class _EagerAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, dlse):
         return _gradients(ctx, dout, dlse)
+
+
+class _FunctorchAttention(torch.autograd.Function):
+    """The road for torch.func's reverse-mode transforms (``grad``, ``vjp``, ``jacrev``, and ``vmap``
+    over them). functorch differentiates only autograd.Functions written in the setup_context style,
+    which a custom op's own autograd wrapper is not (it raises under ``torch.func.grad``). So this
+    Function carries the same autograd formula, and each pass calls the ops, which take functorch's
+    wrapped tensors (``vmap`` runs them through PyTorch's per-sample fallback:
+    ``generate_vmap_rule``)."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(q, k, v, softmax_scale, causal, bhsd):
+        return attn_fwd(q, k, v, softmax_scale, causal, bhsd)
+
+    setup_context = staticmethod(_setup_context)
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        return _gradients(ctx, dout, dlse, _FunctorchBackward.apply)
+
+
+class _FunctorchBackward(torch.autograd.Function):
+    """``attn_bwd`` inside ``_FunctorchAttention.backward``. torch.func.grad runs backward passes with
+    the graph recorded (so that transforms nest), and the op's own autograd wrapper raises there, even
+    for a first derivative. This Function records a node instead, whose own backward says plainly
+    that there is no second derivative (``grad(grad(f))``), rather than returning one without the
+    attention's terms."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(dout, q, k, v, out, lse, dlse, softmax_scale, causal, bhsd, need_dq, need_dkdv):
+        return attn_bwd(dout, q, k, v, out, lse, dlse, softmax_scale, causal, bhsd, need_dq, need_dkdv)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise NotImplementedError(
+            "triflash's attention has no second derivative: a gradient of its gradient (for example "
+            "torch.func.grad(torch.func.grad(f))) was asked for; expected first derivatives only")
