@@ -188,15 +188,38 @@ def test_forward_mode_ad_raises_instead_of_dropping_the_tangent(device):
             triflash.attention(q.transpose(1, 2), dual.transpose(1, 2), v.transpose(1, 2))
 
 
-def test_vmap_and_jit_trace_go_through_the_op(device):
+def _count_launches(monkeypatch, name):
+    """Count the calls of triflash.autograd's forward_impl or backward_impl (one per launch of the
+    op's kernels): PyTorch's vmap fallback would call the op once per sample."""
+    calls = []
+    real = getattr(triflash.autograd, name)
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(triflash.autograd, name, counted)
+    return calls
+
+
+def test_vmap_and_jit_trace_go_through_the_op(device, monkeypatch):
     """torch.func.vmap hands batched tensors without storage, and torch.jit.trace records only ops:
-    both must take the custom op (PyTorch's fallback loops vmap over it), never the bare launch."""
+    both must take the custom op, never the bare launch. vmap goes through the op's batching rule
+    (one launch, the samples folded into the batch), not PyTorch's per-sample fallback."""
     q = torch.randn(3, 1, 12, 2, 16, device=device, dtype=torch.float16)
     k = torch.randn(1, 10, 2, 16, device=device, dtype=torch.float16)
     v = torch.randn(1, 10, 2, 16, device=device, dtype=torch.float16)
+    launches = _count_launches(monkeypatch, "forward_impl")
     batched = torch.func.vmap(lambda x: triflash.flash_attn_func(x, k, v, causal=True))(q)
+    # k and v vmapped instead, over their third dimension, in SDPA's [B, H, S, D] layout; q shared.
+    kv = torch.randn(1, 2, 4, 10, 16, device=device, dtype=torch.float16)
+    qh = q[0].transpose(1, 2)
+    by_kv = torch.func.vmap(lambda kk: triflash.attention(qh, kk, kk * 0.5), in_dims=2)(kv)
+    assert len(launches) == 2                     # one launch per vmap, not one per sample
     looped = torch.stack([triflash.flash_attn_func(x, k, v, causal=True) for x in q])
     assert torch.equal(batched, looped)
+    looped_kv = torch.stack([triflash.attention(qh, kv[:, :, i], kv[:, :, i] * 0.5) for i in range(4)])
+    assert by_kv.shape == looped_kv.shape and torch.equal(by_kv, looped_kv)
 
     traced = torch.jit.trace(lambda x: triflash.flash_attn_func(x, k, v), (q[0],), check_trace=False)
     assert "triflash::attn_fwd" in str(traced.graph)
@@ -204,7 +227,7 @@ def test_vmap_and_jit_trace_go_through_the_op(device):
 
 
 @pytest.mark.parametrize("api", ["flash_attn_func", "attention"])
-def test_torch_func_grad_matches_autograd(device, api):
+def test_torch_func_grad_matches_autograd(device, api, monkeypatch):
     """torch.func.grad / vjp (functorch's reverse mode) give the gradients that loss.backward() gives,
     bit for bit (the same kernels), for q, k and v at once, GQA and causal; vmap over grad gives each
     sample's own gradient. The custom op's autograd wrapper alone raises under torch.func.grad."""
@@ -237,7 +260,10 @@ def test_torch_func_grad_matches_autograd(device, api):
     assert torch.equal(dq, leaf.grad)
 
     samples = torch.stack([q, q.flip(0) * 0.5])
+    forwards = _count_launches(monkeypatch, "forward_impl")
+    backwards = _count_launches(monkeypatch, "backward_impl")
     per_sample = torch.func.vmap(torch.func.grad(lambda x: loss(x, k, v)))(samples)
+    assert len(forwards) == 1 and len(backwards) == 1       # both samples in one launch each
     for i in range(2):
         assert torch.equal(per_sample[i], torch.func.grad(lambda x: loss(x, k, v))(samples[i]))
 

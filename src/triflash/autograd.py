@@ -108,6 +108,31 @@ def _attn_fwd_fake(q, k, v, softmax_scale, causal, bhsd):
         q.new_empty((batch, heads, seqlen), dtype=torch.float32)
 
 
+def _fold(t: Tensor | None, bdim: int | None, size: int) -> Tensor | None:
+    """vmap: the vmapped dimension (``bdim``; None: not vmapped, broadcast) moved to the front and
+    folded into the batch dimension, which is dim 0 of every op argument: [V, B, ...] -> [V * B, ...].
+    The launchers take a unit stride on the last dimension; a vmapped innermost dimension is copied."""
+    if t is None:
+        return None
+    t = t.movedim(bdim, 0) if bdim is not None else t.unsqueeze(0).expand(size, *t.shape)
+    t = t.reshape(size * t.shape[1], *t.shape[2:])
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _unfold(t: Tensor, size: int) -> Tensor:
+    return t.reshape(size, t.shape[0] // size, *t.shape[1:])
+
+
+@attn_fwd.register_vmap
+def _attn_fwd_vmap(info, in_dims, q, k, v, softmax_scale, causal, bhsd):
+    """torch.func.vmap: one launch over every vmapped sample (folded into the batch), not PyTorch's
+    fallback of one call per sample."""
+    n = info.batch_size
+    out, lse = attn_fwd(_fold(q, in_dims[0], n), _fold(k, in_dims[1], n), _fold(v, in_dims[2], n),
+                        softmax_scale, causal, bhsd)
+    return (_unfold(out, n), _unfold(lse, n)), (0, 0)
+
+
 def backward_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                   dlse: Tensor | None, softmax_scale: float, causal: bool, bhsd: bool, need_dq: bool,
                   need_dkdv: bool) -> tuple[Tensor, Tensor, Tensor]:
@@ -138,6 +163,18 @@ def _attn_bwd_fake(dout, q, k, v, out, lse, dlse, softmax_scale, causal, bhsd, n
     def like(t, needed):
         return torch.empty_like(t, memory_format=torch.contiguous_format) if needed else t.new_empty(0)
     return like(q, need_dq), like(k, need_dkdv), like(v, need_dkdv)
+
+
+@attn_bwd.register_vmap
+def _attn_bwd_vmap(info, in_dims, dout, q, k, v, out, lse, dlse, softmax_scale, causal, bhsd, need_dq,
+                   need_dkdv):
+    """torch.func.vmap of the backward (vmap over grad: per-sample gradients), in one launch."""
+    n = info.batch_size
+    args = [_fold(t, d, n) for t, d in zip((dout, q, k, v, out, lse, dlse), in_dims)]
+    grads = attn_bwd(*args, softmax_scale, causal, bhsd, need_dq, need_dkdv)
+    needed = (need_dq, need_dkdv, need_dkdv)       # gradients not asked for are empty, not batched
+    return (tuple(_unfold(g, n) if need else g for g, need in zip(grads, needed)),
+            tuple(0 if need else None for need in needed))
 
 
 def _setup_context(ctx, inputs, output):
@@ -203,8 +240,7 @@ class _FunctorchAttention(torch.autograd.Function):
     over them). functorch differentiates only autograd.Functions written in the setup_context style,
     which a custom op's own autograd wrapper is not (it raises under ``torch.func.grad``). So this
     Function carries the same autograd formula, and each pass calls the ops, which take functorch's
-    wrapped tensors (``vmap`` runs them through PyTorch's per-sample fallback:
-    ``generate_vmap_rule``)."""
+    wrapped tensors (under ``vmap`` through their batching rules: ``generate_vmap_rule``)."""
 
     generate_vmap_rule = True
 
