@@ -268,6 +268,41 @@ def test_torch_func_grad_matches_autograd(device, api, monkeypatch):
         assert torch.equal(per_sample[i], torch.func.grad(lambda x: loss(x, k, v))(samples[i]))
 
 
+def test_torch_func_grad_of_vmap(device, monkeypatch):
+    """grad / vjp of a function that vmaps triflash inside: inside the vmap a tensor watched by the
+    grad transform does not say requires_grad, and the op's own autograd wrapper raised there. The
+    result equals loss.backward() through a Python loop over the samples, in one launch each way."""
+    gen = torch.Generator(device=device).manual_seed(5)
+    q = torch.randn(3, 2, 6, 2, 16, device=device, dtype=torch.float16, generator=gen)
+    k = torch.randn(2, 5, 1, 16, device=device, dtype=torch.float16, generator=gen)
+    v = torch.randn(2, 5, 1, 16, device=device, dtype=torch.float16, generator=gen)
+    dout = torch.randn(q.shape, device=device, dtype=torch.float16, generator=gen)
+
+    def loss(x):
+        out = torch.func.vmap(lambda y: triflash.flash_attn_func(y, k, v, causal=True))(x)
+        return (out.float() * dout.float()).sum()
+
+    forwards = _count_launches(monkeypatch, "forward_impl")
+    got = torch.func.grad(loss)(q)
+    assert len(forwards) == 1
+    leaf = q.clone().requires_grad_()
+    torch.stack([triflash.flash_attn_func(y, k, v, causal=True) for y in leaf]).backward(dout)
+    assert torch.equal(got, leaf.grad)
+
+
+@pytest.mark.parametrize("transform", ["jvp", "jacfwd", "hessian"])
+def test_torch_func_forward_mode_raises(device, transform):
+    """No forward-mode derivative: every forward-mode transform says so in triflash's words."""
+    q, k, v = (torch.randn(1, 4, 2, 16, device=device, dtype=torch.float32) for _ in range(3))
+    f = (lambda x: triflash.flash_attn_func(x, k, v).sum()) if transform == "hessian" else \
+        (lambda x: triflash.flash_attn_func(x, k, v))
+    with pytest.raises(NotImplementedError, match="no forward-mode derivative"):
+        if transform == "jvp":
+            torch.func.jvp(f, (q,), (torch.ones_like(q),))
+        else:
+            getattr(torch.func, transform)(f)(q)
+
+
 def test_torch_func_second_derivative_raises(device):
     """grad of grad has no formula: it raises and names the problem instead of returning a second
     derivative without the attention's terms."""

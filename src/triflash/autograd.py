@@ -16,9 +16,11 @@ gets ``triflash::attn_fwd``, and a backward that is recorded or watched gets ``t
 (``_gradients``); both roads give bit-identical results. ``__torch_function__`` modes see neither
 op on the eager roads (only the public functions), as calls without a gradient never did.
 
-torch.func's reverse-mode transforms (``grad``, ``vjp``, ``jacrev``, ``vmap`` over them) take a third
-road, ``_FunctorchAttention``: functorch differentiates only setup_context-style Functions, which a
-custom op's autograd wrapper is not. It calls the same ops, with the same formula.
+torch.func transforms (``grad``, ``vjp``, ``jacrev``, ``vmap``, nested either way) take a third road,
+``_FunctorchAttention``: functorch differentiates only setup_context-style Functions, which a custom
+op's autograd wrapper is not. It calls the same ops, with the same formula; the ops' batching rules
+fold a vmapped dimension into the batch (one launch). Not supported: forward mode (raises) and
+torch.compile around a torch.func transform (Dynamo inlines the Function and fails loudly on it).
 
 Both ops take tensors in their caller's layout: ``bhsd=False`` for FlashAttention's [B, S, H, D],
 ``bhsd=True`` for [B, H, S, D]. They hand [B, S, H, D] views to the launchers and return outputs and
@@ -67,18 +69,22 @@ def forward(q: Tensor, k: Tensor, v: Tensor, softmax_scale: float, causal: bool,
     autograd node, and a plain eager call that records no graph needs nothing: both skip the op's
     dispatch, whose host time at short sequences is a visible part of every call."""
     if _has_tangent(q, k, v):
-        raise NotImplementedError(
-            "triflash has no forward-mode derivative (jvp): q, k or v is a dual tensor of "
-            "torch.autograd.forward_ad; expected plain tensors (use reverse mode, or PyTorch's "
-            "scaled_dot_product_attention for jvp)")
-    wants_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+        raise NotImplementedError(_NO_JVP)
     if _needs_op(q, k, v):
-        if wants_grad and torch._C._are_functorch_transforms_active() and not torch.compiler.is_compiling():
+        # Under torch.func transforms always the Function: whether a grad transform watches these
+        # tensors is not visible from inside a vmap (a batched tensor over a grad-tracking one says
+        # requires_grad=False), and the op's own autograd wrapper raises under every grad transform.
+        if torch._C._are_functorch_transforms_active() and not torch.compiler.is_compiling():
             return _FunctorchAttention.apply(q, k, v, softmax_scale, causal, bhsd)
         return attn_fwd(q, k, v, softmax_scale, causal, bhsd)
-    if wants_grad:
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         return _EagerAttention.apply(q, k, v, softmax_scale, causal, bhsd)
     return forward_impl(q, k, v, softmax_scale, causal, bhsd)
+
+
+_NO_JVP = ("triflash has no forward-mode derivative (jvp): q, k or v carries a tangent (a dual tensor "
+           "of torch.autograd.forward_ad, or torch.func.jvp / jacfwd / hessian); expected plain tensors "
+           "(use reverse mode, or PyTorch's scaled_dot_product_attention for jvp)")
 
 
 def _has_tangent(q: Tensor, k: Tensor, v: Tensor) -> bool:
@@ -109,9 +115,11 @@ def _attn_fwd_fake(q, k, v, softmax_scale, causal, bhsd):
 
 
 def _fold(t: Tensor | None, bdim: int | None, size: int) -> Tensor | None:
-    """vmap: the vmapped dimension (``bdim``; None: not vmapped, broadcast) moved to the front and
-    folded into the batch dimension, which is dim 0 of every op argument: [V, B, ...] -> [V * B, ...].
-    The launchers take a unit stride on the last dimension; a vmapped innermost dimension is copied."""
+    """vmap: the vmapped dimension (``bdim``) moved to the front and folded into the batch dimension,
+    which is dim 0 of every op argument: [V, B, ...] -> [V * B, ...]. An argument that is not vmapped
+    (``bdim`` None) is copied V times (the Hopper path's TMA descriptors take no zero stride), and so
+    is one whose vmapped dimension cannot be folded as a view; the launchers need a unit stride on
+    the last dimension."""
     if t is None:
         return None
     t = t.movedim(bdim, 0) if bdim is not None else t.unsqueeze(0).expand(size, *t.shape)
@@ -123,7 +131,6 @@ def _unfold(t: Tensor, size: int) -> Tensor:
     return t.reshape(size, t.shape[0] // size, *t.shape[1:])
 
 
-@attn_fwd.register_vmap
 def _attn_fwd_vmap(info, in_dims, q, k, v, softmax_scale, causal, bhsd):
     """torch.func.vmap: one launch over every vmapped sample (folded into the batch), not PyTorch's
     fallback of one call per sample."""
@@ -131,6 +138,9 @@ def _attn_fwd_vmap(info, in_dims, q, k, v, softmax_scale, causal, bhsd):
     out, lse = attn_fwd(_fold(q, in_dims[0], n), _fold(k, in_dims[1], n), _fold(v, in_dims[2], n),
                         softmax_scale, causal, bhsd)
     return (_unfold(out, n), _unfold(lse, n)), (0, 0)
+
+
+attn_fwd.register_vmap(_attn_fwd_vmap)
 
 
 def backward_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
@@ -165,7 +175,6 @@ def _attn_bwd_fake(dout, q, k, v, out, lse, dlse, softmax_scale, causal, bhsd, n
     return like(q, need_dq), like(k, need_dkdv), like(v, need_dkdv)
 
 
-@attn_bwd.register_vmap
 def _attn_bwd_vmap(info, in_dims, dout, q, k, v, out, lse, dlse, softmax_scale, causal, bhsd, need_dq,
                    need_dkdv):
     """torch.func.vmap of the backward (vmap over grad: per-sample gradients), in one launch."""
@@ -175,6 +184,9 @@ def _attn_bwd_vmap(info, in_dims, dout, q, k, v, out, lse, dlse, softmax_scale, 
     needed = (need_dq, need_dkdv, need_dkdv)       # gradients not asked for are empty, not batched
     return (tuple(_unfold(g, n) if need else g for g, need in zip(grads, needed)),
             tuple(0 if need else None for need in needed))
+
+
+attn_bwd.register_vmap(_attn_bwd_vmap)
 
 
 def _setup_context(ctx, inputs, output):
@@ -236,11 +248,13 @@ class _EagerAttention(torch.autograd.Function):
 
 
 class _FunctorchAttention(torch.autograd.Function):
-    """The road for torch.func's reverse-mode transforms (``grad``, ``vjp``, ``jacrev``, and ``vmap``
-    over them). functorch differentiates only autograd.Functions written in the setup_context style,
-    which a custom op's own autograd wrapper is not (it raises under ``torch.func.grad``). So this
-    Function carries the same autograd formula, and each pass calls the ops, which take functorch's
-    wrapped tensors (under ``vmap`` through their batching rules: ``generate_vmap_rule``)."""
+    """The road under torch.func transforms (``grad``, ``vjp``, ``jacrev``, ``vmap``, nested either
+    way). functorch differentiates only autograd.Functions written in the setup_context style, which
+    a custom op's own autograd wrapper is not (it raises under ``torch.func.grad``). So this Function
+    carries the same autograd formula, and each pass calls the ops. Under ``vmap``,
+    ``generate_vmap_rule`` runs the Function's passes on the batched tensors, and the ops they call
+    reach their batching rules (``_attn_fwd_vmap`` / ``_attn_bwd_vmap``). Forward mode (``jvp``,
+    ``jacfwd``, ``hessian``) raises."""
 
     generate_vmap_rule = True
 
@@ -253,6 +267,10 @@ class _FunctorchAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, dlse):
         return _gradients(ctx, dout, dlse, _FunctorchBackward.apply)
+
+    @staticmethod
+    def jvp(ctx, *tangents):
+        raise NotImplementedError(_NO_JVP)
 
 
 class _FunctorchBackward(torch.autograd.Function):
