@@ -26,6 +26,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.experimental.gluon._runtime import GluonASTSource  # noqa: E402
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTensorDescriptor  # noqa: E402
 
+from compile_check import Recorder  # noqa: E402  (scripts/ is on sys.path when run as a script)
 from triflash.kernels import forward_hopper as FH  # noqa: E402
 from triflash.kernels import backward_hopper as BH  # noqa: E402
 
@@ -33,14 +34,6 @@ TARGET = GPUTarget("cuda", 90, 32)      # (backend, compute capability, warp siz
 TYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.int32: "i32"}
 DIVISIBLE = [["tt.divisibility", 16]]
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-
-
-class Recorder:
-    def __init__(self, fn, calls):
-        self.fn, self.calls = fn, calls
-
-    def __getitem__(self, grid):
-        return lambda *args, **kwargs: self.calls.append((self.fn, args, kwargs))
 
 
 def signature(fn, args, kwargs):
