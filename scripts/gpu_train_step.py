@@ -1,10 +1,11 @@
 """The backward chooser checked where training uses it: ``flash_attn_func`` through autograd, the
-backward alone and forward+backward, with the chooser as it is, the Triton backward kernels forced
-and the fused Hopper kernel forced, SDPA's cuDNN backend beside them, in interleaved rounds.
+backward alone and forward+backward, with the chooser as it is, the Triton backward kernels forced,
+each Gluon backward form forced (dK/dV only, and the fused kernel), SDPA's cuDNN backend beside them,
+in interleaved rounds.
 
-Why: the fused Hopper backward (backward_hopper.py) was chosen from backward-only timings of the
-kernel launcher. In training a forward kernel runs right before it; this checks that the pick holds
-there too.
+Why: the Hopper backward (backward_hopper.py) was chosen from backward-only timings of the kernel
+launcher. In training a forward kernel runs right before it; this checks that the pick holds there
+too.
 
 Everything goes through the benchmark's runner (``triflash.bench.runner.run_one``): each call is
 checked against the reference under the benchmark's rule (2x PyTorch's own same-dtype error plus a
@@ -31,7 +32,8 @@ from triflash.bench.runner import DoBench, free_memory, run_one
 from triflash.bench.workloads import dense_workloads
 from triflash.kernels import configs
 
-SHAPES = ["4,16,4096,64,causal", "4,16,4096,64,full", "2,16,8192,64,causal", "1,16,16384,64,causal"]
+SHAPES = ["4,16,4096,64,causal", "4,16,4096,64,full", "4,16,4096,128,causal", "4,16,4096,128,full",
+          "1,16,16384,128,full", "16,16,1024,128,full"]
 
 
 def parse_shape(text: str):
@@ -52,8 +54,11 @@ class PinnedTriflash(Triflash):
 
     def setup(self, wl, device):
         # The launcher quietly takes the Triton kernels where a forced variant does not apply; a row
-        # labelled "fused" must not be them.
-        if self.pick is not None and self.pick not in configs.hopper_backward_candidates(wl.head_dim):
+        # labelled with a Gluon form must not be them.
+        from triflash.kernels import backward_hopper
+
+        if self.pick is not None and (wl.head_dim not in backward_hopper.VARIANTS[self.pick]
+                                      or self.pick in backward_hopper.EXPERIMENTS):
             raise Unavailable(f"{self.pick} has no head_dim {wl.head_dim} configuration")
 
     @contextlib.contextmanager
@@ -77,8 +82,8 @@ def main(argv=None) -> int:
     print(f"{torch.cuda.get_device_name() if device.type == 'cuda' else 'CPU'} | torch {torch.__version__} | triton {triton.__version__}",
           flush=True)
     timer = DoBench(25, 100)
-    providers = [Triflash(), PinnedTriflash("Triton kernels", None), PinnedTriflash("fused", "split"),
-                 Sdpa("cudnn")]
+    providers = [Triflash(), PinnedTriflash("Triton kernels", None), PinnedTriflash("Gluon dK/dV", "dkdv"),
+                 PinnedTriflash("fused", "split"), Sdpa("cudnn")]
     for p in providers:
         p.load()
     rows = []

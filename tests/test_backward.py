@@ -233,9 +233,10 @@ def test_backward_tile_paths_agree(device, causal, tma, monkeypatch):
 
 
 # --------------------------------------------------------------------------------------------------
-# The fused Gluon backward for Hopper (kernels/backward_hopper.py): on an sm_90 GPU, every variant the
-# chooser can take runs the backward grid at the head dims it serves, forced; its dQ is accumulated
-# across CTAs in a fixed order (turn counters), which the determinism test checks with many key blocks.
+# The Gluon backward for Hopper (kernels/backward_hopper.py): on an sm_90 GPU, every variant the chooser
+# can take runs the backward grid at the head dims it serves, forced, and so does the fused form
+# (``split``, kept though no longer chosen), whose dQ is accumulated across CTAs in a fixed order
+# (turn counters): the determinism test checks that with many key blocks.
 # --------------------------------------------------------------------------------------------------
 
 HOPPER = ON_GPU and torch.cuda.get_device_capability() == (9, 0)
@@ -258,23 +259,29 @@ def _force_hopper_backward(monkeypatch, variant):
     return launches
 
 
-def _hopper_variants():
-    """Every fused-backward variant the chooser can take (at some head dim), or none off sm_90."""
+KEPT_VARIANTS = {64: ("split",)}      # not chosen, still tested (see backward_hopper.py)
+
+
+def _tested(head_dim):
     from triflash.kernels import configs
 
+    return configs.hopper_backward_candidates(head_dim) + KEPT_VARIANTS.get(head_dim, ())
+
+
+def _hopper_variants():
+    """Every Gluon-backward variant the chooser can take (at some head dim) and the kept fused form,
+    or none off sm_90."""
     if not HOPPER:
         return []
-    return sorted({v for d in configs.HOPPER_BACKWARD_VARIANTS for v in configs.hopper_backward_candidates(d)})
+    return sorted({v for d in (64, 128) for v in _tested(d)})
 
 
 def _hopper_cases():
-    from triflash.kernels import configs
-
     cases = []
     if not HOPPER:
         return cases
-    for d in configs.HOPPER_BACKWARD_VARIANTS:
-        for variant in configs.hopper_backward_candidates(d):
+    for d in (64, 128):
+        for variant in _tested(d):
             for (sq, sk), causal, dtype, heads in itertools.product(
                     SEQLENS + [(4096 + 13, 4096 + 13), (1500, 1000), (1000, 1500)], [False, True],
                     [torch.float16, torch.bfloat16], HEADS):
@@ -329,8 +336,8 @@ def test_hopper_backward_is_deterministic(device, monkeypatch, variant, causal):
 
 def test_hopper_backward_chooser(monkeypatch):
     """configs.hopper_backward_variant: None off sm_90 (here: a CPU device); with the sm_90 check
-    stubbed to pass, the fused kernel at head_dim 64 from 4k keys only, and its picks are
-    exactly the candidates the GPU tests force."""
+    stubbed to pass, the dK/dV-only Gluon kernel at head_dim 64 and 128 at every length, and its
+    picks are exactly the candidates the GPU tests force."""
     from triflash.kernels import backward_hopper, configs
 
     pick = configs.hopper_backward_variant
@@ -338,13 +345,12 @@ def test_hopper_backward_chooser(monkeypatch):
     assert pick(head_dim=64, causal=True, seqlen_q=4096, seqlen_k=4096, **kw) is None
     monkeypatch.setattr(configs, "hopper_forward_applies",
                         lambda *, head_dim, dtype, device: head_dim in (64, 128))
-    assert pick(head_dim=64, causal=True, seqlen_q=4096, seqlen_k=4096, **kw) == "split"
-    assert pick(head_dim=64, causal=False, seqlen_q=4096, seqlen_k=4096, **kw) == "split"
-    assert pick(head_dim=64, causal=False, seqlen_q=2048, seqlen_k=2048, **kw) is None
-    assert pick(head_dim=64, causal=False, seqlen_q=1024, seqlen_k=1024, **kw) is None
-    assert pick(head_dim=64, causal=True, seqlen_q=1024, seqlen_k=1024, **kw) is None
-    assert pick(head_dim=128, causal=False, seqlen_q=16384, seqlen_k=16384, **kw) is None
+    for d in (64, 128):
+        for sq, sk in ((4096, 4096), (1024, 1024), (1, 16384), (16384, 77)):
+            for causal in (False, True):
+                assert pick(head_dim=d, causal=causal, seqlen_q=sq, seqlen_k=sk, **kw) == "dkdv"
     assert pick(head_dim=80, causal=False, seqlen_q=16384, seqlen_k=16384, **kw) is None
+    assert not backward_hopper.computes_dq("dkdv") and backward_hopper.computes_dq("split")
     lengths = (1, 1000, 4096, 16384)
     for d in (64, 128):
         names = configs.hopper_backward_candidates(d)
@@ -372,3 +378,38 @@ def test_preprocess_pads_rows(device):
     assert torch.equal(delta_p[..., 70:], torch.zeros_like(delta_p[..., 70:]))
     assert torch.isinf(lse2_p[..., 70:]).all() and (lse2_p[..., 70:] > 0).all()
     assert lse2[0, 1, 5] == float("inf")
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_dq_kernel_reads_padded_stats(device, monkeypatch, causal):
+    """With a dK/dV-only Gluon variant the preprocess pads delta and lse2 to the Gluon kernel's query
+    tile (128 rows at head_dim 64), and the Triton dQ kernel must read them with that row stride. The
+    Gluon kernel is replaced here by the Triton dK/dV kernel, so every gradient must equal the plain
+    Triton backward's bit for bit (this runs under the interpreter too)."""
+    from triflash.kernels import backward as B, backward_hopper, configs
+    from triflash.kernels.forward import forward
+
+    q, k, v = (t.detach() for t in _inputs(2, 70, 90, 4, 2, 64, torch.float16, device))
+    dout = torch.randn_like(q)
+    scale = 64 ** -0.5
+    out, lse = forward(q, k, v, scale, causal)
+    triton_cfg = configs.backward_config(head_dim=64, dtype=q.dtype, device=q.device)
+    ref = B.backward(dout, q, k, v, out, lse, scale, causal, config=triton_cfg)
+
+    calls = []
+
+    def dkdv_by_triton(dout_, q_, k_, v_, lse2, delta, sm_scale, causal_, dq, dk, dv, *, variant):
+        calls.append((variant, tuple(lse2.shape), dq))
+        _, dk2, dv2 = B.backward(dout_, q_, k_, v_, out, lse, sm_scale, causal_, need_dq=False, config=triton_cfg)
+        dk.copy_(dk2)
+        dv.copy_(dv2)
+        return dq, dk, dv
+
+    monkeypatch.setattr(configs, "hopper_backward_variant", lambda **_: "dkdv")
+    monkeypatch.setattr(backward_hopper, "supported", lambda *args: True)
+    monkeypatch.setattr(backward_hopper, "backward_hopper", dkdv_by_triton)
+    got = B.backward(dout, q, k, v, out, lse, scale, causal)
+    assert calls == [("dkdv", (2, 4, 128), None)]          # padded rows; dq left to the Triton kernel
+    for name, g, r in zip(("dq", "dk", "dv"), got, ref):
+        assert_no_nan(name, g)
+        assert torch.equal(g, r), name

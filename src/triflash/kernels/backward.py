@@ -19,9 +19,11 @@ Three launches, no atomics, so the result is bit-for-bit deterministic:
 Causal blocks are skipped in both loops exactly as in the forward (bottom-right alignment), and only
 blocks on the diagonal or at the ragged end of the keys pay for an element mask.
 
-On sm_90, where ``configs.hopper_backward_variant`` picks it (head_dim 64, from 4k keys), steps 2 and 3
-are one fused Gluon kernel instead (backward_hopper.py): 5 tile matmuls per block pair instead of 7,
-its dQ added across CTAs in a fixed order, so it is just as deterministic.
+On sm_90, where ``configs.hopper_backward_variant`` picks it (fp16/bf16 at head_dim 64 and 128), step 2
+runs on a Gluon kernel instead (backward_hopper.py, its dK/dV-only form): the same per-block work on
+Hopper's warpgroup MMAs with a TMA-fed Q/dO ring: the backward 9-20% faster at head_dim 128, 8-14% at
+64 (run 50). Step 3
+stays this file's dQ kernel, whose LSE2/Delta rows are then padded to the Gluon kernel's query tile.
 """
 
 from __future__ import annotations
@@ -243,7 +245,7 @@ def _dq_inner(
     return dq
 
 
-@triton.jit(do_not_specialize=["seqlen_q", "seqlen_k", "num_m_blocks"])
+@triton.jit(do_not_specialize=["seqlen_q", "seqlen_k", "num_m_blocks", "stats_rows"])
 def _bwd_dq_kernel(
     Q, K, V, DO, LSE2, Delta, DQ,
     stride_qb, stride_qs, stride_qh,
@@ -251,12 +253,13 @@ def _bwd_dq_kernel(
     stride_vb, stride_vs, stride_vh,
     stride_dob, stride_dos, stride_doh,
     stride_dqb, stride_dqs, stride_dqh,
-    num_heads_q, kv_group_size, seqlen_q, seqlen_k, num_m_blocks,
+    num_heads_q, kv_group_size, seqlen_q, seqlen_k, num_m_blocks, stats_rows,
     sm_scale, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr, PRECISE_P: tl.constexpr, TMA: tl.constexpr,
 ):
-    """TMA: K and V are host-built 4-D tensor descriptors instead of pointers."""
+    """TMA: K and V are host-built 4-D tensor descriptors instead of pointers. LSE2 and Delta are
+    [B, Hq, stats_rows] (stats_rows >= seqlen_q: padded when the Hopper dK/dV kernel reads them)."""
     pid = tl.program_id(0)
     pid_m = pid % num_m_blocks
     if IS_CAUSAL:
@@ -275,7 +278,7 @@ def _bwd_dq_kernel(
                 + offs_m[:, None] * stride_qs + offs_d[None, :], mask=mask, other=0.0)      # [BM, BD]
     do = tl.load(DO + off_b.to(tl.int64) * stride_dob + off_h.to(tl.int64) * stride_doh
                  + offs_m[:, None] * stride_dos + offs_d[None, :], mask=mask, other=0.0)    # [BM, BD]
-    row = pid_bh.to(tl.int64) * seqlen_q + offs_m
+    row = pid_bh.to(tl.int64) * stats_rows + offs_m
     lse2 = tl.load(LSE2 + row, mask=m_ok, other=float("inf"))
     delta = tl.load(Delta + row, mask=m_ok, other=0.0)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
@@ -337,8 +340,9 @@ def backward(dout, q, k, v, out, lse, sm_scale: float, causal: bool, *, dlse=Non
     out / lse are what the forward returned; dlse (optional, [B, Hq, Sq]) is a gradient on the LSE.
     dq / dk / dv may be preallocated [B, S, H, D] views to write into. Only the requested gradients are
     computed (need_dq, need_dkdv); the others come back as None. Returns (dq, dk, dv).
-    ``hopper``: a variant of the fused Gluon kernel (backward_hopper.py) to use where it applies; None
-    lets ``configs.hopper_backward_variant`` choose (no ``config`` given).
+    ``hopper``: a variant of the Gluon kernel (backward_hopper.VARIANTS) to use where it applies; None
+    lets ``configs.hopper_backward_variant`` choose (no ``config`` given). A dK/dV-only variant
+    leaves dQ to the Triton dQ kernel.
     """
     batch, seqlen_q, heads_q, head_dim = q.shape
     _, seqlen_k, heads_k, _ = k.shape
@@ -379,14 +383,19 @@ def backward(dout, q, k, v, out, lse, sm_scale: float, causal: bool, *, dlse=Non
     # The Hopper kernel reads delta and lse2 in whole tiles: their rows are padded to a tile multiple.
     rows_out = backward_hopper.padded_rows(seqlen_q, hopper, head_dim) if hopper is not None else seqlen_q
     delta, lse2 = preprocess(dout, out, lse, dlse, rows_out, precise_p)
-    if hopper is not None:
+    if hopper is not None and backward_hopper.computes_dq(hopper):
         # The fused kernel computes all three gradients; unrequested ones go to scratch tensors.
         backward_hopper.backward_hopper(
             dout, q, k, v, lse2, delta, sm_scale, causal,
             dq if need_dq else torch.empty_like(q), dk if need_dkdv else torch.empty_like(k),
             dv if need_dkdv else torch.empty_like(v), variant=hopper)
         return dq, dk, dv
-    if need_dkdv:
+    if hopper is not None:
+        # dK and dV from the Gluon kernel (its dK/dV-only variants), dQ from the Triton kernel below.
+        if need_dkdv:
+            backward_hopper.backward_hopper(dout, q, k, v, lse2, delta, sm_scale, causal, None, dk, dv,
+                                            variant=hopper)
+    elif need_dkdv:
         n_blocks = configs.cdiv(seqlen_k, dkdv_cfg.block_n)
         tma = dkdv_cfg.tma and tma_compatible(q, dout)
         Q, DO = host_descriptors(dkdv_cfg.block_m, block_d, q, dout) if tma else (q, dout)
@@ -406,7 +415,7 @@ def backward(dout, q, k, v, out, lse, sm_scale: float, causal: bool, *, dlse=Non
         _bwd_dq_kernel[(m_blocks * batch * heads_q,)](
             q, K, V, dout, lse2, delta, dq,
             *_s(q), *_s(k), *_s(v), *_s(dout), *_s(dq),
-            heads_q, group, seqlen_q, seqlen_k, m_blocks,
+            heads_q, group, seqlen_q, seqlen_k, m_blocks, rows_out,
             sm_scale, sm_scale * LOG2E,
             HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=dq_cfg.block_m, BLOCK_N=dq_cfg.block_n,
             IS_CAUSAL=causal, DOT_PRECISION=precision, PRECISE_P=precise_p, TMA=tma,

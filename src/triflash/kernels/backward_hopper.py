@@ -1,17 +1,32 @@
-"""FlashAttention backward for Hopper (sm_90) in Gluon: one fused kernel for dK, dV and dQ.
+"""FlashAttention backward for Hopper (sm_90) in Gluon: dK and dV on the tensor cores, with or
+without dQ.
 
-Why a second backward
+One kernel, two forms
 ---------------------
-The portable backward (backward.py) is deterministic without any cross-program communication: one
-kernel keeps a key block and walks the query blocks (dK, dV), another keeps a query block and walks the
-key blocks (dQ). The price is that the dQ kernel recomputes S = Q K^T and dP = dO V^T: 7 tile matmuls
-per (query block, key block) pair where FlashAttention-2/3 do 5. This kernel does the 5, in one pass:
+A CTA keeps one 128-key block of one (batch, KV head): K and V in shared memory, dK and dV in
+registers. It walks the query blocks that see those keys and, per block, does
 
     per key block n (one CTA) and each query block m that sees it:
         S^T  = K Q^T            dP^T = V dO^T             (keys on the rows, queries on the columns)
         P^T  = exp2(S^T * scale * log2(e) - lse2)          dS^T = P^T * (dP^T - delta)
         dV  += P^T dO           dK  += dS^T Q             (kept in registers for the whole CTA)
-        dQ_m += dS K            (a [BLOCK_M, D] partial, added into an fp32 workspace)
+        dQ_m += dS K            (fused form only: a [BLOCK_M, D] partial, added into an fp32 workspace)
+
+* **dK and dV only** (``dq=False``, variant ``dkdv``: what ``configs.hopper_backward_variant``
+  takes). dQ then comes from the portable Triton dQ kernel (backward.py), which keeps a query block
+  and recomputes S and dP. That is 7 tile products per (query block, key block) pair, as in the
+  portable backward, but the four of dK and dV run here on wgmma. Without a writer partition the two
+  consumer warpgroups get 240 registers a thread: enough for head_dim 128's dK and dV (128) beside
+  S^T and dP^T, and at head_dim 64 for 128 queries per step. At head_dim 128 this part ran at about
+  590 TFLOP/s where the Triton dK/dV kernel ran at about 425 (run 50).
+* **Fused** (``dq=True``, variant ``split``): all three gradients in one pass, 5 tile products per
+  pair, FlashAttention-3's count. The catch is dQ: every key block adds a partial into the same dQ
+  rows, and the backward may not use atomics. The sections below describe how the partials are added
+  in a fixed order. That order and the partials' fp32 read-add-write through L2 cost about 25% of the
+  kernel's time (runs 30-31), more than the two products the other form recomputes: run 50 measured
+  ``dkdv`` 4-15% ahead of it at head_dim 64, so it is no longer chosen. It stays as the deterministic
+  5-product design that a cheaper cross-CTA sum (through a cluster's distributed shared memory, say)
+  would start from, and the GPU tests still run it.
 
 Deterministic dQ without atomic additions
 -----------------------------------------
@@ -52,17 +67,17 @@ Partitions
 * **consumers** (two partitions of one warpgroup each, ``_bwd_consumer``; the first is the default
   partition): 64 of the key block's 128 rows each, every wgmma, the softmax recomputation, dK and dV
   in registers, and at the end dK * sm_scale and dV to memory. They are not synchronised with each
-  other, so one's softmax runs under the other's products. Each hands its own dQ partial (its 64 keys'
-  share) to the writer, which sums the two.
+  other, so one's softmax runs under the other's products. In the fused form each hands its own dQ
+  partial (its 64 keys' share) to the writer, which sums the two.
 * **producer** (1 warp, ``_bwd_producer``): TMA loads of the K and V tiles (once) and of the Q and dO
   tiles of every step into a ring of ``STAGES`` slots.
-* **writer** (4 warps, ``_bwd_writer``): per step, takes the dQ partial from shared memory, waits for
-  its turn, adds it into the fp32 workspace and passes the turn on.
+* **writer** (4 warps, ``_bwd_writer``; fused form only): per step, takes the dQ partial from shared
+  memory, waits for its turn, adds it into the fp32 workspace and passes the turn on.
 
 mbarriers (as in forward_hopper.py; a barrier's phase flips each time it completes): ``kv_ready`` (the
-K/V tiles landed), ``q_ready[s]`` / ``q_empty[s]`` (the Q and dO tiles of ring slot s), ``dq_full[b]`` /
-``dq_empty[b]`` (dQ partial buffer b). Step i uses slot i % STAGES (parity (i // STAGES) & 1) and
-buffer i % DQ_BUFS.
+K/V tiles landed), ``q_ready[s]`` / ``q_empty[s]`` (the Q and dO tiles of ring slot s), and in the
+fused form ``dq_full[b]`` / ``dq_empty[b]`` (dQ partial buffer b). Step i uses slot i % STAGES (parity
+(i // STAGES) & 1) and buffer i % DQ_BUFS.
 
 Numerics are those of backward.py's fp16/bf16 path: P recomputed with one FMA and exp2 from the base-2
 LSE of the preprocess kernel (+inf for rows that saw no key, so their p and gradients are 0), dK, dV and
@@ -102,9 +117,15 @@ PRODUCER_REGS = 24
 # 1 = additions in no fixed order, 2 = no workspace traffic at all.
 # (Run 28's first form, one 8-warp consumer partition on all 128 keys, is gone: its two warpgroups
 # did their softmax in step, so the tensor cores waited, and at head_dim 128 it spilled. Runs 28-33.)
-_SPLIT = dict(block_m=64, stages=2, dq_bufs=4, writer_regs=80, writer_mode=0)
+# dq: whether the kernel computes dQ too (the fused form) or dK and dV only.
+_SPLIT = dict(block_m=64, stages=2, dq_bufs=4, writer_regs=80, writer_mode=0, dq=True)
+# dK and dV only: no writer, so the consumers get 240 registers a thread, which hold head_dim 128's dK
+# and dV (128) beside S^T and dP^T, and at head_dim 64 room for 128 queries a step (run 50: 4-8% over
+# 64 rows there; three Q/dO stages were 2-4% slower at 1k-4k keys and 2% faster at 16k).
+_DKDV = dict(stages=2, dq=False)
 VARIANTS = {
-    "split": {64: _SPLIT},                      # the one configs.hopper_backward_variant takes
+    "dkdv": {64: dict(_DKDV, block_m=128), 128: dict(_DKDV, block_m=64)},   # the chooser's pick
+    "split": {64: _SPLIT},                      # the fused form (not chosen since run 50)
     "x_split_unordered": {64: dict(_SPLIT, writer_mode=1)},
     "x_split_nowrite": {64: dict(_SPLIT, writer_mode=2)},
 }
@@ -117,16 +138,29 @@ def padded_rows(seqlen_q: int, variant: str, head_dim: int) -> int:
     return cdiv(seqlen_q, block_m) * block_m
 
 
+def computes_dq(variant: str) -> bool:
+    """Whether the variant computes dQ too (the fused kernel), or dK and dV only."""
+    return next(iter(VARIANTS[variant].values()))["dq"]
+
+
 def variant_config(variant: str, head_dim: int) -> dict:
     cfg = dict(VARIANTS[variant][head_dim])
-    # Four warpgroups at launch: two consumers, the writer, and the producer's warp (Triton pads it to
-    # a warpgroup), each thread with maxnreg registers: 128, the whole register file. setmaxnreg then
-    # moves registers from the producer's warpgroup (PRODUCER_REGS) and the writer to the consumers:
-    # the second consumer asks for consumer_regs, the first (the default partition) gets the rest.
-    cfg["maxnreg"] = 65536 // (32 * 4 * (NUM_WG + 2)) // 8 * 8
     cfg["num_warps"] = 4
-    spare = cfg["maxnreg"] * (NUM_WG + 2) - PRODUCER_REGS - cfg["writer_regs"]
-    cfg["consumer_regs"] = spare // NUM_WG // 8 * 8
+    if cfg["dq"]:
+        # Four warpgroups at launch: two consumers, the writer, and the producer's warp (Triton pads it
+        # to a warpgroup), each thread with maxnreg registers: 128, the whole register file. setmaxnreg
+        # then moves registers from the producer's warpgroup (PRODUCER_REGS) and the writer to the
+        # consumers: the second consumer asks for consumer_regs, the first (the default partition)
+        # gets the rest.
+        cfg["maxnreg"] = 65536 // (32 * 4 * (NUM_WG + 2)) // 8 * 8
+        spare = cfg["maxnreg"] * (NUM_WG + 2) - PRODUCER_REGS - cfg["writer_regs"]
+        cfg["consumer_regs"] = spare // NUM_WG // 8 * 8
+    else:
+        # Three warpgroups (two consumers, the producer's): what the producer gives up goes to the
+        # consumers, up to setmaxnreg's 240 (FA3's split at head_dim 128).
+        cfg["maxnreg"] = 65536 // (32 * 4 * (NUM_WG + 1)) // 8 * 8
+        cfg["consumer_regs"] = min(240, (65536 - 128 * PRODUCER_REGS) // (128 * NUM_WG) // 8 * 8)
+        cfg.update(dq_bufs=2, writer_regs=0, writer_mode=0)     # unused without the writer
     return cfg
 
 
@@ -217,9 +251,10 @@ def _bwd_step(i, dk, dv, zero_st, zero_dq,
               q_ready, q_empty, dq_full, dq_empty,
               keys, cols0, m_full, key_tail, seqlen_k, m_first, m_step, kv_group_size, causal_offset,
               qk_scale, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, DQ_BUFS: gl.constexpr,
-              WG: gl.constexpr, NUM_WG: gl.constexpr, col_layout: gl.constexpr, a_layout: gl.constexpr):
-    """One (query block, key block) step of a consumer partition: returns the updated dK, dV and hands
-    its dQ partial to the writer. (Issuing the next step's S^T / dP^T before waiting for this step's
+              WG: gl.constexpr, NUM_WG: gl.constexpr, col_layout: gl.constexpr, a_layout: gl.constexpr,
+              DQ: gl.constexpr):
+    """One (query block, key block) step of a consumer partition: returns the updated dK, dV and (DQ)
+    hands its dQ partial to the writer. (Issuing the next step's S^T / dP^T before waiting for this step's
     products was tried, run 29: ptxas then serialises the wgmmas, C7514.)"""
     dtype: gl.constexpr = q_smem.dtype
     s = i % STAGES
@@ -247,19 +282,25 @@ def _bwd_step(i, dk, dv, zero_st, zero_dq,
     ds_a = gl.convert_layout(ds_t, a_layout)
     dv_tok = warpgroup_mma(p_a, do_tile, dv, is_async=True)
     dk_tok = warpgroup_mma(ds_a, q_tile, dk, is_async=True)
-    # dQ (this partition's share: its keys) = dS K, with dS^T read back from shared memory, transposed.
-    ds_smem.store(ds_t)
-    fence_async_shared()
-    gl.thread_barrier()
-    dq_tok = warpgroup_mma(ds_smem.permute((1, 0)), k_smem, zero_dq, use_acc=False, is_async=True)
-    dv, dk, dq, p_a, ds_a = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, dq_tok, p_a, ds_a))
-    gl.thread_barrier()                      # every warp of the partition is past its wait
-    mbarrier.arrive(q_empty.index(s), count=1)
-    b = i % DQ_BUFS
-    mbarrier.wait(dq_empty.index(b), ((i // DQ_BUFS) & 1) ^ 1)
-    dq_smem.index(b * NUM_WG + WG).store(dq)
-    gl.thread_barrier()
-    mbarrier.arrive(dq_full.index(b), count=1)
+    if DQ:
+        # dQ (this partition's share: its keys) = dS K, with dS^T read back from shared memory,
+        # transposed.
+        ds_smem.store(ds_t)
+        fence_async_shared()
+        gl.thread_barrier()
+        dq_tok = warpgroup_mma(ds_smem.permute((1, 0)), k_smem, zero_dq, use_acc=False, is_async=True)
+        dv, dk, dq, p_a, ds_a = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, dq_tok, p_a, ds_a))
+        gl.thread_barrier()                  # every warp of the partition is past its wait
+        mbarrier.arrive(q_empty.index(s), count=1)
+        b = i % DQ_BUFS
+        mbarrier.wait(dq_empty.index(b), ((i // DQ_BUFS) & 1) ^ 1)
+        dq_smem.index(b * NUM_WG + WG).store(dq)
+        gl.thread_barrier()
+        mbarrier.arrive(dq_full.index(b), count=1)
+    else:
+        dv, dk, p_a, ds_a = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, p_a, ds_a))
+        gl.thread_barrier()                  # every warp of the partition is past its wait
+        mbarrier.arrive(q_empty.index(s), count=1)
     return dk, dv
 
 
@@ -271,7 +312,7 @@ def _bwd_consumer(DK, DV, q_smem, do_smem, k_all, v_all, lse_smem, delta_smem, d
                   batch, heads_per_group, sm_scale, qk_scale,
                   HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                   STAGES: gl.constexpr, DQ_BUFS: gl.constexpr, IS_CAUSAL: gl.constexpr,
-                  WG: gl.constexpr, NUM_WG: gl.constexpr):
+                  WG: gl.constexpr, NUM_WG: gl.constexpr, DQ: gl.constexpr):
     """Consumer partition WG of NUM_WG (one warpgroup each): key rows [WG * KEYS, WG * KEYS + KEYS) of
     the CTA's block, KEYS = BLOCK_N / NUM_WG = 64. The partitions run unsynchronised, so one's softmax
     overlaps the other's products."""
@@ -284,7 +325,10 @@ def _bwd_consumer(DK, DV, q_smem, do_smem, k_all, v_all, lse_smem, delta_smem, d
     start_n = start_n + WG * KEYS
     k_smem = k_all.slice(WG * KEYS, KEYS)
     v_smem = v_all.slice(WG * KEYS, KEYS)
-    ds_smem = ds_all.slice(WG * KEYS, KEYS)
+    if DQ:
+        ds_smem = ds_all.slice(WG * KEYS, KEYS)
+    else:
+        ds_smem = ds_all                     # not read
     # wgmma accumulators: S^T, dP^T [KEYS, BM], dK, dV [KEYS, D] and dQ [BM, D], 4 warps on the rows.
     st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                         instr_shape=[16, BLOCK_M, 16])
@@ -316,7 +360,7 @@ def _bwd_consumer(DK, DV, q_smem, do_smem, k_all, v_all, lse_smem, delta_smem, d
                            q_ready, q_empty, dq_full, dq_empty,
                            keys, cols0, m_full, key_tail, seqlen_k, m_first, m_step, kv_group_size,
                            causal_offset, qk_scale,
-                           BLOCK_M, STAGES, DQ_BUFS, WG, NUM_WG, col_layout, a_layout)
+                           BLOCK_M, STAGES, DQ_BUFS, WG, NUM_WG, col_layout, a_layout, DQ)
 
     # -- epilogue: dK * sm_scale and dV; key rows past seqlen_k are not stored --
     out_keys = start_n + gl.arange(0, KEYS, layout=gl.SliceLayout(1, kv_layout))
@@ -459,7 +503,7 @@ def _attn_bwd_hopper_kernel(
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
     DQ_BUFS: gl.constexpr, IS_CAUSAL: gl.constexpr, WRITER_MODE: gl.constexpr,
     NUM_WG: gl.constexpr, WRITER_REGS_: gl.constexpr, PRODUCER_REGS_: gl.constexpr,
-    CONSUMER_REGS_: gl.constexpr,
+    CONSUMER_REGS_: gl.constexpr, DQ: gl.constexpr,
 ):
     dtype: gl.constexpr = q_desc.dtype
     gl.static_assert(DQ_BUFS >= 2, "the writer takes two steps' partials per round")
@@ -471,8 +515,12 @@ def _attn_bwd_hopper_kernel(
     v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], kv_smem_layout)
     q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], q_smem_layout)
     do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], q_smem_layout)
-    ds_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_M], ds_smem_layout)
-    dq_smem = gl.allocate_shared_memory(gl.float32, [DQ_BUFS * NUM_WG, BLOCK_M, HEAD_DIM], dq_smem_layout)
+    if DQ:
+        ds_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_M], ds_smem_layout)
+        dq_smem = gl.allocate_shared_memory(gl.float32, [DQ_BUFS * NUM_WG, BLOCK_M, HEAD_DIM], dq_smem_layout)
+    else:
+        ds_smem = k_smem                     # placeholders: dK and dV only, nothing reads them
+        dq_smem = k_smem
     row_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M], gl.float32)
     lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], row_smem_layout)
     delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], row_smem_layout)
@@ -492,29 +540,50 @@ def _attn_bwd_hopper_kernel(
     # The two consumers' argument lists are spelled out (see forward_hopper.py: a shared tuple loses the
     # constexpr-ness of the block sizes in Triton 3.6's warp_specialize).
     gl.static_assert(NUM_WG == 2, "two consumer partitions")
-    gl.warp_specialize([
-        (_bwd_consumer, (DK, DV, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem,
-                         kv_ready, q_ready, q_empty, dq_full, dq_empty,
-                         stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh,
-                         num_n_blocks, num_heads_q, num_heads_k, kv_group_size, seqlen_q, seqlen_k,
-                         num_m_blocks, batch, heads_per_group, sm_scale, qk_scale,
-                         HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, DQ_BUFS, IS_CAUSAL, 0, NUM_WG)),
-        (_bwd_consumer, (DK, DV, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem,
-                         kv_ready, q_ready, q_empty, dq_full, dq_empty,
-                         stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh,
-                         num_n_blocks, num_heads_q, num_heads_k, kv_group_size, seqlen_q, seqlen_k,
-                         num_m_blocks, batch, heads_per_group, sm_scale, qk_scale,
-                         HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, DQ_BUFS, IS_CAUSAL, 1, NUM_WG)),
-        (_bwd_writer, (DQW, SEM, dq_smem, dq_full, dq_empty,
-                       num_n_blocks, num_heads_k, kv_group_size, seqlen_q, seqlen_k, num_m_blocks,
-                       batch, heads_per_group, HEAD_DIM, BLOCK_M, BLOCK_N, DQ_BUFS, IS_CAUSAL, 128,
-                       WRITER_MODE, NUM_WG)),
-        (_bwd_producer, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc,
-                         q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem,
-                         kv_ready, q_ready, q_empty,
-                         num_n_blocks, num_heads_k, kv_group_size, seqlen_q, seqlen_k, num_m_blocks,
-                         batch, heads_per_group, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL)),
-    ], [4, 4, 1], [CONSUMER_REGS_, WRITER_REGS_, PRODUCER_REGS_])
+    if DQ:
+        gl.warp_specialize([
+            (_bwd_consumer, (DK, DV, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem,
+                             kv_ready, q_ready, q_empty, dq_full, dq_empty,
+                             stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh,
+                             num_n_blocks, num_heads_q, num_heads_k, kv_group_size, seqlen_q, seqlen_k,
+                             num_m_blocks, batch, heads_per_group, sm_scale, qk_scale,
+                             HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, DQ_BUFS, IS_CAUSAL, 0, NUM_WG, DQ)),
+            (_bwd_consumer, (DK, DV, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem,
+                             kv_ready, q_ready, q_empty, dq_full, dq_empty,
+                             stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh,
+                             num_n_blocks, num_heads_q, num_heads_k, kv_group_size, seqlen_q, seqlen_k,
+                             num_m_blocks, batch, heads_per_group, sm_scale, qk_scale,
+                             HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, DQ_BUFS, IS_CAUSAL, 1, NUM_WG, DQ)),
+            (_bwd_writer, (DQW, SEM, dq_smem, dq_full, dq_empty,
+                           num_n_blocks, num_heads_k, kv_group_size, seqlen_q, seqlen_k, num_m_blocks,
+                           batch, heads_per_group, HEAD_DIM, BLOCK_M, BLOCK_N, DQ_BUFS, IS_CAUSAL, 128,
+                           WRITER_MODE, NUM_WG)),
+            (_bwd_producer, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc,
+                             q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem,
+                             kv_ready, q_ready, q_empty,
+                             num_n_blocks, num_heads_k, kv_group_size, seqlen_q, seqlen_k, num_m_blocks,
+                             batch, heads_per_group, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL)),
+        ], [4, 4, 1], [CONSUMER_REGS_, WRITER_REGS_, PRODUCER_REGS_])
+    else:
+        gl.warp_specialize([
+            (_bwd_consumer, (DK, DV, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem,
+                             kv_ready, q_ready, q_empty, dq_full, dq_empty,
+                             stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh,
+                             num_n_blocks, num_heads_q, num_heads_k, kv_group_size, seqlen_q, seqlen_k,
+                             num_m_blocks, batch, heads_per_group, sm_scale, qk_scale,
+                             HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, DQ_BUFS, IS_CAUSAL, 0, NUM_WG, DQ)),
+            (_bwd_consumer, (DK, DV, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem,
+                             kv_ready, q_ready, q_empty, dq_full, dq_empty,
+                             stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh,
+                             num_n_blocks, num_heads_q, num_heads_k, kv_group_size, seqlen_q, seqlen_k,
+                             num_m_blocks, batch, heads_per_group, sm_scale, qk_scale,
+                             HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, DQ_BUFS, IS_CAUSAL, 1, NUM_WG, DQ)),
+            (_bwd_producer, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc,
+                             q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem,
+                             kv_ready, q_ready, q_empty,
+                             num_n_blocks, num_heads_k, kv_group_size, seqlen_q, seqlen_k, num_m_blocks,
+                             batch, heads_per_group, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL)),
+        ], [4, 1], [CONSUMER_REGS_, PRODUCER_REGS_])
 
 
 @triton.jit
@@ -565,16 +634,21 @@ def supported(q, k, v, dout, variant: str) -> bool:
 def backward_hopper(dout, q, k, v, lse2, delta, sm_scale: float, causal: bool, dq, dk, dv, *,
                     variant: str = "split"):
     """Fill dq, dk, dv ([B, S, H, D] views, last stride 1) from dout and the preprocess kernel's lse2
-    (base-2 LSE, +inf for rows without keys) and delta ([B, Hq, Sq] float32)."""
+    (base-2 LSE, +inf for rows without keys) and delta ([B, Hq, Sq] float32). A variant without dQ
+    (``computes_dq``) fills dk and dv only and leaves dq (which may be None) alone."""
     batch, seqlen_q, heads_q, head_dim = q.shape
     _, seqlen_k, heads_k, _ = k.shape
     cfg = variant_config(variant, head_dim)
     block_m = cfg["block_m"]
     num_m_blocks = cdiv(seqlen_q, block_m)
     num_n_blocks = cdiv(seqlen_k, BLOCK_N)
-    dq_work = torch.empty((batch, heads_q, num_m_blocks * block_m, head_dim), dtype=torch.float32,
+    if cfg["dq"]:
+        dq_work = torch.empty((batch, heads_q, num_m_blocks * block_m, head_dim), dtype=torch.float32,
+                              device=q.device)
+        sem = torch.zeros((batch, heads_q, num_m_blocks, int(SEM_STRIDE)), dtype=torch.int32,
                           device=q.device)
-    sem = torch.zeros((batch, heads_q, num_m_blocks, int(SEM_STRIDE)), dtype=torch.int32, device=q.device)
+    else:
+        dq_work, sem = lse2, delta           # not read without the writer
     if lse2.shape[-1] != num_m_blocks * block_m or not lse2.is_contiguous() or not delta.is_contiguous():
         raise ValueError(f"lse2 / delta must be contiguous [B, Hq, {num_m_blocks * block_m}] (padded_rows); "
                          f"got {tuple(lse2.shape)}")
@@ -595,8 +669,10 @@ def backward_hopper(dout, q, k, v, lse2, delta, sm_scale: float, causal: bool, d
         HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=BLOCK_N, STAGES=cfg["stages"], DQ_BUFS=cfg["dq_bufs"],
         IS_CAUSAL=causal, WRITER_MODE=cfg["writer_mode"], NUM_WG=NUM_WG,
         WRITER_REGS_=cfg["writer_regs"], PRODUCER_REGS_=PRODUCER_REGS, CONSUMER_REGS_=cfg["consumer_regs"],
-        num_warps=cfg["num_warps"], maxnreg=cfg["maxnreg"],
+        DQ=cfg["dq"], num_warps=cfg["num_warps"], maxnreg=cfg["maxnreg"],
     )
+    if not cfg["dq"]:
+        return dq, dk, dv
     rows = 32
     _dq_finish_kernel[(batch * heads_q * cdiv(seqlen_q, rows),)](
         dq_work, sem, dq, dq.stride(0), dq.stride(1), dq.stride(2), heads_q, seqlen_q, num_m_blocks,

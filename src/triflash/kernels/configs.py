@@ -74,7 +74,7 @@ INTERPRETER_BWD = (BwdConfig(32, 64, 1, 1), BwdConfig(64, 32, 1, 1))
 
 
 # The fused Gluon backward's variants the backward chooses from (backward_hopper.VARIANTS), per head dim.
-HOPPER_BACKWARD_VARIANTS = {64: ("split",)}
+HOPPER_BACKWARD_VARIANTS = {64: ("dkdv",), 128: ("dkdv",)}
 
 
 def hopper_backward_candidates(head_dim: int) -> tuple[str, ...]:
@@ -84,18 +84,17 @@ def hopper_backward_candidates(head_dim: int) -> tuple[str, ...]:
 
 def hopper_backward_variant(*, head_dim: int, dtype, device, causal: bool, seqlen_q: int,
                             seqlen_k: int) -> str | None:
-    """The fused Gluon backward variant (backward_hopper.py) the backward takes, or None for the
-    Triton kernels. Measured on the H200 (performance-notes.md, runs 28-39), head_dim 64, backward
-    TFLOP/s of the fused kernel (``split``) against the Triton kernels in the same run: from 4k keys
-    +3-8% (run 39, fp16: 330.8 / 317.5 at 4k non-causal, 341.9 / 323.5 at 8k, 345.5 / 328.2 at 16k;
-    run 38, causal: 290.0 / 276.1 at 4k, 319.8 / 296.6 at 8k, 333.3 / 309.9 at 16k; bf16 +1-3%);
-    at 2k level, at 1k 2-7% slower; at head_dim 128 it spills registers and is slower everywhere.
-    So: head_dim 64, from 4k keys, causal or not."""
+    """The Gluon backward variant (backward_hopper.py) the backward takes, or None for the Triton
+    kernels. ``dkdv`` (dK and dV on the Gluon kernel, dQ on the Triton dQ kernel) at head_dim 64 and
+    128, every length, causal or not. Measured on the H200 (performance-notes.md, run 50), fp16
+    backward TFLOP/s, Triton kernels -> dkdv: 4,16,4096,128 336.9 -> 405.4 (causal 298.3 -> 347.0),
+    1,16,16384,128 348.8 -> 419.5 (328.8 -> 377.5), 16,16,1024,128 289.6 -> 325.1 (228.1 -> 248.3);
+    4,16,4096,64 335.7 -> 362.9 (296.1 -> 337.1), 16,32,1024,64 287.1 -> 314.1 (222.6 -> 245.4). The
+    fused kernel (``split``, taken at head_dim 64 from 4k keys before) read 333.9 / 292.2 and 280.7 /
+    205.2 there."""
     if not hopper_forward_applies(head_dim=head_dim, dtype=dtype, device=device):
         return None
-    if head_dim == 64 and seqlen_k >= 4096:
-        return "split"
-    return None
+    return "dkdv"
 
 
 def backward_config(*, head_dim: int, dtype, device) -> tuple[BwdConfig, BwdConfig]:
