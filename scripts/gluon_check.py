@@ -169,6 +169,23 @@ def backward_cases(variants):
                                   _backward_without_finish(do, q, k, v, st, c, var))
 
 
+def dq_cases(variants):
+    """The Gluon dQ kernel, for the variants and head dims that take it (backward_hopper.dq_on_gluon)."""
+    for variant in variants:
+        for d in sorted(BH.VARIANTS[variant]):
+            if BH.computes_dq(variant) or not BH.dq_on_gluon(variant, d):
+                continue
+            for dtype in (torch.float16, torch.bfloat16):
+                for causal in (False, True):
+                    q = torch.randn(2, 1000, 8, d, dtype=dtype)
+                    k = torch.randn(2, 1500, 2, d, dtype=dtype)
+                    do = torch.randn_like(q)
+                    stats = torch.zeros(2, 8, 1024)
+                    label = f"bwd-dq {variant} D{d} {TYPES[dtype]} {'causal' if causal else 'full'}"
+                    yield label, (lambda q=q, k=k, do=do, st=stats, c=causal, var=variant:
+                                  BH.dq_hopper(do, q, k, k, st, st, 0.1, c, torch.empty_like(q), variant=var))
+
+
 def _backward_without_finish(do, q, k, v, stats, causal, variant):
     """backward_hopper with its small Triton epilogue kernel not launched (no GPU here)."""
     saved = BH._dq_finish_kernel
@@ -184,13 +201,16 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--variants", nargs="*", default=list(FH.VARIANTS))
     ap.add_argument("--backward", nargs="*", default=None,
-                    help="compile these variants of the Gluon backward (backward_hopper.py) instead")
+                    help="compile these variants of the Gluon backward (backward_hopper.py), and the Gluon "
+                         "dQ kernel where they take it, instead")
     ap.add_argument("--ptx-dump", default=None, help="write ttgir/ptx/sass per case here")
     a = ap.parse_args()
     if a.backward is not None:
         ok = True
         for label, run in backward_cases(a.backward or list(BH.VARIANTS)):
             ok &= compile_one(label, run, a.ptx_dump, BH, "_attn_bwd_hopper_kernel")
+        for label, run in dq_cases(a.backward or list(BH.VARIANTS)):
+            ok &= compile_one(label, run, a.ptx_dump, BH, "_attn_bwd_dq_hopper_kernel")
         print("all compiled" if ok else "SOME FAILED")
         return 0 if ok else 1
     print(f"triton {triton.__version__}; target {TARGET}")

@@ -351,6 +351,7 @@ def test_hopper_backward_chooser(monkeypatch):
                 assert pick(head_dim=d, causal=causal, seqlen_q=sq, seqlen_k=sk, **kw) == "dkdv"
     assert pick(head_dim=80, causal=False, seqlen_q=16384, seqlen_k=16384, **kw) is None
     assert not backward_hopper.computes_dq("dkdv") and backward_hopper.computes_dq("split")
+    assert backward_hopper.dq_on_gluon("dkdv", 128) and not backward_hopper.dq_on_gluon("dkdv", 64)
     lengths = (1, 1000, 4096, 16384)
     for d in (64, 128):
         names = configs.hopper_backward_candidates(d)

@@ -21,9 +21,9 @@ blocks on the diagonal or at the ragged end of the keys pay for an element mask.
 
 On sm_90, where ``configs.hopper_backward_variant`` picks it (fp16/bf16 at head_dim 64 and 128), step 2
 runs on a Gluon kernel instead (backward_hopper.py, its dK/dV-only form): the same per-block work on
-Hopper's warpgroup MMAs with a TMA-fed Q/dO ring: the backward 9-20% faster at head_dim 128, 8-14% at
-64 (run 50). Step 3
-stays this file's dQ kernel, whose LSE2/Delta rows are then padded to the Gluon kernel's query tile.
+Hopper's warpgroup MMAs with a TMA-fed Q/dO ring (the backward 9-20% faster at head_dim 128, 8-14% at
+64, run 50). At head_dim 128 step 3 runs on backward_hopper.py's Gluon dQ kernel too (another 1-12%,
+run 52); at 64 it stays this file's dQ kernel. LSE2/Delta rows are then padded to whole 128-row tiles.
 """
 
 from __future__ import annotations
@@ -391,10 +391,14 @@ def backward(dout, q, k, v, out, lse, sm_scale: float, causal: bool, *, dlse=Non
             dv if need_dkdv else torch.empty_like(v), variant=hopper)
         return dq, dk, dv
     if hopper is not None:
-        # dK and dV from the Gluon kernel (its dK/dV-only variants), dQ from the Triton kernel below.
+        # dK and dV from the Gluon kernel (its dK/dV-only variants); dQ from the Gluon dQ kernel where
+        # the variant says so, else from the Triton kernel below.
         if need_dkdv:
             backward_hopper.backward_hopper(dout, q, k, v, lse2, delta, sm_scale, causal, None, dk, dv,
                                             variant=hopper)
+        if need_dq and backward_hopper.dq_on_gluon(hopper, head_dim):
+            backward_hopper.dq_hopper(dout, q, k, v, lse2, delta, sm_scale, causal, dq, variant=hopper)
+            need_dq = False
     elif need_dkdv:
         n_blocks = configs.cdiv(seqlen_k, dkdv_cfg.block_n)
         tma = dkdv_cfg.tma and tma_compatible(q, dout)

@@ -13,12 +13,13 @@ registers. It walks the query blocks that see those keys and, per block, does
         dQ_m += dS K            (fused form only: a [BLOCK_M, D] partial, added into an fp32 workspace)
 
 * **dK and dV only** (``dq=False``, variant ``dkdv``: what ``configs.hopper_backward_variant``
-  takes). dQ then comes from the portable Triton dQ kernel (backward.py), which keeps a query block
-  and recomputes S and dP. That is 7 tile products per (query block, key block) pair, as in the
-  portable backward, but the four of dK and dV run here on wgmma. Without a writer partition the two
+  takes). dQ then comes from a kernel that keeps a query block and recomputes S and dP: at head_dim
+  128 this file's Gluon dQ kernel (``_attn_bwd_dq_hopper_kernel``, below), at 64 the portable Triton
+  one (backward.py), each where it was faster (run 52). That is 7 tile products per (query block,
+  key block) pair, as in the portable backward, but on wgmma. Without a writer partition the two
   consumer warpgroups get 240 registers a thread: enough for head_dim 128's dK and dV (128) beside
-  S^T and dP^T, and at head_dim 64 for 128 queries per step. At head_dim 128 this part ran at about
-  590 TFLOP/s where the Triton dK/dV kernel ran at about 425 (run 50).
+  S^T and dP^T, and at head_dim 64 for 128 queries per step. At head_dim 128 the dK/dV part ran at
+  about 590 TFLOP/s where the Triton dK/dV kernel ran at about 425 (run 50).
 * **Fused** (``dq=True``, variant ``split``): all three gradients in one pass, 5 tile products per
   pair, FlashAttention-3's count. The catch is dQ: every key block adds a partial into the same dQ
   rows, and the backward may not use atomics. The sections below describe how the partials are added
@@ -124,7 +125,12 @@ _SPLIT = dict(block_m=64, stages=2, dq_bufs=4, writer_regs=80, writer_mode=0, dq
 # 64 rows there; three Q/dO stages were 2-4% slower at 1k-4k keys and 2% faster at 16k).
 _DKDV = dict(stages=2, dq=False)
 VARIANTS = {
-    "dkdv": {64: dict(_DKDV, block_m=128), 128: dict(_DKDV, block_m=64)},   # the chooser's pick
+    # The chooser's pick. dq_kernel: where dQ comes from, this file's Gluon dQ kernel (64-key tiles,
+    # three K/V stages) or the Triton one. Run 52: the Gluon one +1-12% at head_dim 128, 0-8% slower
+    # at 64 (where the Triton dQ kernel's 64x64 tiles keep up); 128-key tiles were level at 1k-16k
+    # and 3-5% slower at 4k.
+    "dkdv": {64: dict(_DKDV, block_m=128, dq_kernel="triton"),
+             128: dict(_DKDV, block_m=64, dq_kernel="gluon", dq_block_n=64, dq_stages=3)},
     "split": {64: _SPLIT},                      # the fused form (not chosen since run 50)
     "x_split_unordered": {64: dict(_SPLIT, writer_mode=1)},
     "x_split_nowrite": {64: dict(_SPLIT, writer_mode=2)},
@@ -132,10 +138,15 @@ VARIANTS = {
 EXPERIMENTS = ("x_split_unordered", "x_split_nowrite")     # wrong dQ on purpose: timing only
 
 
+STATS_TILE = 128      # every query tile of these kernels divides it
+
+
 def padded_rows(seqlen_q: int, variant: str, head_dim: int) -> int:
-    """Rows of the delta / lse2 buffers the kernel reads: whole query tiles."""
+    """Rows per (batch, query head) of the delta / lse2 buffers the kernels read: whole query tiles
+    (a multiple of STATS_TILE, so any of the kernels' tiles reads inside its own head's rows)."""
     block_m = VARIANTS[variant][head_dim]["block_m"]
-    return cdiv(seqlen_q, block_m) * block_m
+    assert STATS_TILE % block_m == 0
+    return cdiv(seqlen_q, STATS_TILE) * STATS_TILE
 
 
 def computes_dq(variant: str) -> bool:
@@ -219,11 +230,11 @@ def _bwd_producer(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc,
                   q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem,
                   kv_ready, q_ready, q_empty,
                   num_n_blocks, num_heads_k, kv_group_size, seqlen_q, seqlen_k, num_m_blocks,
-                  batch, heads_per_group,
+                  batch, heads_per_group, stats_rows,
                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                   IS_CAUSAL: gl.constexpr):
     """K and V once; per step the Q and dO tiles and the step's BLOCK_M entries of lse2 and delta
-    (flat [B * Hq * padded rows] descriptors: a tile never straddles two heads)."""
+    (flat [B * Hq * stats_rows] descriptors: a tile never straddles two heads)."""
     pid_n, off_b, off_hk, start_n, n_steps, m_first, m_step = _bwd_coords(
         num_n_blocks, num_heads_k, kv_group_size, seqlen_q, seqlen_k, num_m_blocks, batch,
         heads_per_group, BLOCK_M, BLOCK_N, IS_CAUSAL)
@@ -240,7 +251,7 @@ def _bwd_producer(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc,
                                         q_smem.index(s))
         tma.async_copy_global_to_shared(do_desc, [off_b, m * BLOCK_M, off_h, 0], q_ready.index(s),
                                         do_smem.index(s))
-        row = ((off_b * num_heads_k * kv_group_size + off_h) * num_m_blocks + m) * BLOCK_M
+        row = (off_b * num_heads_k * kv_group_size + off_h) * stats_rows + m * BLOCK_M
         tma.async_copy_global_to_shared(lse_desc, [row], q_ready.index(s), lse_smem.index(s))
         tma.async_copy_global_to_shared(delta_desc, [row], q_ready.index(s), delta_smem.index(s))
 
@@ -499,7 +510,7 @@ def _attn_bwd_hopper_kernel(
     q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, DK, DV, DQW, SEM,
     stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh,
     num_n_blocks, num_heads_q, num_heads_k, kv_group_size, seqlen_q, seqlen_k, num_m_blocks,
-    batch, heads_per_group, sm_scale, qk_scale,
+    batch, heads_per_group, stats_rows, sm_scale, qk_scale,
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
     DQ_BUFS: gl.constexpr, IS_CAUSAL: gl.constexpr, WRITER_MODE: gl.constexpr,
     NUM_WG: gl.constexpr, WRITER_REGS_: gl.constexpr, PRODUCER_REGS_: gl.constexpr,
@@ -562,7 +573,7 @@ def _attn_bwd_hopper_kernel(
                              q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem,
                              kv_ready, q_ready, q_empty,
                              num_n_blocks, num_heads_k, kv_group_size, seqlen_q, seqlen_k, num_m_blocks,
-                             batch, heads_per_group, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL)),
+                             batch, heads_per_group, stats_rows, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL)),
         ], [4, 4, 1], [CONSUMER_REGS_, WRITER_REGS_, PRODUCER_REGS_])
     else:
         gl.warp_specialize([
@@ -582,7 +593,7 @@ def _attn_bwd_hopper_kernel(
                              q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem,
                              kv_ready, q_ready, q_empty,
                              num_n_blocks, num_heads_k, kv_group_size, seqlen_q, seqlen_k, num_m_blocks,
-                             batch, heads_per_group, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL)),
+                             batch, heads_per_group, stats_rows, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL)),
         ], [4, 1], [CONSUMER_REGS_, PRODUCER_REGS_])
 
 
@@ -610,6 +621,171 @@ def _dq_finish_kernel(DQW, SEM, DQ, stride_dqb, stride_dqs, stride_dqh, num_head
 
 
 # --------------------------------------------------------------------------------------------------
+# dQ on the tensor cores (configurations with dq_kernel="gluon")
+# --------------------------------------------------------------------------------------------------
+# The dQ kernel of the dK/dV-only form, in the same style: a CTA keeps DQ_WG x 64 query rows of one
+# (batch, query head) with their Q, dO, lse2 and delta, and walks the key blocks that those rows see,
+# K and V streaming through a TMA ring (as the forward's). Per key block j each consumer warpgroup does
+#     S = Q K_j^T    dP = dO V_j^T    P = exp2(S * scale * log2(e) - lse2)    dS = P * (dP - delta)
+#     dQ += dS K_j   (dS from registers; dQ in registers for the whole CTA)
+# and at the end stores dQ * sm_scale. Three tile products per pair, like the Triton dQ kernel.
+
+DQ_WG = 2          # consumer warpgroups of the dQ kernel, 64 query rows each
+
+
+@gluon.jit
+def _dq_coords(num_m_blocks, seqlen_q, seqlen_k, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+               IS_CAUSAL: gl.constexpr):
+    """This CTA's (batch * Hq + head, first query row, key blocks to visit): every key block that
+    some row of the tile sees; causal, the heaviest query blocks first."""
+    pid = gl.program_id(0)
+    pid_m = pid % num_m_blocks
+    if IS_CAUSAL:
+        pid_m = num_m_blocks - 1 - pid_m
+    pid_bh = pid // num_m_blocks
+    start_m = pid_m * BLOCK_M
+    if IS_CAUSAL:
+        hi = gl.minimum(gl.maximum(start_m + BLOCK_M + seqlen_k - seqlen_q, 0), seqlen_k)
+    else:
+        hi = seqlen_k
+    return pid_bh, start_m, gl.cdiv(hi, BLOCK_N)
+
+
+@gluon.jit
+def _dq_producer(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc,
+                 q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, q_ready, kv_ready, kv_empty,
+                 num_heads_q, kv_group_size, seqlen_q, seqlen_k, num_m_blocks, stats_rows,
+                 ROWS: gl.constexpr, NUM_WG: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                 IS_CAUSAL: gl.constexpr):
+    """The query side once (one barrier for all of it), then K_j and V_j into ring slot j % STAGES."""
+    pid_bh, start_m, n_blocks = _dq_coords(num_m_blocks, seqlen_q, seqlen_k, ROWS * NUM_WG, BLOCK_N,
+                                           IS_CAUSAL)
+    off_b = pid_bh // num_heads_q
+    off_h = pid_bh % num_heads_q
+    off_hk = off_h // kv_group_size
+    mbarrier.expect(q_ready, NUM_WG * (q_desc.block_type.nbytes + do_desc.block_type.nbytes
+                                       + 2 * lse_desc.block_type.nbytes))
+    for w in gl.static_range(NUM_WG):
+        row0 = start_m + w * ROWS
+        tma.async_copy_global_to_shared(q_desc, [off_b, row0, off_h, 0], q_ready, q_smem.index(w))
+        tma.async_copy_global_to_shared(do_desc, [off_b, row0, off_h, 0], q_ready, do_smem.index(w))
+        tma.async_copy_global_to_shared(lse_desc, [pid_bh * stats_rows + row0], q_ready, lse_smem.index(w))
+        tma.async_copy_global_to_shared(delta_desc, [pid_bh * stats_rows + row0], q_ready,
+                                        delta_smem.index(w))
+    for j in range(n_blocks):
+        s = j % STAGES
+        mbarrier.wait(kv_empty.index(s), ((j // STAGES) & 1) ^ 1)     # a fresh barrier passes parity 1
+        mbarrier.expect(kv_ready.index(s), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [off_b, j * BLOCK_N, off_hk, 0], kv_ready.index(s),
+                                        k_smem.index(s))
+        tma.async_copy_global_to_shared(v_desc, [off_b, j * BLOCK_N, off_hk, 0], kv_ready.index(s),
+                                        v_smem.index(s))
+
+
+@gluon.jit
+def _dq_consumer(DQ, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, q_ready, kv_ready, kv_empty,
+                 stride_dqb, stride_dqs, stride_dqh, num_heads_q, seqlen_q, seqlen_k, num_m_blocks,
+                 sm_scale, qk_scale,
+                 WG: gl.constexpr, ROWS: gl.constexpr, NUM_WG: gl.constexpr, BLOCK_N: gl.constexpr,
+                 HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr):
+    """Query rows [start_m + WG * ROWS, + ROWS): dQ over every key block of the tile. Rows past
+    seqlen_q (zero Q and dO, lse2 = +inf) and rows that see no key (lse2 = +inf) get p = 0; key rows
+    past seqlen_k and keys after a row's causal diagonal are masked to p = 0 (their zero K rows would
+    otherwise give p = exp2(-lse2), see _bwd_step)."""
+    dtype: gl.constexpr = q_smem.dtype
+    pid_bh, start_m, n_blocks = _dq_coords(num_m_blocks, seqlen_q, seqlen_k, ROWS * NUM_WG, BLOCK_N,
+                                           IS_CAUSAL)
+    off_b = pid_bh // num_heads_q
+    off_h = pid_bh % num_heads_q
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, HEAD_DIM, 16])
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dq_layout, k_width=2)
+    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+    row0 = start_m + WG * ROWS
+    rows = row0 + gl.arange(0, ROWS, layout=row_layout)
+    cols0 = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+    causal_offset = seqlen_k - seqlen_q
+    # Key blocks [0, n_full) are seen in full by every row of this warpgroup: no mask there.
+    if IS_CAUSAL:
+        n_full = gl.minimum(gl.maximum(row0 + causal_offset + 1, 0) // BLOCK_N, seqlen_k // BLOCK_N)
+        col_limit = gl.minimum(rows + causal_offset + 1, seqlen_k)
+    else:
+        n_full = seqlen_k // BLOCK_N
+        col_limit = gl.full([ROWS], 0, gl.int32, row_layout) + seqlen_k
+    q_tile = q_smem.index(WG)
+    do_tile = do_smem.index(WG)
+    mbarrier.wait(q_ready, 0)
+    lse2 = lse_smem.index(WG).load(row_layout)
+    delta = delta_smem.index(WG).load(row_layout)
+    zero_s = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
+    dq = gl.zeros([ROWS, HEAD_DIM], gl.float32, dq_layout)
+    for j in range(n_blocks):
+        s = j % STAGES
+        mbarrier.wait(kv_ready.index(s), (j // STAGES) & 1)
+        k_tile = k_smem.index(s)
+        s_tok = warpgroup_mma(q_tile, k_tile.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        dp_tok = warpgroup_mma(do_tile, v_smem.index(s).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        s_ij = warpgroup_mma_wait(1, deps=(s_tok,))
+        p = gl.exp2(s_ij * qk_scale - lse2[:, None])
+        if j >= n_full:
+            cols = j * BLOCK_N + cols0
+            p = gl.where(cols[None, :] < col_limit[:, None], p, 0.0)
+        dp = warpgroup_mma_wait(0, deps=(dp_tok,))
+        ds = gl.convert_layout((p * (dp - delta[:, None])).to(dtype), a_layout)
+        dq_tok = warpgroup_mma(ds, k_tile, dq, is_async=True)
+        dq, ds = warpgroup_mma_wait(0, deps=(dq_tok, ds))
+        gl.thread_barrier()                  # every warp of the partition is past its wait
+        mbarrier.arrive(kv_empty.index(s), count=1)
+    out_rows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, dq_layout))
+    dims = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, dq_layout))
+    ptrs = DQ + off_b.to(gl.int64) * stride_dqb + off_h.to(gl.int64) * stride_dqh \
+        + out_rows[:, None].to(gl.int64) * stride_dqs + dims[None, :]
+    gl.store(ptrs, (dq * sm_scale).to(DQ.dtype.element_ty), mask=(out_rows < seqlen_q)[:, None])
+
+
+@gluon.jit(do_not_specialize=["num_heads_q", "kv_group_size", "seqlen_q", "seqlen_k", "num_m_blocks"])
+def _attn_bwd_dq_hopper_kernel(
+    q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, DQ,
+    stride_dqb, stride_dqs, stride_dqh,
+    num_heads_q, kv_group_size, seqlen_q, seqlen_k, num_m_blocks, stats_rows, sm_scale, qk_scale,
+    HEAD_DIM: gl.constexpr, ROWS: gl.constexpr, NUM_WG: gl.constexpr, BLOCK_N: gl.constexpr,
+    STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, PRODUCER_REGS_: gl.constexpr, CONSUMER_REGS_: gl.constexpr,
+):
+    dtype: gl.constexpr = q_desc.dtype
+    kv_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
+    q_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, HEAD_DIM], dtype)
+    row_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS], gl.float32)
+    q_smem = gl.allocate_shared_memory(dtype, [NUM_WG, ROWS, HEAD_DIM], q_smem_layout)
+    do_smem = gl.allocate_shared_memory(dtype, [NUM_WG, ROWS, HEAD_DIM], q_smem_layout)
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_smem_layout)
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_smem_layout)
+    lse_smem = gl.allocate_shared_memory(gl.float32, [NUM_WG, ROWS], row_smem_layout)
+    delta_smem = gl.allocate_shared_memory(gl.float32, [NUM_WG, ROWS], row_smem_layout)
+    q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    kv_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_ready, count=1)
+    for s in gl.static_range(STAGES):
+        mbarrier.init(kv_ready.index(s), count=1)
+        mbarrier.init(kv_empty.index(s), count=NUM_WG)     # every consumer warpgroup releases
+    gl.static_assert(NUM_WG == 2, "two consumer partitions")
+    gl.warp_specialize([
+        (_dq_consumer, (DQ, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, q_ready, kv_ready, kv_empty,
+                        stride_dqb, stride_dqs, stride_dqh, num_heads_q, seqlen_q, seqlen_k, num_m_blocks,
+                        sm_scale, qk_scale, 0, ROWS, NUM_WG, BLOCK_N, HEAD_DIM, STAGES, IS_CAUSAL)),
+        (_dq_consumer, (DQ, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, q_ready, kv_ready, kv_empty,
+                        stride_dqb, stride_dqs, stride_dqh, num_heads_q, seqlen_q, seqlen_k, num_m_blocks,
+                        sm_scale, qk_scale, 1, ROWS, NUM_WG, BLOCK_N, HEAD_DIM, STAGES, IS_CAUSAL)),
+        (_dq_producer, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc,
+                        q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, q_ready, kv_ready, kv_empty,
+                        num_heads_q, kv_group_size, seqlen_q, seqlen_k, num_m_blocks, stats_rows,
+                        ROWS, NUM_WG, BLOCK_N, STAGES, IS_CAUSAL)),
+    ], [4, 1], [CONSUMER_REGS_, PRODUCER_REGS_])
+
+
+# --------------------------------------------------------------------------------------------------
 # Launcher
 # --------------------------------------------------------------------------------------------------
 
@@ -621,6 +797,13 @@ def _row_descriptor(t: torch.Tensor, rows: int) -> GluonTensorDescriptor:
     desc.block_shape, desc.padding = [rows], "zero"
     desc.layout = shared_layout((rows,), gl.float32)
     return desc
+
+
+def _check_stats(lse2, delta, seqlen_q):
+    rows = cdiv(seqlen_q, STATS_TILE) * STATS_TILE
+    if lse2.shape[-1] != rows or not lse2.is_contiguous() or not delta.is_contiguous():
+        raise ValueError(f"lse2 / delta must be contiguous [B, Hq, {rows}] (padded_rows); got "
+                         f"{tuple(lse2.shape)}")
 
 
 def supported(q, k, v, dout, variant: str) -> bool:
@@ -649,9 +832,7 @@ def backward_hopper(dout, q, k, v, lse2, delta, sm_scale: float, causal: bool, d
                           device=q.device)
     else:
         dq_work, sem = lse2, delta           # not read without the writer
-    if lse2.shape[-1] != num_m_blocks * block_m or not lse2.is_contiguous() or not delta.is_contiguous():
-        raise ValueError(f"lse2 / delta must be contiguous [B, Hq, {num_m_blocks * block_m}] (padded_rows); "
-                         f"got {tuple(lse2.shape)}")
+    _check_stats(lse2, delta, seqlen_q)
     lse_desc = _row_descriptor(lse2, block_m)
     delta_desc = _row_descriptor(delta, block_m)
     # About one wave of CTAs per group of (batch, KV head) pairs (see _bwd_coords).
@@ -665,7 +846,7 @@ def backward_hopper(dout, q, k, v, lse2, delta, sm_scale: float, causal: bool, d
         q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dk, dv, dq_work, sem,
         dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
         num_n_blocks, heads_q, heads_k, heads_q // heads_k, seqlen_q, seqlen_k, num_m_blocks,
-        batch, heads_per_group, sm_scale, sm_scale * LOG2E,
+        batch, heads_per_group, lse2.shape[-1], sm_scale, sm_scale * LOG2E,
         HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=BLOCK_N, STAGES=cfg["stages"], DQ_BUFS=cfg["dq_bufs"],
         IS_CAUSAL=causal, WRITER_MODE=cfg["writer_mode"], NUM_WG=NUM_WG,
         WRITER_REGS_=cfg["writer_regs"], PRODUCER_REGS_=PRODUCER_REGS, CONSUMER_REGS_=cfg["consumer_regs"],
@@ -679,3 +860,32 @@ def backward_hopper(dout, q, k, v, lse2, delta, sm_scale: float, causal: bool, d
         sm_scale, HEAD_DIM=head_dim, BLOCK_M=block_m, ROWS=rows, SEM_STRIDE_=int(SEM_STRIDE), num_warps=4,
     )
     return dq, dk, dv
+
+
+def dq_on_gluon(variant: str, head_dim: int) -> bool:
+    """Whether a dK/dV-only variant takes its dQ from this file's dQ kernel at this head dim (else
+    from the Triton one)."""
+    return VARIANTS[variant][head_dim].get("dq_kernel") == "gluon"
+
+
+@on_input_device
+def dq_hopper(dout, q, k, v, lse2, delta, sm_scale: float, causal: bool, dq, *, variant: str):
+    """Fill dq ([B, Sq, Hq, D], last stride 1) with the Gluon dQ kernel, from the preprocess
+    kernel's lse2 and delta (padded_rows rows per head)."""
+    batch, seqlen_q, heads_q, head_dim = q.shape
+    _, seqlen_k, heads_k, _ = k.shape
+    cfg = VARIANTS[variant][head_dim]
+    block_n, stages, rows = cfg["dq_block_n"], cfg["dq_stages"], 64
+    num_m_blocks = cdiv(seqlen_q, rows * DQ_WG)
+    _check_stats(lse2, delta, seqlen_q)
+    _attn_bwd_dq_hopper_kernel[(batch * heads_q * num_m_blocks,)](
+        _descriptor(q, rows, head_dim), _descriptor(k, block_n, head_dim), _descriptor(v, block_n, head_dim),
+        _descriptor(dout, rows, head_dim), _row_descriptor(lse2, rows), _row_descriptor(delta, rows), dq,
+        dq.stride(0), dq.stride(1), dq.stride(2),
+        heads_q, heads_q // heads_k, seqlen_q, seqlen_k, num_m_blocks, lse2.shape[-1], sm_scale,
+        sm_scale * LOG2E,
+        HEAD_DIM=head_dim, ROWS=rows, NUM_WG=DQ_WG, BLOCK_N=block_n, STAGES=stages, IS_CAUSAL=causal,
+        PRODUCER_REGS_=PRODUCER_REGS, CONSUMER_REGS_=240,
+        num_warps=4, maxnreg=65536 // (32 * 4 * (DQ_WG + 1)) // 8 * 8,
+    )
+    return dq
