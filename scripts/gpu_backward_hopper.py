@@ -1,7 +1,8 @@
-"""GPU run for the fused Gluon backward (src/triflash/kernels/backward_hopper.py): correctness and
-determinism of each variant first, then timing beside the Triton backward and SDPA's backends.
+"""GPU run for the Gluon backward (src/triflash/kernels/backward_hopper.py): correctness and
+determinism of each variant first, then timing beside the Triton backward kernels (forced: not the
+chooser's pick) and SDPA's backends.
 
-    PYTHONPATH=src python3 scripts/gpu_backward_hopper.py [--variants fused ...] [--skip-check]
+    PYTHONPATH=src python3 scripts/gpu_backward_hopper.py [--variants dkdv split ...] [--skip-check]
         [--watchdog 240]
 
 Correctness, per case: dQ, dK, dV each within 3x the error of PyTorch's own same-dtype attention
@@ -27,6 +28,7 @@ import triton
 
 from triflash.kernels import backward_hopper as BH
 from triflash.kernels.backward import backward
+from triflash.kernels.configs import backward_config
 from triflash.kernels.forward import forward
 from triflash.reference import flash_attn_ref
 
@@ -73,10 +75,19 @@ def max_err(a, b):
     return (a.double() - b.double()).abs().max().item()
 
 
+def backward_as(do, q, k, v, out, lse, scale, causal, variant):
+    """The backward with the Gluon ``variant``, or with the Triton kernels when it is None (an explicit
+    tile config keeps the chooser out: hopper=None alone would let it pick a Gluon variant)."""
+    if variant is None:
+        cfg = backward_config(head_dim=q.shape[-1], dtype=q.dtype, device=q.device)
+        return backward(do, q, k, v, out, lse, scale, causal, config=cfg)
+    return backward(do, q, k, v, out, lse, scale, causal, hopper=variant)
+
+
 def run_backward(q, k, v, do, causal, variant):
     scale = q.shape[-1] ** -0.5
     out, lse = forward(q, k, v, scale, causal)
-    return backward(do, q, k, v, out, lse, scale, causal, hopper=variant)
+    return backward_as(do, q, k, v, out, lse, scale, causal, variant)
 
 
 def check(variants, quick=False):
@@ -165,7 +176,7 @@ def bench(variants, head_dims):
             providers = [("triton", None)] + [(v_, v_) for v_ in variants if d in BH.VARIANTS[v_]]
             for name, var in providers:
                 step(f"bench {name} {row}")
-                fn = lambda var=var: backward(do, q, k, v, out, lse, scale, causal, hopper=var)  # noqa: E731
+                fn = lambda var=var: backward_as(do, q, k, v, out, lse, scale, causal, var)  # noqa: E731
                 ms = triton.testing.do_bench(fn, warmup=50, rep=300, return_mode="median")
                 row[name] = flops / ms / 1e9
             qt, kt, vt = (t.transpose(1, 2).detach().requires_grad_() for t in (q, k, v))

@@ -1,7 +1,7 @@
 """The backward chooser checked where training uses it: ``flash_attn_func`` through autograd, the
 backward alone and forward+backward, with the chooser as it is, the Triton backward kernels forced,
-each Gluon backward form forced (dK/dV only, and the fused kernel), SDPA's cuDNN backend beside them,
-in interleaved rounds.
+each Gluon backward form forced (``dkdv``: the dK/dV kernel, with the Gluon dQ kernel at head_dim 128;
+and the fused kernel), SDPA's cuDNN backend beside them, in interleaved rounds.
 
 Why: the Hopper backward (backward_hopper.py) was chosen from backward-only timings of the kernel
 launcher. In training a forward kernel runs right before it; this checks that the pick holds there
@@ -57,8 +57,9 @@ class PinnedTriflash(Triflash):
         # labelled with a Gluon form must not be them.
         from triflash.kernels import backward_hopper
 
-        if self.pick is not None and (wl.head_dim not in backward_hopper.VARIANTS[self.pick]
-                                      or self.pick in backward_hopper.EXPERIMENTS):
+        if self.pick in backward_hopper.EXPERIMENTS:
+            raise Unavailable(f"{self.pick} is a timing experiment (wrong dQ on purpose)")
+        if self.pick is not None and wl.head_dim not in backward_hopper.VARIANTS[self.pick]:
             raise Unavailable(f"{self.pick} has no head_dim {wl.head_dim} configuration")
 
     @contextlib.contextmanager
@@ -82,7 +83,7 @@ def main(argv=None) -> int:
     print(f"{torch.cuda.get_device_name() if device.type == 'cuda' else 'CPU'} | torch {torch.__version__} | triton {triton.__version__}",
           flush=True)
     timer = DoBench(25, 100)
-    providers = [Triflash(), PinnedTriflash("Triton kernels", None), PinnedTriflash("Gluon dK/dV", "dkdv"),
+    providers = [Triflash(), PinnedTriflash("Triton kernels", None), PinnedTriflash("Gluon dkdv", "dkdv"),
                  PinnedTriflash("fused", "split"), Sdpa("cudnn")]
     for p in providers:
         p.load()

@@ -234,32 +234,51 @@ def test_backward_tile_paths_agree(device, causal, tma, monkeypatch):
 
 # --------------------------------------------------------------------------------------------------
 # The Gluon backward for Hopper (kernels/backward_hopper.py): on an sm_90 GPU, every variant the chooser
-# can take runs the backward grid at the head dims it serves, forced, and so does the fused form
-# (``split``, kept though no longer chosen), whose dQ is accumulated across CTAs in a fixed order
-# (turn counters): the determinism test checks that with many key blocks.
+# can take runs the backward grid at the head dims it serves, forced, and so do the fused form
+# (``split``, kept though no longer chosen; its dQ is accumulated across CTAs in a fixed order, which
+# the determinism test checks with many key blocks) and the Triton kernels (None: the path of every
+# other GPU and of inputs the Gluon kernels do not take, which the chooser no longer picks on sm_90).
 # --------------------------------------------------------------------------------------------------
 
 HOPPER = ON_GPU and torch.cuda.get_device_capability() == (9, 0)
 
 
 def _force_hopper_backward(monkeypatch, variant):
-    """Make the backward take the fused kernel's ``variant``; returns a list that records each launch
-    (so a test can assert that the kernel did run, not a silent fallback to the Triton kernels)."""
+    """Make the backward take the Gluon ``variant`` (None: the Triton kernels). Returns a function
+    that asserts, given the number of backward calls made, that each ran exactly the kernels the
+    variant names (not a silent fallback): the Gluon dK/dV kernel (or the fused one), and the
+    Gluon dQ kernel where the variant's configuration takes it."""
     from triflash.kernels import backward_hopper, configs
 
-    launches = []
-    real = backward_hopper.backward_hopper
+    launches = {"backward_hopper": [], "dq_hopper": []}
 
-    def recording(*args, **kwargs):
-        launches.append(kwargs.get("variant"))
-        return real(*args, **kwargs)
+    def recorder(name):
+        real = getattr(backward_hopper, name)
 
+        def recording(*args, **kwargs):
+            launches[name].append((kwargs.get("variant"), q_head_dim(args)))
+            return real(*args, **kwargs)
+        monkeypatch.setattr(backward_hopper, name, recording)
+
+    def q_head_dim(args):
+        return args[1].shape[-1]                     # (dout, q, k, v, ...)
+
+    recorder("backward_hopper")
+    recorder("dq_hopper")
     monkeypatch.setattr(configs, "hopper_backward_variant", lambda **_: variant)
-    monkeypatch.setattr(backward_hopper, "backward_hopper", recording)
-    return launches
+
+    def check(calls):
+        got = launches["backward_hopper"]
+        assert len(got) == (0 if variant is None else calls), launches
+        assert all(v == variant for v, _ in got)
+        gluon_dq = [d for _, d in got if not backward_hopper.computes_dq(variant)
+                    and backward_hopper.dq_on_gluon(variant, d)]
+        assert launches["dq_hopper"] == [(variant, d) for d in gluon_dq], launches
+    check.launches = launches
+    return check
 
 
-KEPT_VARIANTS = {64: ("split",)}      # not chosen, still tested (see backward_hopper.py)
+KEPT_VARIANTS = {64: ("split", None), 128: (None,)}      # not chosen, still tested (see above)
 
 
 def _tested(head_dim):
@@ -268,12 +287,12 @@ def _tested(head_dim):
     return configs.hopper_backward_candidates(head_dim) + KEPT_VARIANTS.get(head_dim, ())
 
 
-def _hopper_variants():
-    """Every Gluon-backward variant the chooser can take (at some head dim) and the kept fused form,
-    or none off sm_90."""
+def _hopper_variants(head_dims=(64, 128)):
+    """(variant, head_dim) for every variant the chooser can take, the kept fused form and the Triton
+    kernels (None), or none off sm_90."""
     if not HOPPER:
         return []
-    return sorted({v for d in (64, 128) for v in _tested(d)})
+    return [pytest.param(v, d, id=f"{v or 'triton'}-D{d}") for d in head_dims for v in _tested(d)]
 
 
 def _hopper_cases():
@@ -286,7 +305,7 @@ def _hopper_cases():
                     SEQLENS + [(4096 + 13, 4096 + 13), (1500, 1000), (1000, 1500)], [False, True],
                     [torch.float16, torch.bfloat16], HEADS):
                 batch = 1 if sq * sk > 100_000 else 2
-                cid = (f"{variant}-B{batch}-Sq{sq}-Sk{sk}-D{d}-{'causal' if causal else 'full'}-"
+                cid = (f"{variant or 'triton'}-B{batch}-Sq{sq}-Sk{sk}-D{d}-{'causal' if causal else 'full'}-"
                        f"{DTYPE_ID[dtype]}-{HEADS_ID[heads]}")
                 cases.append(pytest.param(variant, batch, sq, sk, d, causal, dtype, heads, id=cid))
     return cases
@@ -296,42 +315,73 @@ def _hopper_cases():
 @pytest.mark.parametrize("variant,batch,seqlen_q,seqlen_k,head_dim,causal,dtype,heads", _hopper_cases())
 def test_hopper_backward_matches_reference(device, monkeypatch, variant, batch, seqlen_q, seqlen_k, head_dim,
                                            causal, dtype, heads):
-    launches = _force_hopper_backward(monkeypatch, variant)
+    check = _force_hopper_backward(monkeypatch, variant)
     q, k, v = _inputs(batch, seqlen_q, seqlen_k, heads[0], heads[1], head_dim, dtype, device)
     out = triflash.flash_attn_func(q, k, v, causal=causal)
     dout = torch.randn_like(out)
     out.backward(dout)
-    assert launches == [variant]
+    check(1)
     assert_grads_3x((q.grad, k.grad, v.grad), q, k, v, dout, causal, dtype)
 
 
 @pytest.mark.skipif(not HOPPER, reason="the Gluon backward runs on sm_90 only")
-@pytest.mark.parametrize("variant", _hopper_variants())
+@pytest.mark.parametrize("variant,head_dim", _hopper_variants())
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_hopper_backward_ragged_keys_with_very_negative_scores(device, monkeypatch, variant, causal):
-    """Every score about -24 and a key count that is no multiple of the 128-key block: the padded key
-    rows (read as zeros, score 0) must not get p = exp2(-lse2) ~ 6e6, whose dS overflows fp16 and
-    turns dQ into NaN through inf * 0."""
-    launches = _force_hopper_backward(monkeypatch, variant)
-    q = torch.full((1, 4100, 2, 64), -3.0, dtype=torch.float16, device=device)
+def test_hopper_backward_ragged_keys_with_very_negative_scores(device, monkeypatch, variant, head_dim, causal):
+    """Every score about -24 and a key count that is no multiple of the key tiles: the padded key rows
+    (read as zeros, score 0) must not get p = exp2(-lse2) ~ 6e6, whose dS overflows fp16 and turns dQ
+    into NaN through inf * 0 (the dK/dV kernels and the dQ kernels each mask them)."""
+    check = _force_hopper_backward(monkeypatch, variant)
+    scale = (64 / head_dim) ** 0.5                   # scores ~ -24 at either head dim
+    q = torch.full((1, 4100, 2, head_dim), -3.0 * scale, dtype=torch.float16, device=device)
     q = (q + 0.01 * torch.randn_like(q)).requires_grad_()
-    k = (1.0 + 0.01 * torch.randn(1, 4100, 2, 64, device=device)).half().requires_grad_()
-    v = torch.randn(1, 4100, 2, 64, dtype=torch.float16, device=device, requires_grad=True)
+    k = (1.0 + 0.01 * torch.randn(1, 4100, 2, head_dim, device=device)).half().requires_grad_()
+    v = torch.randn(1, 4100, 2, head_dim, dtype=torch.float16, device=device, requires_grad=True)
     out = triflash.flash_attn_func(q, k, v, causal=causal)
     dout = torch.randn_like(out)
     out.backward(dout)
-    assert launches == [variant]
+    check(1)
     assert_grads_3x((q.grad, k.grad, v.grad), q, k, v, dout, causal, torch.float16)
 
 
 @pytest.mark.skipif(not HOPPER, reason="the Gluon backward runs on sm_90 only")
-@pytest.mark.parametrize("variant", _hopper_variants())
+@pytest.mark.parametrize("variant,head_dim", _hopper_variants())
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_hopper_backward_is_deterministic(device, monkeypatch, variant, causal):
-    """33 key blocks add into every dQ block, from 33 CTAs: 20 passes give bit-identical gradients."""
-    launches = _force_hopper_backward(monkeypatch, variant)
-    _assert_20_passes_equal(*_inputs(2, 4096 + 13, 4096 + 13, 8, 2, 64, torch.float16, device), causal=causal)
-    assert launches == [variant] * 20
+def test_hopper_backward_is_deterministic(device, monkeypatch, variant, head_dim, causal):
+    """33 key blocks of 128 per sequence (for the fused form: 33 CTAs add into every dQ block): 20
+    passes give bit-identical gradients."""
+    check = _force_hopper_backward(monkeypatch, variant)
+    _assert_20_passes_equal(*_inputs(2, 4096 + 13, 4096 + 13, 8, 2, head_dim, torch.float16, device), causal=causal)
+    check(20)
+
+
+@pytest.mark.skipif(not HOPPER, reason="the Gluon backward runs on sm_90 only")
+@pytest.mark.parametrize("variant,head_dim", _hopper_variants())
+@pytest.mark.parametrize("wanted", ["q", "kv"])
+def test_hopper_backward_partial_gradients(device, monkeypatch, variant, head_dim, wanted):
+    """Only dQ, or only dK and dV: each kernel of the Hopper path run alone (the dQ kernels then read
+    the padded statistics without the dK/dV kernel beside them) gives the full backward's gradients
+    bit for bit, and the kernels that are not needed do not run."""
+    from triflash.kernels import backward_hopper
+
+    check = _force_hopper_backward(monkeypatch, variant)
+    q, k, v = _inputs(1, 1000, 1500, 8, 2, head_dim, torch.float16, device)
+    dout = torch.randn_like(q)
+    ref = torch.autograd.grad(triflash.flash_attn_func(q, k, v, causal=True), (q, k, v), dout)
+    check(1)
+    before = {name: len(calls) for name, calls in check.launches.items()}
+    leaves = [t.detach().requires_grad_(name in wanted) for t, name in zip((q, k, v), "qkv")]
+    got = torch.autograd.grad(triflash.flash_attn_func(*leaves, causal=True),
+                              [t for t in leaves if t.requires_grad], dout)
+    for g, r in zip(got, [r for r, name in zip(ref, "qkv") if name in wanted]):
+        assert torch.equal(g, r)
+    ran = {name: len(calls) - before[name] for name, calls in check.launches.items()}
+    fused = variant is not None and backward_hopper.computes_dq(variant)
+    gluon_dq = variant is not None and not fused and backward_hopper.dq_on_gluon(variant, head_dim)
+    if wanted == "q":
+        assert ran == {"backward_hopper": int(fused), "dq_hopper": int(gluon_dq)}
+    else:
+        assert ran == {"backward_hopper": int(variant is not None), "dq_hopper": 0}
 
 
 def test_hopper_backward_chooser(monkeypatch):

@@ -320,7 +320,8 @@ def test_torch_func_second_derivative_raises(device):
 def test_training_step_replays_in_a_cuda_graph(seqlen, head_dim):
     """A forward and backward captured in a CUDA graph (no host sync, nothing allocated outside the
     graph's pool) replay to the eager results, bit for bit (the kernels are deterministic), also
-    after the inputs change in place. 4096 x 64 takes the fused Hopper backward on sm_90."""
+    after the inputs change in place. On sm_90 both take the Gluon dK/dV kernel; 512 x 128 its Gluon
+    dQ kernel too, 4096 x 64 the Triton dQ kernel."""
     gen = torch.Generator(device="cuda").manual_seed(0)
 
     def randn(*shape):

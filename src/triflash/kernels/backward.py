@@ -21,9 +21,11 @@ blocks on the diagonal or at the ragged end of the keys pay for an element mask.
 
 On sm_90, where ``configs.hopper_backward_variant`` picks it (fp16/bf16 at head_dim 64 and 128), step 2
 runs on a Gluon kernel instead (backward_hopper.py, its dK/dV-only form): the same per-block work on
-Hopper's warpgroup MMAs with a TMA-fed Q/dO ring (the backward 9-20% faster at head_dim 128, 8-14% at
-64, run 50). At head_dim 128 step 3 runs on backward_hopper.py's Gluon dQ kernel too (another 1-12%,
-run 52); at 64 it stays this file's dQ kernel. LSE2/Delta rows are then padded to whole 128-row tiles.
+Hopper's warpgroup MMAs with a TMA-fed Q/dO ring (run 50: the backward 9-20% faster at head_dim 128,
+and at 64 9-10% faster than these kernels at 1k keys and 9-20% faster than the fused Gluon kernel
+taken there before). At head_dim 128 step 3 runs on backward_hopper.py's Gluon dQ kernel too
+(another 1-12%, run 52); at 64 it stays this file's dQ kernel. LSE2/Delta rows are then padded to
+whole 128-row tiles, and both Triton kernels read them with that row stride (``stats_rows``).
 """
 
 from __future__ import annotations
@@ -136,7 +138,7 @@ def _dkdv_inner(
     return dk, dv
 
 
-@triton.jit(do_not_specialize=["seqlen_q", "seqlen_k", "num_n_blocks"])
+@triton.jit(do_not_specialize=["seqlen_q", "seqlen_k", "num_n_blocks", "stats_rows"])
 def _bwd_dkdv_kernel(
     Q, K, V, DO, LSE2, Delta, DK, DV,
     stride_qb, stride_qs, stride_qh,
@@ -145,12 +147,13 @@ def _bwd_dkdv_kernel(
     stride_dob, stride_dos, stride_doh,
     stride_dkb, stride_dks, stride_dkh,
     stride_dvb, stride_dvs, stride_dvh,
-    num_heads_q, num_heads_k, kv_group_size, seqlen_q, seqlen_k, num_n_blocks,
+    num_heads_q, num_heads_k, kv_group_size, seqlen_q, seqlen_k, num_n_blocks, stats_rows,
     sm_scale, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr, PRECISE_P: tl.constexpr, TMA: tl.constexpr,
 ):
-    """TMA: Q and DO are host-built 4-D tensor descriptors instead of pointers."""
+    """TMA: Q and DO are host-built 4-D tensor descriptors instead of pointers. LSE2 and Delta are
+    [B, Hq, stats_rows] (stats_rows >= seqlen_q), as for the dQ kernel."""
     pid = tl.program_id(0)
     pid_n = pid % num_n_blocks
     pid_bh = pid // num_n_blocks
@@ -184,7 +187,7 @@ def _bwd_dkdv_kernel(
     # GQA: every query head of this KV head's group contributes to its dK and dV.
     for g in range(kv_group_size):
         off_h = off_hk * kv_group_size + g
-        row0 = (off_b * num_heads_q + off_h).to(tl.int64) * seqlen_q
+        row0 = (off_b * num_heads_q + off_h).to(tl.int64) * stats_rows
         if TMA:
             q_src, do_src = Q, DO
         else:
@@ -341,8 +344,9 @@ def backward(dout, q, k, v, out, lse, sm_scale: float, causal: bool, *, dlse=Non
     dq / dk / dv may be preallocated [B, S, H, D] views to write into. Only the requested gradients are
     computed (need_dq, need_dkdv); the others come back as None. Returns (dq, dk, dv).
     ``hopper``: a variant of the Gluon kernel (backward_hopper.VARIANTS) to use where it applies; None
-    lets ``configs.hopper_backward_variant`` choose (no ``config`` given). A dK/dV-only variant
-    leaves dQ to the Triton dQ kernel.
+    lets ``configs.hopper_backward_variant`` choose (no ``config`` given; an explicit ``config``
+    runs the Triton kernels). A dK/dV-only variant takes dQ from the Gluon dQ kernel where its
+    configuration says so (``backward_hopper.dq_on_gluon``), else from the Triton dQ kernel.
     """
     batch, seqlen_q, heads_q, head_dim = q.shape
     _, seqlen_k, heads_k, _ = k.shape
@@ -406,7 +410,7 @@ def backward(dout, q, k, v, out, lse, sm_scale: float, causal: bool, *, dlse=Non
         _bwd_dkdv_kernel[(n_blocks * batch * heads_k,)](
             Q, k, v, DO, lse2, delta, dk, dv,
             *_s(q), *_s(k), *_s(v), *_s(dout), *_s(dk), *_s(dv),
-            heads_q, heads_k, group, seqlen_q, seqlen_k, n_blocks,
+            heads_q, heads_k, group, seqlen_q, seqlen_k, n_blocks, rows_out,
             sm_scale, sm_scale * LOG2E,
             HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=dkdv_cfg.block_m, BLOCK_N=dkdv_cfg.block_n,
             IS_CAUSAL=causal, DOT_PRECISION=precision, PRECISE_P=precise_p, TMA=tma,

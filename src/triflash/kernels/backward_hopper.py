@@ -25,7 +25,7 @@ registers. It walks the query blocks that see those keys and, per block, does
   rows, and the backward may not use atomics. The sections below describe how the partials are added
   in a fixed order. That order and the partials' fp32 read-add-write through L2 cost about 25% of the
   kernel's time (runs 30-31), more than the two products the other form recomputes: run 50 measured
-  ``dkdv`` 4-15% ahead of it at head_dim 64, so it is no longer chosen. It stays as the deterministic
+  ``dkdv`` 9-20% ahead of it at head_dim 64, so it is no longer chosen. It stays as the deterministic
   5-product design that a cheaper cross-CTA sum (through a cluster's distributed shared memory, say)
   would start from, and the GPU tests still run it.
 
@@ -104,13 +104,18 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTen
 
 from .common import LOG2E, on_input_device
 from .configs import cdiv, sm_count
-from .forward_hopper import _descriptor, shared_layout
+from .forward_hopper import _descriptor, _tile_coords, shared_layout
 from .forward_hopper import supported as forward_supported
 
 BLOCK_N = 128              # keys per CTA: 64 per consumer partition
 NUM_WG = 2                 # consumer partitions (one warpgroup each)
 SEM_STRIDE: gl.constexpr = gl.constexpr(32)   # int32 per turn counter: one 128-byte line each
 PRODUCER_REGS = 24
+# Launches of three warpgroups (two consumers and the producer's, no writer): the dK/dV-only form and
+# the dQ kernel. maxnreg at launch, and what setmaxnreg then gives each consumer: what the producer
+# gives up, up to setmaxnreg's 240 (FA3's split at head_dim 128).
+MAXNREG_3WG = 65536 // (32 * 4 * 3) // 8 * 8
+CONSUMER_REGS_3WG = min(240, (65536 - 128 * PRODUCER_REGS) // (128 * 2) // 8 * 8)
 
 # name -> head_dim -> config. block_m: query rows per step; stages: Q/dO ring depth;
 # dq_bufs: dQ partial buffers between the consumers and the writer (it takes two per round);
@@ -141,12 +146,15 @@ EXPERIMENTS = ("x_split_unordered", "x_split_nowrite")     # wrong dQ on purpose
 STATS_TILE = 128      # every query tile of these kernels divides it
 
 
+def _stats_rows(seqlen_q: int) -> int:
+    return cdiv(seqlen_q, STATS_TILE) * STATS_TILE
+
+
 def padded_rows(seqlen_q: int, variant: str, head_dim: int) -> int:
     """Rows per (batch, query head) of the delta / lse2 buffers the kernels read: whole query tiles
     (a multiple of STATS_TILE, so any of the kernels' tiles reads inside its own head's rows)."""
-    block_m = VARIANTS[variant][head_dim]["block_m"]
-    assert STATS_TILE % block_m == 0
-    return cdiv(seqlen_q, STATS_TILE) * STATS_TILE
+    assert STATS_TILE % VARIANTS[variant][head_dim]["block_m"] == 0
+    return _stats_rows(seqlen_q)
 
 
 def computes_dq(variant: str) -> bool:
@@ -167,10 +175,7 @@ def variant_config(variant: str, head_dim: int) -> dict:
         spare = cfg["maxnreg"] * (NUM_WG + 2) - PRODUCER_REGS - cfg["writer_regs"]
         cfg["consumer_regs"] = spare // NUM_WG // 8 * 8
     else:
-        # Three warpgroups (two consumers, the producer's): what the producer gives up goes to the
-        # consumers, up to setmaxnreg's 240 (FA3's split at head_dim 128).
-        cfg["maxnreg"] = 65536 // (32 * 4 * (NUM_WG + 1)) // 8 * 8
-        cfg["consumer_regs"] = min(240, (65536 - 128 * PRODUCER_REGS) // (128 * NUM_WG) // 8 * 8)
+        cfg["maxnreg"], cfg["consumer_regs"] = MAXNREG_3WG, CONSUMER_REGS_3WG
         cfg.update(dq_bufs=2, writer_regs=0, writer_mode=0)     # unused without the writer
     return cfg
 
@@ -631,24 +636,8 @@ def _dq_finish_kernel(DQW, SEM, DQ, stride_dqb, stride_dqs, stride_dqh, num_head
 # and at the end stores dQ * sm_scale. Three tile products per pair, like the Triton dQ kernel.
 
 DQ_WG = 2          # consumer warpgroups of the dQ kernel, 64 query rows each
-
-
-@gluon.jit
-def _dq_coords(num_m_blocks, seqlen_q, seqlen_k, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-               IS_CAUSAL: gl.constexpr):
-    """This CTA's (batch * Hq + head, first query row, key blocks to visit): every key block that
-    some row of the tile sees; causal, the heaviest query blocks first."""
-    pid = gl.program_id(0)
-    pid_m = pid % num_m_blocks
-    if IS_CAUSAL:
-        pid_m = num_m_blocks - 1 - pid_m
-    pid_bh = pid // num_m_blocks
-    start_m = pid_m * BLOCK_M
-    if IS_CAUSAL:
-        hi = gl.minimum(gl.maximum(start_m + BLOCK_M + seqlen_k - seqlen_q, 0), seqlen_k)
-    else:
-        hi = seqlen_k
-    return pid_bh, start_m, gl.cdiv(hi, BLOCK_N)
+DQ_ROWS = 64
+assert STATS_TILE % (DQ_WG * DQ_ROWS) == 0
 
 
 @gluon.jit
@@ -657,12 +646,12 @@ def _dq_producer(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc,
                  num_heads_q, kv_group_size, seqlen_q, seqlen_k, num_m_blocks, stats_rows,
                  ROWS: gl.constexpr, NUM_WG: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                  IS_CAUSAL: gl.constexpr):
-    """The query side once (one barrier for all of it), then K_j and V_j into ring slot j % STAGES."""
-    pid_bh, start_m, n_blocks = _dq_coords(num_m_blocks, seqlen_q, seqlen_k, ROWS * NUM_WG, BLOCK_N,
-                                           IS_CAUSAL)
-    off_b = pid_bh // num_heads_q
-    off_h = pid_bh % num_heads_q
-    off_hk = off_h // kv_group_size
+    """The query side once (one barrier for all of it), then K_j and V_j into ring slot j % STAGES.
+    The tile and its key blocks are the forward's (``_tile_coords``: every key block some row of the
+    tile sees; causal, the heaviest query blocks first)."""
+    pid_bh, off_b, off_h, off_hk, start_m, n_blocks, _ = _tile_coords(
+        gl.program_id(0), 0, num_m_blocks, num_heads_q, kv_group_size, seqlen_q, seqlen_k, ROWS * NUM_WG,
+        BLOCK_N, IS_CAUSAL, False)
     mbarrier.expect(q_ready, NUM_WG * (q_desc.block_type.nbytes + do_desc.block_type.nbytes
                                        + 2 * lse_desc.block_type.nbytes))
     for w in gl.static_range(NUM_WG):
@@ -684,8 +673,8 @@ def _dq_producer(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc,
 
 @gluon.jit
 def _dq_consumer(DQ, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, q_ready, kv_ready, kv_empty,
-                 stride_dqb, stride_dqs, stride_dqh, num_heads_q, seqlen_q, seqlen_k, num_m_blocks,
-                 sm_scale, qk_scale,
+                 stride_dqb, stride_dqs, stride_dqh, num_heads_q, kv_group_size, seqlen_q, seqlen_k,
+                 num_m_blocks, sm_scale, qk_scale,
                  WG: gl.constexpr, ROWS: gl.constexpr, NUM_WG: gl.constexpr, BLOCK_N: gl.constexpr,
                  HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr):
     """Query rows [start_m + WG * ROWS, + ROWS): dQ over every key block of the tile. Rows past
@@ -693,10 +682,9 @@ def _dq_consumer(DQ, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, q_re
     past seqlen_k and keys after a row's causal diagonal are masked to p = 0 (their zero K rows would
     otherwise give p = exp2(-lse2), see _bwd_step)."""
     dtype: gl.constexpr = q_smem.dtype
-    pid_bh, start_m, n_blocks = _dq_coords(num_m_blocks, seqlen_q, seqlen_k, ROWS * NUM_WG, BLOCK_N,
-                                           IS_CAUSAL)
-    off_b = pid_bh // num_heads_q
-    off_h = pid_bh % num_heads_q
+    pid_bh, off_b, off_h, off_hk, start_m, n_blocks, _ = _tile_coords(
+        gl.program_id(0), 0, num_m_blocks, num_heads_q, kv_group_size, seqlen_q, seqlen_k, ROWS * NUM_WG,
+        BLOCK_N, IS_CAUSAL, False)
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
     dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -773,11 +761,13 @@ def _attn_bwd_dq_hopper_kernel(
     gl.static_assert(NUM_WG == 2, "two consumer partitions")
     gl.warp_specialize([
         (_dq_consumer, (DQ, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, q_ready, kv_ready, kv_empty,
-                        stride_dqb, stride_dqs, stride_dqh, num_heads_q, seqlen_q, seqlen_k, num_m_blocks,
-                        sm_scale, qk_scale, 0, ROWS, NUM_WG, BLOCK_N, HEAD_DIM, STAGES, IS_CAUSAL)),
+                        stride_dqb, stride_dqs, stride_dqh, num_heads_q, kv_group_size, seqlen_q, seqlen_k,
+                        num_m_blocks, sm_scale, qk_scale, 0, ROWS, NUM_WG, BLOCK_N, HEAD_DIM, STAGES,
+                        IS_CAUSAL)),
         (_dq_consumer, (DQ, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, q_ready, kv_ready, kv_empty,
-                        stride_dqb, stride_dqs, stride_dqh, num_heads_q, seqlen_q, seqlen_k, num_m_blocks,
-                        sm_scale, qk_scale, 1, ROWS, NUM_WG, BLOCK_N, HEAD_DIM, STAGES, IS_CAUSAL)),
+                        stride_dqb, stride_dqs, stride_dqh, num_heads_q, kv_group_size, seqlen_q, seqlen_k,
+                        num_m_blocks, sm_scale, qk_scale, 1, ROWS, NUM_WG, BLOCK_N, HEAD_DIM, STAGES,
+                        IS_CAUSAL)),
         (_dq_producer, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc,
                         q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, q_ready, kv_ready, kv_empty,
                         num_heads_q, kv_group_size, seqlen_q, seqlen_k, num_m_blocks, stats_rows,
@@ -800,7 +790,7 @@ def _row_descriptor(t: torch.Tensor, rows: int) -> GluonTensorDescriptor:
 
 
 def _check_stats(lse2, delta, seqlen_q):
-    rows = cdiv(seqlen_q, STATS_TILE) * STATS_TILE
+    rows = _stats_rows(seqlen_q)
     if lse2.shape[-1] != rows or not lse2.is_contiguous() or not delta.is_contiguous():
         raise ValueError(f"lse2 / delta must be contiguous [B, Hq, {rows}] (padded_rows); got "
                          f"{tuple(lse2.shape)}")
@@ -817,8 +807,8 @@ def supported(q, k, v, dout, variant: str) -> bool:
 def backward_hopper(dout, q, k, v, lse2, delta, sm_scale: float, causal: bool, dq, dk, dv, *,
                     variant: str = "split"):
     """Fill dq, dk, dv ([B, S, H, D] views, last stride 1) from dout and the preprocess kernel's lse2
-    (base-2 LSE, +inf for rows without keys) and delta ([B, Hq, Sq] float32). A variant without dQ
-    (``computes_dq``) fills dk and dv only and leaves dq (which may be None) alone."""
+    (base-2 LSE, +inf for rows without keys) and delta ([B, Hq, padded_rows] float32). A variant
+    without dQ (``computes_dq``) fills dk and dv only and leaves dq (which may be None) alone."""
     batch, seqlen_q, heads_q, head_dim = q.shape
     _, seqlen_k, heads_k, _ = k.shape
     cfg = variant_config(variant, head_dim)
@@ -875,7 +865,7 @@ def dq_hopper(dout, q, k, v, lse2, delta, sm_scale: float, causal: bool, dq, *, 
     batch, seqlen_q, heads_q, head_dim = q.shape
     _, seqlen_k, heads_k, _ = k.shape
     cfg = VARIANTS[variant][head_dim]
-    block_n, stages, rows = cfg["dq_block_n"], cfg["dq_stages"], 64
+    block_n, stages, rows = cfg["dq_block_n"], cfg["dq_stages"], DQ_ROWS
     num_m_blocks = cdiv(seqlen_q, rows * DQ_WG)
     _check_stats(lse2, delta, seqlen_q)
     _attn_bwd_dq_hopper_kernel[(batch * heads_q * num_m_blocks,)](
@@ -885,7 +875,7 @@ def dq_hopper(dout, q, k, v, lse2, delta, sm_scale: float, causal: bool, dq, *, 
         heads_q, heads_q // heads_k, seqlen_q, seqlen_k, num_m_blocks, lse2.shape[-1], sm_scale,
         sm_scale * LOG2E,
         HEAD_DIM=head_dim, ROWS=rows, NUM_WG=DQ_WG, BLOCK_N=block_n, STAGES=stages, IS_CAUSAL=causal,
-        PRODUCER_REGS_=PRODUCER_REGS, CONSUMER_REGS_=240,
-        num_warps=4, maxnreg=65536 // (32 * 4 * (DQ_WG + 1)) // 8 * 8,
+        PRODUCER_REGS_=PRODUCER_REGS, CONSUMER_REGS_=CONSUMER_REGS_3WG,
+        num_warps=4, maxnreg=MAXNREG_3WG,
     )
     return dq

@@ -73,7 +73,7 @@ BWD_PREPROCESS_BLOCK_M = 64
 INTERPRETER_BWD = (BwdConfig(32, 64, 1, 1), BwdConfig(64, 32, 1, 1))
 
 
-# The fused Gluon backward's variants the backward chooses from (backward_hopper.VARIANTS), per head dim.
+# The Gluon backward's variants the backward chooses from (backward_hopper.VARIANTS), per head dim.
 HOPPER_BACKWARD_VARIANTS = {64: ("dkdv",), 128: ("dkdv",)}
 
 
@@ -87,13 +87,13 @@ def hopper_backward_variant(*, head_dim: int, dtype, device, causal: bool, seqle
     """The Gluon backward variant (backward_hopper.py) the backward takes, or None for the Triton
     kernels. ``dkdv`` (dK and dV on the Gluon kernel; dQ on the Gluon dQ kernel at head_dim 128 and
     on the Triton one at 64) at head_dim 64 and 128, every length, causal or not. Measured on the
-    H200 (performance-notes.md, run 50, before the Gluon dQ kernel), fp16 backward TFLOP/s, Triton
-    kernels -> dkdv: 4,16,4096,128 336.9 -> 405.4 (causal 298.3 -> 347.0),
-    1,16,16384,128 348.8 -> 419.5 (328.8 -> 377.5), 16,16,1024,128 289.6 -> 325.1 (228.1 -> 248.3);
-    4,16,4096,64 335.7 -> 362.9 (296.1 -> 337.1), 16,32,1024,64 287.1 -> 314.1 (222.6 -> 245.4). The
-    fused kernel (``split``, taken at head_dim 64 from 4k keys before) read 333.9 / 292.2 and 280.7 /
-    205.2 there. Run 52, the Gluon dQ kernel at head_dim 128: 403.6 -> 425.4 at 4k (causal 346.5 ->
-    370.3), 422.8 -> 452.9 at 16k (377.3 -> 418.6), 326.0 -> 342.4 at 1k (248.6 -> 251.6)."""
+    H200 (performance-notes.md), fp16 backward TFLOP/s. Run 50 (dQ on the Triton kernel then), the
+    Triton kernels -> dkdv: 4,16,4096,128 336.9 -> 405.4 (causal 298.3 -> 347.0), 1,16,16384,128
+    348.8 -> 419.5 (328.8 -> 377.5), 16,16,1024,128 289.6 -> 325.1 (228.1 -> 248.3), 16,32,1024,64
+    287.1 -> 314.1 (222.6 -> 245.4); the fused kernel (``split``, taken at head_dim 64 from 4k keys
+    before) -> dkdv: 4,16,4096,64 333.9 -> 362.9 (292.2 -> 337.1), 16,32,1024,64 280.7 -> 314.1
+    (205.2 -> 245.4). Run 52, the Gluon dQ kernel at head_dim 128: 403.6 -> 425.4 at 4k (causal
+    346.5 -> 370.3), 422.8 -> 452.9 at 16k (377.3 -> 418.6), 326.0 -> 342.4 at 1k (248.6 -> 251.6)."""
     if not hopper_forward_applies(head_dim=head_dim, dtype=dtype, device=device):
         return None
     return "dkdv"
