@@ -154,36 +154,37 @@ def cases(variants):
                                   FH.forward_hopper(q, k, v, 0.1, c, variant=var))
 
 
-def backward_cases(variants):
+def _backward_inputs(variants, want):
+    """(label suffix, variant, q, k, v, do, stats, causal) for each variant, head dim and dtype where
+    ``want(variant, head_dim)``: the shapes every backward compile case uses."""
     for variant in variants:
         for d in sorted(BH.VARIANTS[variant]):
-            for dtype in (torch.float16, torch.bfloat16):
-                for causal in (False, True):
-                    q = torch.randn(2, 1000, 8, d, dtype=dtype)
-                    k = torch.randn(2, 1500, 2, d, dtype=dtype)
-                    v = torch.randn(2, 1500, 2, d, dtype=dtype)
-                    do = torch.randn_like(q)
-                    stats = torch.zeros(2, 8, 1024)
-                    label = f"bwd {variant} D{d} {TYPES[dtype]} {'causal' if causal else 'full'}"
-                    yield label, (lambda q=q, k=k, v=v, do=do, st=stats, c=causal, var=variant:
-                                  _backward_without_finish(do, q, k, v, st, c, var))
-
-
-def dq_cases(variants):
-    """The Gluon dQ kernel, for the variants and head dims that take it (backward_hopper.dq_on_gluon)."""
-    for variant in variants:
-        for d in sorted(BH.VARIANTS[variant]):
-            if BH.computes_dq(variant) or not BH.dq_on_gluon(variant, d):
+            if not want(variant, d):
                 continue
             for dtype in (torch.float16, torch.bfloat16):
                 for causal in (False, True):
                     q = torch.randn(2, 1000, 8, d, dtype=dtype)
                     k = torch.randn(2, 1500, 2, d, dtype=dtype)
-                    do = torch.randn_like(q)
-                    stats = torch.zeros(2, 8, 1024)
-                    label = f"bwd-dq {variant} D{d} {TYPES[dtype]} {'causal' if causal else 'full'}"
-                    yield label, (lambda q=q, k=k, do=do, st=stats, c=causal, var=variant:
-                                  BH.dq_hopper(do, q, k, k, st, st, 0.1, c, torch.empty_like(q), variant=var))
+                    v = torch.randn(2, 1500, 2, d, dtype=dtype)
+                    stats = torch.zeros(2, 8, BH.padded_rows(1000))
+                    label = f"{variant} D{d} {TYPES[dtype]} {'causal' if causal else 'full'}"
+                    yield label, variant, q, k, v, torch.randn_like(q), stats, causal
+
+
+def backward_cases(variants):
+    for label, variant, q, k, v, do, stats, causal in _backward_inputs(variants, lambda var, d: True):
+        yield f"bwd {label}", (lambda q=q, k=k, v=v, do=do, st=stats, c=causal, var=variant:
+                               _backward_without_finish(do, q, k, v, st, c, var))
+
+
+def dq_cases(variants):
+    """The Gluon dQ kernel, for the variants and head dims that take it (backward_hopper.dq_on_gluon)."""
+    def takes_it(variant, d):
+        return not BH.computes_dq(variant) and BH.dq_on_gluon(variant, d)
+
+    for label, variant, q, k, v, do, stats, causal in _backward_inputs(variants, takes_it):
+        yield f"bwd-dq {label}", (lambda q=q, k=k, v=v, do=do, st=stats, c=causal, var=variant:
+                                  BH.dq_hopper(do, q, k, v, st, st, 0.1, c, torch.empty_like(q), variant=var))
 
 
 def _backward_without_finish(do, q, k, v, stats, causal, variant):

@@ -385,7 +385,7 @@ def backward(dout, q, k, v, out, lse, sm_scale: float, causal: bool, *, dlse=Non
         if not backward_hopper.supported(q, k, v, dout, hopper):
             hopper = None
     # The Hopper kernel reads delta and lse2 in whole tiles: their rows are padded to a tile multiple.
-    rows_out = backward_hopper.padded_rows(seqlen_q, hopper, head_dim) if hopper is not None else seqlen_q
+    rows_out = backward_hopper.padded_rows(seqlen_q) if hopper is not None else seqlen_q
     delta, lse2 = preprocess(dout, out, lse, dlse, rows_out, precise_p)
     if hopper is not None and backward_hopper.computes_dq(hopper):
         # The fused kernel computes all three gradients; unrequested ones go to scratch tensors.

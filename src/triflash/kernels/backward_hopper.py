@@ -144,17 +144,13 @@ EXPERIMENTS = ("x_split_unordered", "x_split_nowrite")     # wrong dQ on purpose
 
 
 STATS_TILE = 128      # every query tile of these kernels divides it
+assert all(STATS_TILE % cfg["block_m"] == 0 for by_dim in VARIANTS.values() for cfg in by_dim.values())
 
 
-def _stats_rows(seqlen_q: int) -> int:
+def padded_rows(seqlen_q: int) -> int:
+    """Rows per (batch, query head) of the delta / lse2 buffers the Gluon kernels read: whole query
+    tiles (a multiple of STATS_TILE, so any of the kernels' tiles reads inside its own head's rows)."""
     return cdiv(seqlen_q, STATS_TILE) * STATS_TILE
-
-
-def padded_rows(seqlen_q: int, variant: str, head_dim: int) -> int:
-    """Rows per (batch, query head) of the delta / lse2 buffers the kernels read: whole query tiles
-    (a multiple of STATS_TILE, so any of the kernels' tiles reads inside its own head's rows)."""
-    assert STATS_TILE % VARIANTS[variant][head_dim]["block_m"] == 0
-    return _stats_rows(seqlen_q)
 
 
 def computes_dq(variant: str) -> bool:
@@ -553,8 +549,9 @@ def _attn_bwd_hopper_kernel(
         mbarrier.init(dq_full.index(b), count=NUM_WG)      # every consumer partition's partial
         mbarrier.init(dq_empty.index(b), count=1)
 
-    # The two consumers' argument lists are spelled out (see forward_hopper.py: a shared tuple loses the
-    # constexpr-ness of the block sizes in Triton 3.6's warp_specialize).
+    # The partitions' argument lists are spelled out, in both branches (see forward_hopper.py: a tuple
+    # built once and reused loses the constexpr-ness of the block sizes in Triton 3.6's warp_specialize;
+    # tried again for these two lists after run 54, and the fused form then failed to compile).
     gl.static_assert(NUM_WG == 2, "two consumer partitions")
     if DQ:
         gl.warp_specialize([
@@ -790,7 +787,7 @@ def _row_descriptor(t: torch.Tensor, rows: int) -> GluonTensorDescriptor:
 
 
 def _check_stats(lse2, delta, seqlen_q):
-    rows = _stats_rows(seqlen_q)
+    rows = padded_rows(seqlen_q)
     if lse2.shape[-1] != rows or not lse2.is_contiguous() or not delta.is_contiguous():
         raise ValueError(f"lse2 / delta must be contiguous [B, Hq, {rows}] (padded_rows); got "
                          f"{tuple(lse2.shape)}")
