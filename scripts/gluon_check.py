@@ -135,7 +135,8 @@ def compile_one(label, run, dump_dir=None, module=FH, kernel="_attn_fwd_hopper_k
             err = next((m for m in msg if "error" in m.lower()), msg[-1] if msg else type(e).__name__)
             print(f"  FAIL {label:<36} {err[:300]}", flush=True)
             if os.environ.get("GLUON_CHECK_VERBOSE"):
-                print("\n".join(msg[-40:]))
+                import traceback
+                print("".join(traceback.format_exception(e))[-6000:])
     return ok
 
 

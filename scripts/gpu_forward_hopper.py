@@ -189,6 +189,8 @@ def main():
     ap.add_argument("--skip-check", action="store_true", help="time the variants without the correctness run")
     ap.add_argument("--fa4", action="store_true", help="time FlashAttention-4 (flash_attn.cute) beside them")
     ap.add_argument("--head-dims", nargs="*", type=int, default=[64, 128])
+    ap.add_argument("--bf16-everywhere", action="store_true",
+                    help="time bf16 at every head dim (by default: at head_dim 128 only)")
     ap.add_argument("--rounds", type=int, default=1, help="timing rounds per case (order rotated each round)")
     a = ap.parse_args()
 
@@ -272,7 +274,7 @@ def main():
     for shape in [s for s in TIMING_SHAPES if s[3] in a.head_dims]:
         for causal in (False, True):
             cases.append((shape, causal, "float16"))
-            if shape[3] == 128:
+            if shape[3] == 128 or a.bf16_everywhere:
                 cases.append((shape, causal, "bfloat16"))
     skipped = 0
     for shape, causal, dtname in cases:
