@@ -148,10 +148,11 @@ def test_hopper_kernel_is_taken_where_it_applies(device, monkeypatch, dtype):
     assert calls == ["pp_persist", "pp_persist"]
     triflash.flash_attn_func(q64, k64, v64, causal=True)     # head_dim 64, causal, 300 queries: Triton
     assert len(calls) == 2
-    # head_dim 64, non-causal, from 1k queries: fp16 takes the row sums on the tensor cores.
+    # head_dim 64, non-causal, from 1k queries: three warpgroups; fp16 takes the row sums on the
+    # tensor cores.
     q64, k64, v64 = make_qkv(1, 1100, 1200, 4, 4, 64, dtype, device)
     out, lse = triflash.flash_attn_func(q64, k64, v64, return_lse=True)
-    assert calls[2:] == ["pp3_persist_ltc" if dtype == torch.float16 else "pp_persist"]
+    assert calls[2:] == ["pp3_persist_ltc" if dtype == torch.float16 else "pp3_persist"]
     assert_matches_reference(out, lse, q64, k64, v64)
     _force_path(monkeypatch, "triton")
     triflash.flash_attn_func(q, k, v, causal=True)
@@ -205,9 +206,11 @@ def test_hopper_variant_chooser(monkeypatch):
     assert pick(head_dim=64, causal=False, seqlen_q=16384, seqlen_k=16384, **kw) == "pp3_persist_ltc"
     assert pick(head_dim=64, causal=True, seqlen_q=16384, seqlen_k=16384, **kw) == "pp3_ltc"
     bf16 = dict(kw, dtype=torch.bfloat16)
-    assert pick(head_dim=64, causal=False, seqlen_q=4096, seqlen_k=4096, **bf16) == "pp_persist"
-    assert pick(head_dim=64, causal=False, seqlen_q=16384, seqlen_k=16384, **bf16) == "pp3"
-    assert pick(head_dim=64, causal=True, seqlen_q=16384, seqlen_k=16384, **bf16) == "pp3_persist"
+    assert pick(head_dim=64, causal=False, seqlen_q=512, seqlen_k=512, **bf16) == "pp_persist"
+    assert pick(head_dim=64, causal=False, seqlen_q=4096, seqlen_k=4096, **bf16) == "pp3_persist"
+    assert pick(head_dim=64, causal=False, seqlen_q=16384, seqlen_k=16384, **bf16) == "pp3_persist"
+    assert pick(head_dim=64, causal=True, seqlen_q=4096, seqlen_k=4096, **bf16) == "pp_persist"
+    assert pick(head_dim=64, causal=True, seqlen_q=16384, seqlen_k=16384, **bf16) == "pp3"
     assert pick(head_dim=80, causal=False, seqlen_q=4096, seqlen_k=4096, **kw) is None
     assert pick(head_dim=64, causal=True, seqlen_q=2048, seqlen_k=16384, **kw) == "pp3_ltc"
     assert pick(head_dim=64, causal=False, seqlen_q=512, seqlen_k=16384, **kw) == "pp_persist"

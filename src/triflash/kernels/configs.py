@@ -180,19 +180,19 @@ def hopper_forward_candidates(head_dim: int, dtype) -> tuple[str, ...]:
 def hopper_forward_variant(*, head_dim: int, dtype, device, causal: bool, seqlen_q: int,
                            seqlen_k: int) -> str | None:
     """The Gluon Hopper kernel variant the forward takes, or None for the Triton kernel. Measured on
-    the H200 (performance-notes.md, runs 16-18 and 24):
+    the H200 (performance-notes.md, runs 16-18, 24 and 55-57):
 
     * head_dim 128: persistent (``pp_persist``) everywhere (+9-15% at 1k, causal +5-9% at 4k)
       except non-causal from 8k keys, where the one-tile-per-CTA launch (``pp``) was level or up to
       4% faster;
-    * head_dim 64, fp16: non-causal from 1k queries, three consumer warpgroups with the row sums on
-      the tensor cores (``pp3_persist_ltc``: +8-14% over the previous picks at 4k-16k, level at 1k;
-      at 512 its 192-row tiles were 12% slower than ``pp_persist``, run 25). Causal: from 16k keys
-      ``pp3_ltc`` (+9%), below that ``pp_persist``;
-    * head_dim 64, bf16 (the row sums stay in fp32 FADDs: the sums of a bf16 P moved the LSE by up
-      to 1.6e-3, and forward_hopper refuses bf16 for LTC variants):
-      from 16k keys ``pp3`` (``pp3_persist`` causal), up to 8% over two warpgroups, below that
-      ``pp_persist`` (2-9% over the Triton kernel);
+    * head_dim 64: three consumer warpgroups (192 query rows per CTA) in the split-loop schedule
+      (``forward_hopper``, point 3) for non-causal from 1k queries, persistent (``pp3_persist*``), and
+      for causal from 16k keys (``pp3*``); below that ``pp_persist``. fp16 takes the LTC forms (row
+      sums on the tensor cores, ``*_ltc``: +5-10%, run 24); bf16 keeps fp32 row sums (the sums of a
+      bf16 P moved the LSE by up to 1.6e-3, and forward_hopper refuses bf16 for LTC variants). In
+      run 57 the split-loop forms were +12-16% over the bf16 picks before (``pp_persist`` below 16k,
+      ``pp3`` in one loop from 16k); at 1k the 192-row tiles and ``pp_persist`` were within 3%, and
+      at 512 queries the 192-row tiles were 12% slower (run 25);
     * head_dim 64, causal below 2k queries: the Triton kernel, 15-20% faster than the Gluon variants
       there (315 against 258 TFLOP/s at 1k in run 16; 304 against 264-285 in run 24).
     """
@@ -204,13 +204,10 @@ def hopper_forward_variant(*, head_dim: int, dtype, device, causal: bool, seqlen
         return "pp" if not causal and seqlen_k >= 8192 else "pp_persist"
     if causal and seqlen_q < 2048:
         return None
-    if dtype == torch.float16:
-        if not causal:
-            return "pp3_persist_ltc" if seqlen_q >= 1024 else "pp_persist"
-        return "pp3_ltc" if seqlen_k >= 16384 else "pp_persist"
-    if seqlen_k >= 16384:
-        return "pp3_persist" if causal else "pp3"
-    return "pp_persist"
+    ltc = "_ltc" if dtype == torch.float16 else ""
+    if not causal:
+        return f"pp3_persist{ltc}" if seqlen_q >= 1024 else "pp_persist"
+    return f"pp3{ltc}" if seqlen_k >= 16384 else "pp_persist"
 
 
 def sm_count(device) -> int:

@@ -40,6 +40,16 @@ fastest kernels (FlashAttention-3) schedule by hand:
    cores still run P_{j-1} V_{j-1}. Only then does it wait for the PV product and rescale O by
    alpha_j = exp(m_{j-1} - m_j). (That order is exact: O_j = alpha_j * (O_{j-1} + P_{j-1} V_{j-1}).)
 
+   Two forms of that loop. OVERLAP = 1 (True): one loop over steps 1 .. n-1 whose body branches on
+   whether step j needs the causal / key-end mask. OVERLAP = 2 (``_overlap_step``): the steps that
+   need no mask, then those that do, in two loops, so no step has a branch; V_{j-1} is waited for
+   after S_j is issued (FA3's order), and P is converted two values per instruction (``_to_operand``).
+   The SASS then matches FA4's Hopper loop: the exponentials, the O rescale and the row sums form one
+   block after the P V wait, where the branch kept them apart. Measured (runs 55-57): with three
+   warpgroups at head_dim 64, +0-6% with the row sums on the tensor cores and +12-16% with fp32 row
+   sums; with two warpgroups level within noise at 128 (3-6% slower at 1k causal), so the form is per
+   variant.
+
 4. *Ping-pong between consumer warpgroups* (PINGPONG): the CTA owns NUM_WG x 64 query rows (two
    warpgroups at head_dim 128, three at 64), one warpgroup each, all reading the same K/V slots.
    One more mbarrier per warpgroup, ``sched[w]``, passes a token round robin: a warpgroup waits for
@@ -105,7 +115,8 @@ from .forward import tma_compatible
 # --------------------------------------------------------------------------------------------------
 # Variants: one GPU run times them all. name -> (head_dim -> config dict)
 # --------------------------------------------------------------------------------------------------
-#   block_n: keys per tile; stages: K/V ring depth; overlap: intra-warpgroup S/PV overlap;
+#   block_n: keys per tile; stages: K/V ring depth; overlap: intra-warpgroup S/PV overlap (False:
+#   none; True: one loop; 2: unmasked and masked steps in two loops, point 3 above);
 #   num_wg: consumer warpgroups, 64 query rows each, each its own partition (1, 2 or 3);
 #   pingpong: the num_wg warpgroups take turns issuing their wgmmas (round robin);
 #   consumer_warps: warps of a single consumer partition (num_wg = 1 only; 4: 64 rows, 8: 128 rows);
@@ -125,13 +136,16 @@ VARIANTS = {
     # Three consumer warpgroups (192 query rows per CTA; FA3's D=64 schedule): the K/V tile in shared
     # memory is read by three warpgroups, so a CTA needs 2/3 of the shared-memory bandwidth per FLOP
     # that two need. 160 registers per consumer thread (24 for the producer).
-    "pp3": {64: dict(_PP, stages=2, num_wg=3), 128: dict(_PP, block_n=64, stages=2, num_wg=3)},
-    "pp3_persist": {64: dict(_PP, stages=2, num_wg=3, persistent=True),
+    # At D=64 in the split-loop schedule (overlap=2; point 3 above): +12-16% over the one-loop form,
+    # bf16 and fp16 (run 57). At D=128 (64-key tiles, not chosen) the one-loop form as measured.
+    "pp3": {64: dict(_PP, stages=2, num_wg=3, overlap=2), 128: dict(_PP, block_n=64, stages=2, num_wg=3)},
+    "pp3_persist": {64: dict(_PP, stages=2, num_wg=3, persistent=True, overlap=2),
                     128: dict(_PP, block_n=64, stages=2, num_wg=3, persistent=True)},
     # The row sums on the tensor cores (LTC, run 24; point 6 above): fp16 only. +5-10% at D=64 with
     # three warpgroups; with two, 2-6% slower.
-    "pp3_ltc": {64: dict(_PP, stages=2, num_wg=3, ltc=True)},
-    "pp3_persist_ltc": {64: dict(_PP, stages=2, num_wg=3, persistent=True, ltc=True)},
+    # Both in the split-loop schedule (overlap=2, point 3 above): +0-6% at D=64 (runs 55-57).
+    "pp3_ltc": {64: dict(_PP, stages=2, num_wg=3, ltc=True, overlap=2)},
+    "pp3_persist_ltc": {64: dict(_PP, stages=2, num_wg=3, persistent=True, ltc=True, overlap=2)},
     # Two warpgroups in one partition (the compiler's wgmma spans both), no turn-taking.
     "ws2": {64: dict(block_n=128, stages=3, overlap=True, pingpong=False, num_wg=1, consumer_warps=8),
             128: dict(block_n=128, stages=2, overlap=True, pingpong=False, num_wg=1, consumer_warps=8)},
@@ -339,6 +353,74 @@ def _pv_wait(o_tok, l_tok, p, p_l, LTC: gl.constexpr):
 
 
 @gluon.jit
+def _s_wait(s_tok, k_slot_empty, LTC: gl.constexpr, SYNC: gl.constexpr):
+    """Wait for this step's S product only (P V, and LTC's row-sum product, may still run), then
+    release its K slot. Returns S."""
+    if LTC:
+        s = warpgroup_mma_wait(2, deps=(s_tok,))
+    else:
+        s = warpgroup_mma_wait(1, deps=(s_tok,))
+    _release(k_slot_empty, SYNC)
+    return s
+
+
+@gluon.jit
+def _pv_finish(o_tok, l_tok, p, p_l, alpha, v_slot_empty, LTC: gl.constexpr, SYNC: gl.constexpr,
+               l_layout: gl.constexpr, o_layout: gl.constexpr):
+    """Wait for the previous step's P V (and l), release its V slot, and rescale O (and LTC's l) by
+    this step's alpha. Returns (acc, l_acc)."""
+    acc, l_acc = _pv_wait(o_tok, l_tok, p, p_l, LTC)
+    if LTC:
+        l_acc = l_acc * gl.convert_layout(alpha, gl.SliceLayout(1, l_layout))[:, None]
+    _release(v_slot_empty, SYNC)
+    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+    return acc, l_acc
+
+
+@gluon.jit
+def _to_operand(p, dtype: gl.constexpr, p_layout: gl.constexpr):
+    """fp32 P -> the 16-bit wgmma A operand, two values per instruction into one register
+    (cvt.rn.{f16,bf16}x2.f32). With the plain ``p.to(dtype)`` the split-loop schedule's loop-carried P
+    came out of ptxas with its halves swapped and 32 PRMTs per step to swap them back (run 56)."""
+    if dtype == gl.float16:
+        h = gl.inline_asm_elementwise("cvt.rn.f16x2.f32 $0, $2, $1;", "=r,f,f", [p], dtype=gl.float16,
+                                      is_pure=True, pack=2)
+    else:
+        h = gl.inline_asm_elementwise("cvt.rn.bf16x2.f32 $0, $2, $1;", "=r,f,f", [p], dtype=gl.bfloat16,
+                                      is_pure=True, pack=2)
+    return gl.convert_layout(h, p_layout)
+
+
+@gluon.jit
+def _overlap_step(j, c, t, p, acc, l_acc, m_i, l_i, q_tile, k_smem, v_smem,
+                  k_ready, k_empty, v_ready, v_empty, sched, ones_smem, s_zero, col_limit, cols0, qk_scale,
+                  MASK: gl.constexpr, WG: gl.constexpr, NUM_WG: gl.constexpr, PINGPONG: gl.constexpr,
+                  LTC: gl.constexpr, SYNC: gl.constexpr, STAGES: gl.constexpr, BLOCK_N: gl.constexpr,
+                  dtype: gl.constexpr, p_layout: gl.constexpr, pl_layout: gl.constexpr,
+                  l_layout: gl.constexpr, o_layout: gl.constexpr):
+    """One step j > 0 of the split-loop schedule (OVERLAP = 2; K/V tile number c, ping-pong turn t):
+    issue S_j = Q K_j^T, then (once V_{j-1} has landed) O += P_{j-1} V_{j-1}; softmax S_j while P V
+    runs; wait for it and rescale. Returns (P_j as the wgmma A operand, acc, l_acc, m, l). MASK: S_j
+    needs the per-row column limit (a compile-time choice: the caller runs the unmasked steps and the
+    masked ones in two loops, so a step has no branch and ptxas schedules the softmax, the P V wait and
+    the O rescale as one block)."""
+    st = c % STAGES
+    pst = (c - 1) % STAGES
+    mbarrier.wait(k_ready.index(st), (c // STAGES) & 1)
+    _turn_begin(sched, t, WG, PINGPONG)
+    s_tok = warpgroup_mma(q_tile, k_smem.index(st).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    mbarrier.wait(v_ready.index(pst), ((c - 1) // STAGES) & 1)
+    o_tok, l_tok, p_l = _pv_issue(p, v_smem.index(pst), acc, l_acc, ones_smem, pl_layout, LTC)
+    _turn_end(sched, WG, NUM_WG, PINGPONG)
+    s = _s_wait(s_tok, k_empty.index(st), LTC, SYNC)
+    cols = j * BLOCK_N + cols0
+    p_new, m_i, l_i, alpha = _softmax(s, m_i, l_i, col_limit, cols, qk_scale, MASK, not LTC)
+    p_new = _to_operand(p_new, dtype, p_layout)
+    acc, l_acc = _pv_finish(o_tok, l_tok, p, p_l, alpha, v_empty.index(pst), LTC, SYNC, l_layout, o_layout)
+    return p_new, acc, l_acc, m_i, l_i
+
+
+@gluon.jit
 def _consumer(q_desc, o_desc, LSE, q_smem, o_smem, k_smem, v_smem,
               q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, sched,
               num_items, num_m_blocks, num_heads_q, kv_group_size, seqlen_q, seqlen_k, sm_scale, qk_scale,
@@ -352,7 +434,7 @@ def _consumer(q_desc, o_desc, LSE, q_smem, o_smem, k_smem, v_smem,
     counts tiles (the query barrier's phase). LTC: the row sums come from P @ ones (``ones_smem``)."""
     dtype: gl.constexpr = q_desc.dtype
     SYNC: gl.constexpr = WARPS > 4
-    gl.static_assert(OVERLAP or not LTC, "LTC (row sums on the tensor cores) needs the OVERLAP schedule")
+    gl.static_assert(OVERLAP > 0 or not LTC, "LTC (row sums on the tensor cores) needs the OVERLAP schedule")
     # wgmma accumulator layouts: S [ROWS, BN] and O [ROWS, D]; warps stacked along the rows, so every
     # row lives in one warp (a quad of threads): row reductions need no shared memory.
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
@@ -419,37 +501,46 @@ def _consumer(q_desc, o_desc, LSE, q_smem, o_smem, k_smem, v_smem,
                                                           not LTC)
                         p = gl.convert_layout(p.to(dtype), p_layout)
                         # -- steps 1 .. n-1: issue S_j and P_{j-1} V_{j-1}; softmax S_j under PV --
-                        for j in range(1, n_blocks):
-                            c = kv + j
-                            st = c % STAGES
-                            pst = (c - 1) % STAGES
-                            mbarrier.wait(k_ready.index(st), (c // STAGES) & 1)
-                            mbarrier.wait(v_ready.index(pst), ((c - 1) // STAGES) & 1)
-                            _turn_begin(sched, turn + j, WG, PINGPONG)
-                            s_tok = warpgroup_mma(q_tile, k_smem.index(st).permute((1, 0)), s_zero,
-                                                  use_acc=False, is_async=True)
-                            o_tok, l_tok, p_l = _pv_issue(p, v_smem.index(pst), acc, l_acc, ones_smem,
-                                                          pl_layout, LTC)
-                            _turn_end(sched, WG, NUM_WG, PINGPONG)
-                            if LTC:
-                                s = warpgroup_mma_wait(2, deps=(s_tok,))   # S_j done; PV, l may still run
-                            else:
-                                s = warpgroup_mma_wait(1, deps=(s_tok,))   # S_j done; PV may still run
-                            _release(k_empty.index(st), SYNC)
-                            cols = j * BLOCK_N + cols0
-                            if j < n_full:
-                                p_new, m_i, l_i, alpha = _softmax(s, m_i, l_i, col_limit, cols, qk_scale,
-                                                                  False, not LTC)
-                            else:
-                                p_new, m_i, l_i, alpha = _softmax(s, m_i, l_i, col_limit, cols, qk_scale,
-                                                                  True, not LTC)
-                            p_new = gl.convert_layout(p_new.to(dtype), p_layout)
-                            acc, l_acc = _pv_wait(o_tok, l_tok, p, p_l, LTC)
-                            if LTC:
-                                l_acc = l_acc * gl.convert_layout(alpha, gl.SliceLayout(1, l_layout))[:, None]
-                            _release(v_empty.index(pst), SYNC)
-                            acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-                            p = p_new
+                        if OVERLAP >= 2:
+                            # Two loops, unmasked steps then masked ones: no branch inside a step.
+                            n_lo = gl.maximum(gl.minimum(n_full, n_blocks), 1)
+                            for j in range(1, n_lo):
+                                p, acc, l_acc, m_i, l_i = _overlap_step(
+                                    j, kv + j, turn + j, p, acc, l_acc, m_i, l_i, q_tile, k_smem, v_smem,
+                                    k_ready, k_empty, v_ready, v_empty, sched, ones_smem, s_zero, col_limit,
+                                    cols0, qk_scale, False, WG, NUM_WG, PINGPONG, LTC, SYNC,
+                                    STAGES, BLOCK_N, dtype, p_layout, pl_layout, l_layout, o_layout)
+                            for j in range(n_lo, n_blocks):
+                                p, acc, l_acc, m_i, l_i = _overlap_step(
+                                    j, kv + j, turn + j, p, acc, l_acc, m_i, l_i, q_tile, k_smem, v_smem,
+                                    k_ready, k_empty, v_ready, v_empty, sched, ones_smem, s_zero, col_limit,
+                                    cols0, qk_scale, True, WG, NUM_WG, PINGPONG, LTC, SYNC,
+                                    STAGES, BLOCK_N, dtype, p_layout, pl_layout, l_layout, o_layout)
+                        else:
+                            for j in range(1, n_blocks):
+                                c = kv + j
+                                st = c % STAGES
+                                pst = (c - 1) % STAGES
+                                mbarrier.wait(k_ready.index(st), (c // STAGES) & 1)
+                                mbarrier.wait(v_ready.index(pst), ((c - 1) // STAGES) & 1)
+                                _turn_begin(sched, turn + j, WG, PINGPONG)
+                                s_tok = warpgroup_mma(q_tile, k_smem.index(st).permute((1, 0)), s_zero,
+                                                      use_acc=False, is_async=True)
+                                o_tok, l_tok, p_l = _pv_issue(p, v_smem.index(pst), acc, l_acc, ones_smem,
+                                                              pl_layout, LTC)
+                                _turn_end(sched, WG, NUM_WG, PINGPONG)
+                                s = _s_wait(s_tok, k_empty.index(st), LTC, SYNC)
+                                cols = j * BLOCK_N + cols0
+                                if j < n_full:
+                                    p_new, m_i, l_i, alpha = _softmax(s, m_i, l_i, col_limit, cols, qk_scale,
+                                                                      False, not LTC)
+                                else:
+                                    p_new, m_i, l_i, alpha = _softmax(s, m_i, l_i, col_limit, cols, qk_scale,
+                                                                      True, not LTC)
+                                p_new = gl.convert_layout(p_new.to(dtype), p_layout)
+                                acc, l_acc = _pv_finish(o_tok, l_tok, p, p_l, alpha, v_empty.index(pst), LTC,
+                                                        SYNC, l_layout, o_layout)
+                                p = p_new
                         # Every S product of the tile is done: the query tile may be refilled.
                         _release(q_empty.index(WG), SYNC)
                         # -- step n: the last P V --
