@@ -161,18 +161,18 @@ def test_hopper_kernel_is_taken_where_it_applies(device, monkeypatch, dtype):
 
 @pytest.mark.skipif(not HOPPER, reason="the Gluon Hopper kernel runs on sm_90 GPUs only")
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("variant", sorted({v for by_dtype in configs.HOPPER_FORWARD_VARIANTS.values()
-                                             for vs in by_dtype.values() for v in vs}))
-@pytest.mark.parametrize("head_dim", [64, 128])
-def test_hopper_many_tiles_per_cta(device, monkeypatch, head_dim, variant, causal):
-    """More work items than SMs, so a persistent CTA runs several tiles: the K/V ring position, the
+@pytest.mark.parametrize("dtype, head_dim, variant", [
+    (dtype, d, v) for d in configs.HOPPER_FORWARD_VARIANTS for dtype in (torch.float16, torch.bfloat16)
+    for v in configs.hopper_forward_candidates(d, dtype)],
+    ids=lambda x: DTYPE_ID[x] if isinstance(x, torch.dtype) else str(x))
+def test_hopper_many_tiles_per_cta(device, monkeypatch, dtype, head_dim, variant, causal):
+    """Every variant the forward takes (per dtype and head dim), with more work items than SMs, so a
+    persistent CTA runs several tiles: the K/V ring position, the
     ping-pong turn and the query barriers' phase carry over from tile to tile, and each O tile is
     reused after its previous TMA store. Sq != Sk with an odd number of query blocks (causal pairs
     the middle block with itself). The suite's grid has at most 96 items, fewer than the 132 SMs."""
     from triflash.kernels import forward_hopper
 
-    if head_dim not in forward_hopper.VARIANTS[variant]:
-        pytest.skip(f"{variant} has no head_dim {head_dim} configuration")
     _force_path(monkeypatch, f"gluon:{variant}")
     cfg = forward_hopper.variant_config(variant, head_dim)
     batch, hq, hkv, seqlen_q, seqlen_k = 2, 16, 4, 2100, 2300
@@ -180,9 +180,34 @@ def test_hopper_many_tiles_per_cta(device, monkeypatch, head_dim, variant, causa
     paired = causal and cfg["persistent"]
     items = batch * hq * ((num_m_blocks + 1) // 2 if paired else num_m_blocks)
     assert num_m_blocks % 2 == 1 and items > configs.sm_count(device)
-    q, k, v = make_qkv(batch, seqlen_q, seqlen_k, hq, hkv, head_dim, torch.float16, device)
+    q, k, v = make_qkv(batch, seqlen_q, seqlen_k, hq, hkv, head_dim, dtype, device)
     out, lse = triflash.flash_attn_func(q, k, v, causal=causal, return_lse=True)
     assert_matches_reference(out, lse, q, k, v, causal=causal)
+
+
+@pytest.mark.skipif(not HOPPER, reason="the Gluon Hopper kernel runs on sm_90 GPUs only")
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("variant", ["pp3", "pp3_persist", "pp3_ltc", "pp3_persist_ltc"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_hopper_split_loops_match_one_loop(device, monkeypatch, dtype, variant, causal):
+    """The split-loop schedule (overlap=2: unmasked steps, then masked ones, in two loops) does the same
+    arithmetic in the same order as the one-loop body (overlap=True), step for step: the outputs and
+    LSEs are equal bit for bit. Shapes with tiles of no masked step, of masked steps only (causal,
+    the first query block) and of both, with a key tail, so an off-by-one in the loops' ranges
+    (a step run twice, skipped, or masked the wrong way) changes the result."""
+    from triflash.kernels import forward_hopper
+
+    cfg = forward_hopper.VARIANTS[variant][64]
+    if cfg.get("ltc") and dtype != torch.float16:
+        pytest.skip("LTC variants take fp16 only")
+    assert cfg["overlap"] == 2
+    monkeypatch.setitem(forward_hopper.VARIANTS, "one_loop", {64: dict(cfg, overlap=True)})
+    for seqlen_q, seqlen_k in ((700, 1000), (1100, 1100), (2100, 2300)):
+        q, k, v = make_qkv(2, seqlen_q, seqlen_k, 4, 2, 64, dtype, device)
+        out, lse = forward_hopper.forward_hopper(q, k, v, 0.125, causal, variant=variant)
+        ref_out, ref_lse = forward_hopper.forward_hopper(q, k, v, 0.125, causal, variant="one_loop")
+        assert torch.equal(out, ref_out), (seqlen_q, seqlen_k)
+        assert torch.equal(lse, ref_lse), (seqlen_q, seqlen_k)
 
 
 def test_hopper_variant_chooser(monkeypatch):

@@ -188,11 +188,12 @@ def hopper_forward_variant(*, head_dim: int, dtype, device, causal: bool, seqlen
     * head_dim 64: three consumer warpgroups (192 query rows per CTA) in the split-loop schedule
       (``forward_hopper``, point 3) for non-causal from 1k queries, persistent (``pp3_persist*``), and
       for causal from 16k keys (``pp3*``); below that ``pp_persist``. fp16 takes the LTC forms (row
-      sums on the tensor cores, ``*_ltc``: +5-10%, run 24); bf16 keeps fp32 row sums (the sums of a
-      bf16 P moved the LSE by up to 1.6e-3, and forward_hopper refuses bf16 for LTC variants). In
-      run 57 the split-loop forms were +12-16% over the bf16 picks before (``pp_persist`` below 16k,
-      ``pp3`` in one loop from 16k); at 1k the 192-row tiles and ``pp_persist`` were within 3%, and
-      at 512 queries the 192-row tiles were 12% slower (run 25);
+      sums on the tensor cores, ``*_ltc``: +5-10% in the one-loop schedule, run 24; in the split one
+      0.5-3% non-causal and level causal, runs 57-58); bf16 keeps fp32 row sums (the sums of a bf16 P
+      moved the LSE by up to 1.6e-3, and forward_hopper refuses bf16 for LTC variants). In run 57 the
+      bf16 split-loop forms were +12-13% over the bf16 picks before from 4k (``pp_persist`` below
+      16k, ``pp3`` from 16k; causal at 16k +8% over ``pp3_persist``) and +2% at 1k; at 512 queries
+      the 192-row tiles were 12% slower than ``pp_persist`` (run 25);
     * head_dim 64, causal below 2k queries: the Triton kernel, 15-20% faster than the Gluon variants
       there (315 against 258 TFLOP/s at 1k in run 16; 304 against 264-285 in run 24).
     """

@@ -43,12 +43,13 @@ fastest kernels (FlashAttention-3) schedule by hand:
    Two forms of that loop. OVERLAP = 1 (True): one loop over steps 1 .. n-1 whose body branches on
    whether step j needs the causal / key-end mask. OVERLAP = 2 (``_overlap_step``): the steps that
    need no mask, then those that do, in two loops, so no step has a branch; V_{j-1} is waited for
-   after S_j is issued (FA3's order), and P is converted two values per instruction (``_to_operand``).
-   The SASS then matches FA4's Hopper loop: the exponentials, the O rescale and the row sums form one
-   block after the P V wait, where the branch kept them apart. Measured (runs 55-57): with three
-   warpgroups at head_dim 64, +0-6% with the row sums on the tensor cores and +12-16% with fp32 row
-   sums; with two warpgroups level within noise at 128 (3-6% slower at 1k causal), so the form is per
-   variant.
+   after S_j is issued (the order of FA4's Hopper kernel, a port of FA3's), and P is converted two
+   values per instruction (``_to_operand``). The SASS then matches FA4's Hopper loop: the
+   exponentials, the O rescale and the row sums form one block after the P V wait, where the branch
+   kept them apart. Measured (runs 55-57), with three warpgroups at head_dim 64: +0-5% non-causal and
+   +6% causal at 16k keys with the row sums on the tensor cores; +7-16% non-causal and +7-12% causal
+   (from 4k keys) with fp32 row sums. With two warpgroups: level within noise at head_dim 128 and 3-6%
+   slower at 1k causal, so the form is per variant.
 
 4. *Ping-pong between consumer warpgroups* (PINGPONG): the CTA owns NUM_WG x 64 query rows (two
    warpgroups at head_dim 128, three at 64), one warpgroup each, all reading the same K/V slots.
@@ -136,14 +137,15 @@ VARIANTS = {
     # Three consumer warpgroups (192 query rows per CTA; FA3's D=64 schedule): the K/V tile in shared
     # memory is read by three warpgroups, so a CTA needs 2/3 of the shared-memory bandwidth per FLOP
     # that two need. 160 registers per consumer thread (24 for the producer).
-    # At D=64 in the split-loop schedule (overlap=2; point 3 above): +12-16% over the one-loop form,
+    # At D=64 in the split-loop schedule (overlap=2; point 3 above): +7-16% over the one-loop form,
     # bf16 and fp16 (run 57). At D=128 (64-key tiles, not chosen) the one-loop form as measured.
     "pp3": {64: dict(_PP, stages=2, num_wg=3, overlap=2), 128: dict(_PP, block_n=64, stages=2, num_wg=3)},
     "pp3_persist": {64: dict(_PP, stages=2, num_wg=3, persistent=True, overlap=2),
                     128: dict(_PP, block_n=64, stages=2, num_wg=3, persistent=True)},
     # The row sums on the tensor cores (LTC, run 24; point 6 above): fp16 only. +5-10% at D=64 with
     # three warpgroups; with two, 2-6% slower.
-    # Both in the split-loop schedule (overlap=2, point 3 above): +0-6% at D=64 (runs 55-57).
+    # Both in the split-loop schedule (overlap=2, point 3 above): +0-6% at D=64 (run 56). In that
+    # schedule LTC is 0.5-3% ahead of pp3 / pp3_persist non-causal and level causal (runs 57-58).
     "pp3_ltc": {64: dict(_PP, stages=2, num_wg=3, ltc=True, overlap=2)},
     "pp3_persist_ltc": {64: dict(_PP, stages=2, num_wg=3, persistent=True, ltc=True, overlap=2)},
     # Two warpgroups in one partition (the compiler's wgmma spans both), no turn-taking.
