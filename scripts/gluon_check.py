@@ -17,6 +17,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 
 os.environ.pop("TRITON_INTERPRET", None)
 
@@ -135,7 +136,6 @@ def compile_one(label, run, dump_dir=None, module=FH, kernel="_attn_fwd_hopper_k
             err = next((m for m in msg if "error" in m.lower()), msg[-1] if msg else type(e).__name__)
             print(f"  FAIL {label:<36} {err[:300]}", flush=True)
             if os.environ.get("GLUON_CHECK_VERBOSE"):
-                import traceback
                 print("".join(traceback.format_exception(e))[-6000:])
     return ok
 

@@ -504,20 +504,16 @@ def _consumer(q_desc, o_desc, LSE, q_smem, o_smem, k_smem, v_smem,
                         p = gl.convert_layout(p.to(dtype), p_layout)
                         # -- steps 1 .. n-1: issue S_j and P_{j-1} V_{j-1}; softmax S_j under PV --
                         if OVERLAP >= 2:
-                            # Two loops, unmasked steps then masked ones: no branch inside a step.
+                            # Two loops, unmasked steps [1, n_lo) then masked ones [n_lo, n_blocks):
+                            # no branch inside a step (static_range unrolls the pair).
                             n_lo = gl.maximum(gl.minimum(n_full, n_blocks), 1)
-                            for j in range(1, n_lo):
-                                p, acc, l_acc, m_i, l_i = _overlap_step(
-                                    j, kv + j, turn + j, p, acc, l_acc, m_i, l_i, q_tile, k_smem, v_smem,
-                                    k_ready, k_empty, v_ready, v_empty, sched, ones_smem, s_zero, col_limit,
-                                    cols0, qk_scale, False, WG, NUM_WG, PINGPONG, LTC, SYNC,
-                                    STAGES, BLOCK_N, dtype, p_layout, pl_layout, l_layout, o_layout)
-                            for j in range(n_lo, n_blocks):
-                                p, acc, l_acc, m_i, l_i = _overlap_step(
-                                    j, kv + j, turn + j, p, acc, l_acc, m_i, l_i, q_tile, k_smem, v_smem,
-                                    k_ready, k_empty, v_ready, v_empty, sched, ones_smem, s_zero, col_limit,
-                                    cols0, qk_scale, True, WG, NUM_WG, PINGPONG, LTC, SYNC,
-                                    STAGES, BLOCK_N, dtype, p_layout, pl_layout, l_layout, o_layout)
+                            for masked in gl.static_range(2):
+                                for j in range(1 + (n_lo - 1) * masked, n_lo + (n_blocks - n_lo) * masked):
+                                    p, acc, l_acc, m_i, l_i = _overlap_step(
+                                        j, kv + j, turn + j, p, acc, l_acc, m_i, l_i, q_tile, k_smem, v_smem,
+                                        k_ready, k_empty, v_ready, v_empty, sched, ones_smem, s_zero,
+                                        col_limit, cols0, qk_scale, masked == 1, WG, NUM_WG, PINGPONG, LTC,
+                                        SYNC, STAGES, BLOCK_N, dtype, p_layout, pl_layout, l_layout, o_layout)
                         else:
                             for j in range(1, n_blocks):
                                 c = kv + j
