@@ -1,8 +1,12 @@
 """GPU run for the Gluon Hopper forward (src/triflash/kernels/forward_hopper.py): correctness of every
 variant first, then timing beside triflash's current forward and SDPA's cuDNN backend.
 
-    PYTHONPATH=src python3 scripts/gpu_forward_hopper.py [--variants pp ws2 ...] [--budget 330]
-        [--skip-check] [--fa4] [--head-dims 64 128]
+    PYTHONPATH=src python3 scripts/gpu_forward_hopper.py [--variants pp ws2 pp_persist@snake ...]
+        [--budget 330] [--skip-check] [--fa4] [--head-dims 64 128] [--shapes 4,16,4096,64 ...]
+        [--causal-only]
+
+A variant name may carry a tile order after '@' (forward_hopper.ORDERS: plain, paired, snake);
+without one the launcher's ``tile_order`` picks.
 
 (a) Correctness. Each variant is checked in its own child process (all in parallel, each with a
     time limit), so a variant that fails to compile, crashes or deadlocks is reported and the others go
@@ -68,8 +72,15 @@ def correctness_cases():
     return out
 
 
-def applicable(FH, variant, d, dtname):
+def split_name(name):
+    """'variant@order' -> (variant, order); a plain variant name -> (variant, None)."""
+    variant, _, order = name.partition("@")
+    return variant, order or None
+
+
+def applicable(FH, name, d, dtname):
     """Whether the variant runs at this head dim and dtype (LTC variants take fp16 only)."""
+    variant = split_name(name)[0]
     return d in FH.VARIANTS[variant] and (dtname == "float16" or not FH.variant_config(variant, d)["ltc"])
 
 
@@ -116,7 +127,8 @@ def check_variant(variant, path):
                     n_fail += 1
                     continue
                 t = time.time()
-                out, lse = FH.forward_hopper(q, k, v, scale, causal, out=out_buf, variant=variant)
+                var, order = split_name(variant)
+                out, lse = FH.forward_hopper(q, k, v, scale, causal, out=out_buf, variant=var, order=order)
                 torch.cuda.synchronize()
                 dt = time.time() - t
                 ref, ref_lse = flash_attn_ref(q, k, v, causal, scale, torch.float64, return_lse=True)
@@ -192,6 +204,8 @@ def main():
     ap.add_argument("--bf16-everywhere", action="store_true",
                     help="time bf16 at every head dim (by default: at head_dim 128 only)")
     ap.add_argument("--rounds", type=int, default=1, help="timing rounds per case (order rotated each round)")
+    ap.add_argument("--shapes", nargs="*", default=None, help="B,H,S,D timing shapes (default: the issue's)")
+    ap.add_argument("--causal-only", action="store_true", help="time causal cases only")
     a = ap.parse_args()
 
     import torch
@@ -213,8 +227,8 @@ def main():
     log(f"GPU: {torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}  "
         f"cuDNN {torch.backends.cudnn.version()}  python {sys.version.split()[0]}")
     for v in variants:
-        for d in sorted(FH.VARIANTS[v]):
-            log(f"variant {v}: D{d} {FH.variant_config(v, d)}")
+        for d in sorted(FH.VARIANTS[split_name(v)[0]]):
+            log(f"variant {v}: D{d} {FH.variant_config(split_name(v)[0], d)}")
 
     # ---- (a) correctness, one child process per variant, in parallel ----
     log("\n== correctness (out: err <= 2 * torch-same-dtype err + 1e-3; lse: 1e-3 abs; empty rows 0/-inf)")
@@ -271,8 +285,9 @@ def main():
         except Exception as e:  # noqa: BLE001
             log(f"FA4 unavailable: {type(e).__name__}: {e}")
     cases = []
-    for shape in [s for s in TIMING_SHAPES if s[3] in a.head_dims]:
-        for causal in (False, True):
+    shapes = [tuple(int(x) for x in s.split(",")) for s in a.shapes] if a.shapes else TIMING_SHAPES
+    for shape in [s for s in shapes if s[3] in a.head_dims]:
+        for causal in ((True,) if a.causal_only else (False, True)):
             cases.append((shape, causal, "float16"))
             if shape[3] == 128 or a.bf16_everywhere:
                 cases.append((shape, causal, "bfloat16"))
@@ -302,7 +317,9 @@ def main():
                     var = name.split(":", 1)[1]
                     if not applicable(FH, var, d, dtname):
                         continue
-                    fn = lambda var=var: FH.forward_hopper(q, k, v, scale, causal, out=out, variant=var)
+                    var, order = split_name(var)
+                    fn = lambda var=var, order=order: FH.forward_hopper(q, k, v, scale, causal, out=out,
+                                                                        variant=var, order=order)
                 elif name == "triflash":
                     fn = lambda: triflash_forward(q, k, v, scale, causal, out=out)
                 elif name == "fa4":

@@ -177,8 +177,9 @@ def test_hopper_many_tiles_per_cta(device, monkeypatch, dtype, head_dim, variant
     cfg = forward_hopper.variant_config(variant, head_dim)
     batch, hq, hkv, seqlen_q, seqlen_k = 2, 16, 4, 2100, 2300
     num_m_blocks = -(-seqlen_q // cfg["block_m"])
-    paired = causal and cfg["persistent"]
-    items = batch * hq * ((num_m_blocks + 1) // 2 if paired else num_m_blocks)
+    order = forward_hopper.tile_order(causal, cfg["persistent"], batch * hq, num_m_blocks, cfg["block_m"],
+                                      cfg["block_n"], seqlen_q, seqlen_k, configs.sm_count(device))
+    items = batch * hq * ((num_m_blocks + 1) // 2 if order == "paired" else num_m_blocks)
     assert num_m_blocks % 2 == 1 and items > configs.sm_count(device)
     q, k, v = make_qkv(batch, seqlen_q, seqlen_k, hq, hkv, head_dim, dtype, device)
     out, lse = triflash.flash_attn_func(q, k, v, causal=causal, return_lse=True)
@@ -210,6 +211,49 @@ def test_hopper_split_loops_match_one_loop(device, monkeypatch, dtype, variant, 
         assert torch.equal(lse, ref_lse), (seqlen_q, seqlen_k)
 
 
+@pytest.mark.skipif(not HOPPER, reason="the Gluon Hopper kernel runs on sm_90 GPUs only")
+@pytest.mark.parametrize("head_dim, variant", [(64, "pp_persist"), (128, "pp_persist"), (64, "pp3_persist"),
+                                               (64, "pp3_persist_ltc")])
+def test_hopper_tile_orders_match(device, head_dim, variant):
+    """The persistent loop's tile orders (plain, paired, snake) only change which CTA runs which tile
+    and when; each tile's arithmetic is the same, so out and LSE are equal bit for bit. Causal, with
+    more tiles than SMs and a last round the grid does not fill (snake's overhang), with fewer tiles
+    than SMs, and with Sq > Sk (query blocks that see no key: zero work, still visited)."""
+    from triflash.kernels import forward_hopper
+
+    for batch, hq, hkv, seqlen_q, seqlen_k in ((2, 16, 4, 2100, 2300), (1, 3, 1, 700, 1000),
+                                               (2, 4, 2, 1500, 900)):
+        q, k, v = make_qkv(batch, seqlen_q, seqlen_k, hq, hkv, head_dim, torch.float16, device)
+        results = {order: forward_hopper.forward_hopper(q, k, v, 0.1, True, variant=variant, order=order)
+                   for order in forward_hopper.ORDERS}
+        assert_matches_reference(*results["plain"], q, k, v, causal=True, softmax_scale=0.1)
+        for order in ("paired", "snake"):
+            assert torch.equal(results[order][0], results["plain"][0]), (order, seqlen_q, seqlen_k)
+            assert torch.equal(results[order][1], results["plain"][1]), (order, seqlen_q, seqlen_k)
+
+
+def test_hopper_tile_order_rule():
+    """``forward_hopper.tile_order``: plain unless causal and persistent; there snake where the
+    paired items leave a partly filled last round that costs the busiest CTA at least 1 / SNAKE_GAIN
+    of snake's work (B4 H16 S4096 in 192-row tiles: 704 equal items on 132 CTAs, the busiest does 6
+    where the mean is 5.3), paired where the gain is smaller (the same in 128-row tiles: 1024 items,
+    the busiest does 8 where the mean is 7.8; B4 H32: 1408 items, 11 against 10.7)."""
+    from triflash.kernels import forward_hopper
+
+    order = forward_hopper.tile_order
+    assert order(False, True, 64, 22, 192, 128, 4096, 4096, 132) == "plain"
+    assert order(True, False, 64, 22, 192, 128, 4096, 4096, 132) == "plain"
+    assert order(True, True, 64, 22, 192, 128, 4096, 4096, 132) == "snake"
+    assert order(True, True, 32, 43, 192, 128, 8192, 8192, 132) == "snake"
+    assert order(True, True, 64, 32, 128, 128, 4096, 4096, 132) == "paired"
+    assert order(True, True, 128, 22, 192, 128, 4096, 4096, 132) == "paired"
+    with pytest.raises(ValueError, match="order"):
+        forward_hopper.forward_hopper(torch.zeros(1, 64, 1, 64, dtype=torch.float16),
+                                      torch.ones(1, 64, 1, 64, dtype=torch.float16),
+                                      torch.ones(1, 64, 1, 64, dtype=torch.float16), 0.1, True,
+                                      variant="pp_persist", order="zigzag")
+
+
 def test_hopper_variant_chooser(monkeypatch):
     """The chooser's rules (configs.hopper_forward_variant): None off sm_90 (here: a CPU device), and
     with the sm_90 check stubbed to pass, the variant per head dim, causality and length."""
@@ -229,15 +273,16 @@ def test_hopper_variant_chooser(monkeypatch):
     assert pick(head_dim=64, causal=False, seqlen_q=512, seqlen_k=512, **kw) == "pp_persist"
     assert pick(head_dim=64, causal=False, seqlen_q=1024, seqlen_k=1024, **kw) == "pp3_persist_ltc"
     assert pick(head_dim=64, causal=False, seqlen_q=16384, seqlen_k=16384, **kw) == "pp3_persist_ltc"
-    assert pick(head_dim=64, causal=True, seqlen_q=16384, seqlen_k=16384, **kw) == "pp3_ltc"
+    assert pick(head_dim=64, causal=True, seqlen_q=16384, seqlen_k=16384, **kw) == "pp3_persist_ltc"
+    assert pick(head_dim=64, causal=True, seqlen_q=8192, seqlen_k=8192, **kw) == "pp3_persist_ltc"
     bf16 = dict(kw, dtype=torch.bfloat16)
     assert pick(head_dim=64, causal=False, seqlen_q=512, seqlen_k=512, **bf16) == "pp_persist"
     assert pick(head_dim=64, causal=False, seqlen_q=4096, seqlen_k=4096, **bf16) == "pp3_persist"
     assert pick(head_dim=64, causal=False, seqlen_q=16384, seqlen_k=16384, **bf16) == "pp3_persist"
     assert pick(head_dim=64, causal=True, seqlen_q=4096, seqlen_k=4096, **bf16) == "pp_persist"
-    assert pick(head_dim=64, causal=True, seqlen_q=16384, seqlen_k=16384, **bf16) == "pp3"
+    assert pick(head_dim=64, causal=True, seqlen_q=16384, seqlen_k=16384, **bf16) == "pp3_persist"
     assert pick(head_dim=80, causal=False, seqlen_q=4096, seqlen_k=4096, **kw) is None
-    assert pick(head_dim=64, causal=True, seqlen_q=2048, seqlen_k=16384, **kw) == "pp3_ltc"
+    assert pick(head_dim=64, causal=True, seqlen_q=2048, seqlen_k=16384, **kw) == "pp3_persist_ltc"
     assert pick(head_dim=64, causal=False, seqlen_q=512, seqlen_k=16384, **kw) == "pp_persist"
     lengths = (1, 512, 1000, 1024, 2048, 8192, 16384, 65536)
     for d in configs.HOPPER_FORWARD_VARIANTS:

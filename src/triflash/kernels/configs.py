@@ -165,8 +165,7 @@ def hopper_forward_applies(*, head_dim: int, dtype, device) -> bool:
 
 # The Gluon variants the forward chooses from (forward_hopper.VARIANTS), per head dim and dtype.
 HOPPER_FORWARD_VARIANTS = {
-    64: {"float16": ("pp_persist", "pp3_ltc", "pp3_persist_ltc"),
-         "bfloat16": ("pp_persist", "pp3", "pp3_persist")},
+    64: {"float16": ("pp_persist", "pp3_persist_ltc"), "bfloat16": ("pp_persist", "pp3_persist")},
     128: {"float16": ("pp", "pp_persist"), "bfloat16": ("pp", "pp_persist")},
 }
 
@@ -186,14 +185,16 @@ def hopper_forward_variant(*, head_dim: int, dtype, device, causal: bool, seqlen
       except non-causal from 8k keys, where the one-tile-per-CTA launch (``pp``) was level or up to
       4% faster;
     * head_dim 64: three consumer warpgroups (192 query rows per CTA) in the split-loop schedule
-      (``forward_hopper``, point 3) for non-causal from 1k queries, persistent (``pp3_persist*``), and
-      for causal from 16k keys (``pp3*``); below that ``pp_persist``. fp16 takes the LTC forms (row
-      sums on the tensor cores, ``*_ltc``: +5-10% in the one-loop schedule, run 24; in the split one
-      0.5-3% non-causal and level causal, runs 57-58); bf16 keeps fp32 row sums (the sums of a bf16 P
-      moved the LSE by up to 1.6e-3, and forward_hopper refuses bf16 for LTC variants). In run 57 the
-      bf16 split-loop forms were +12-13% over the bf16 picks before from 4k (``pp_persist`` below
-      16k, ``pp3`` from 16k; causal at 16k +8% over ``pp3_persist``) and +2% at 1k; at 512 queries
-      the 192-row tiles were 12% slower than ``pp_persist`` (run 25);
+      (``forward_hopper``, point 3), persistent (``pp3_persist*``), for non-causal from 1k queries
+      and for causal from 8k keys (there with ``forward_hopper.tile_order``'s snake order where it
+      evens out the CTAs' work: +10% over ``pp_persist`` at B2 H16 S8k, run 61); below that
+      ``pp_persist``. fp16 takes the LTC forms (row sums on the tensor cores, ``*_ltc``: +5-10% in
+      the one-loop schedule, run 24; in the split one 0.5-3% non-causal and level causal, runs
+      57-58); bf16 keeps fp32 row sums (the sums of a bf16 P moved the LSE by up to 1.6e-3, and
+      forward_hopper refuses bf16 for LTC variants). In run 57 the bf16 split-loop forms were
+      +12-13% over the bf16 picks before from 4k and +2% at 1k; at 512 queries the 192-row tiles
+      were 12% slower than ``pp_persist`` (run 25). Causal below 8k keys, ``pp_persist`` (128-row
+      tiles, paired order) stays 1-3% ahead of the 192-row forms in either order (run 61);
     * head_dim 64, causal below 2k queries: the Triton kernel, 15-20% faster than the Gluon variants
       there (315 against 258 TFLOP/s at 1k in run 16; 304 against 264-285 in run 24).
     """
@@ -208,7 +209,7 @@ def hopper_forward_variant(*, head_dim: int, dtype, device, causal: bool, seqlen
     ltc = "_ltc" if dtype == torch.float16 else ""
     if not causal:
         return f"pp3_persist{ltc}" if seqlen_q >= 1024 else "pp_persist"
-    return f"pp3{ltc}" if seqlen_k >= 16384 else "pp_persist"
+    return f"pp3_persist{ltc}" if seqlen_k >= 8192 else "pp_persist"
 
 
 def sm_count(device) -> int:
