@@ -261,13 +261,15 @@ def _bwd_producer(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc,
 def _bwd_step(i, dk, dv, zero_st, zero_dq,
               q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem,
               q_ready, q_empty, dq_full, dq_empty,
-              keys, cols0, m_full, key_tail, seqlen_k, m_first, m_step, kv_group_size, causal_offset,
+              keys, cols0, seqlen_k, m_first, m_step, kv_group_size, causal_offset,
               qk_scale, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, DQ_BUFS: gl.constexpr,
               WG: gl.constexpr, NUM_WG: gl.constexpr, col_layout: gl.constexpr, a_layout: gl.constexpr,
-              DQ: gl.constexpr):
+              DQ: gl.constexpr, MASK: gl.constexpr):
     """One (query block, key block) step of a consumer partition: returns the updated dK, dV and (DQ)
-    hands its dQ partial to the writer. (Issuing the next step's S^T / dP^T before waiting for this step's
-    products was tried, run 29: ptxas then serialises the wgmmas, C7514.)"""
+    hands its dQ partial to the writer. MASK (compile time, so a step has no branch): 0 none, 1 the
+    causal diagonal, 2 the key rows past seqlen_k (the caller runs each kind of step in its own loop).
+    (Issuing the next step's S^T / dP^T before waiting for this step's products was tried, run 29:
+    ptxas then serialises the wgmmas, C7514.)"""
     dtype: gl.constexpr = q_smem.dtype
     s = i % STAGES
     q_tile = q_smem.index(s)
@@ -280,10 +282,10 @@ def _bwd_step(i, dk, dv, zero_st, zero_dq,
     s_t = warpgroup_mma_wait(1, deps=(st_tok,))
     # Rows past seqlen_q (and rows that saw no key) have lse2 = +inf: their p is 0.
     p_t = gl.exp2(s_t * qk_scale - lse_smem.index(s).load(col_layout)[None, :])
-    if m < m_full:
+    if MASK == 1:
         # Causal: keys after a row's diagonal (which include every key past seqlen_k) get p = 0.
         p_t = gl.where(keys[:, None] <= cols[None, :] + causal_offset, p_t, 0.0)
-    elif key_tail:
+    elif MASK == 2:
         # Key rows past seqlen_k read as zeros, so their score is 0 and p = exp2(-lse2), which is huge
         # when every real score of a row is very negative: dS would overflow to inf and inf * 0 (the
         # zero K row) would put NaN into dQ. Their p is set to 0.
@@ -366,13 +368,33 @@ def _bwd_consumer(DK, DV, q_smem, do_smem, k_all, v_all, lse_smem, delta_smem, d
     dk = gl.zeros([KEYS, HEAD_DIM], gl.float32, kv_layout)
     dv = gl.zeros([KEYS, HEAD_DIM], gl.float32, kv_layout)
     mbarrier.wait(kv_ready, 0)
-    for i in range(n_steps):
-        dk, dv = _bwd_step(i, dk, dv, zero_st, zero_dq,
-                           q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem,
-                           q_ready, q_empty, dq_full, dq_empty,
-                           keys, cols0, m_full, key_tail, seqlen_k, m_first, m_step, kv_group_size,
-                           causal_offset, qk_scale,
-                           BLOCK_M, STAGES, DQ_BUFS, WG, NUM_WG, col_layout, a_layout, DQ)
+    # Steps by the mask they need, each kind in its own loop (no branch inside a step): causal, the
+    # query blocks below m_full (the first steps: they go up from the diagonal); then the rest, with
+    # the key-tail mask where this partition holds key rows past seqlen_k.
+    if IS_CAUSAL:
+        n_masked = gl.minimum(gl.maximum(m_full - m_first, 0) * kv_group_size, n_steps)
+        for i in range(0, n_masked):
+            dk, dv = _bwd_step(i, dk, dv, zero_st, zero_dq,
+                               q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem,
+                               q_ready, q_empty, dq_full, dq_empty,
+                               keys, cols0, seqlen_k, m_first, m_step, kv_group_size, causal_offset,
+                               qk_scale, BLOCK_M, STAGES, DQ_BUFS, WG, NUM_WG, col_layout, a_layout, DQ, 1)
+    else:
+        n_masked = 0
+    if key_tail:
+        for i in range(n_masked, n_steps):
+            dk, dv = _bwd_step(i, dk, dv, zero_st, zero_dq,
+                               q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem,
+                               q_ready, q_empty, dq_full, dq_empty,
+                               keys, cols0, seqlen_k, m_first, m_step, kv_group_size, causal_offset,
+                               qk_scale, BLOCK_M, STAGES, DQ_BUFS, WG, NUM_WG, col_layout, a_layout, DQ, 2)
+    else:
+        for i in range(n_masked, n_steps):
+            dk, dv = _bwd_step(i, dk, dv, zero_st, zero_dq,
+                               q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem,
+                               q_ready, q_empty, dq_full, dq_empty,
+                               keys, cols0, seqlen_k, m_first, m_step, kv_group_size, causal_offset,
+                               qk_scale, BLOCK_M, STAGES, DQ_BUFS, WG, NUM_WG, col_layout, a_layout, DQ, 0)
 
     # -- epilogue: dK * sm_scale and dV; key rows past seqlen_k are not stored --
     out_keys = start_n + gl.arange(0, KEYS, layout=gl.SliceLayout(1, kv_layout))
@@ -669,6 +691,32 @@ def _dq_producer(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc,
 
 
 @gluon.jit
+def _dq_step(j, dq, q_tile, do_tile, k_smem, v_smem, kv_ready, kv_empty, zero_s, lse2, delta, cols0,
+             col_limit, qk_scale, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, a_layout: gl.constexpr,
+             MASK: gl.constexpr):
+    """One key block j of the dQ consumer: S, dP, dS = P (dP - delta), dQ += dS K_j. MASK: keys at or
+    past a row's column limit (its causal diagonal + 1, or seqlen_k) get p = 0."""
+    dtype: gl.constexpr = q_tile.dtype
+    s = j % STAGES
+    mbarrier.wait(kv_ready.index(s), (j // STAGES) & 1)
+    k_tile = k_smem.index(s)
+    s_tok = warpgroup_mma(q_tile, k_tile.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+    dp_tok = warpgroup_mma(do_tile, v_smem.index(s).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+    s_ij = warpgroup_mma_wait(1, deps=(s_tok,))
+    p = gl.exp2(s_ij * qk_scale - lse2[:, None])
+    if MASK:
+        cols = j * BLOCK_N + cols0
+        p = gl.where(cols[None, :] < col_limit[:, None], p, 0.0)
+    dp = warpgroup_mma_wait(0, deps=(dp_tok,))
+    ds = gl.convert_layout((p * (dp - delta[:, None])).to(dtype), a_layout)
+    dq_tok = warpgroup_mma(ds, k_tile, dq, is_async=True)
+    dq, ds = warpgroup_mma_wait(0, deps=(dq_tok, ds))
+    gl.thread_barrier()                  # every warp of the partition is past its wait
+    mbarrier.arrive(kv_empty.index(s), count=1)
+    return dq
+
+
+@gluon.jit
 def _dq_consumer(DQ, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, q_ready, kv_ready, kv_empty,
                  stride_dqb, stride_dqs, stride_dqh, num_heads_q, kv_group_size, seqlen_q, seqlen_k,
                  num_m_blocks, sm_scale, qk_scale,
@@ -706,23 +754,14 @@ def _dq_consumer(DQ, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, q_re
     delta = delta_smem.index(WG).load(row_layout)
     zero_s = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
     dq = gl.zeros([ROWS, HEAD_DIM], gl.float32, dq_layout)
-    for j in range(n_blocks):
-        s = j % STAGES
-        mbarrier.wait(kv_ready.index(s), (j // STAGES) & 1)
-        k_tile = k_smem.index(s)
-        s_tok = warpgroup_mma(q_tile, k_tile.permute((1, 0)), zero_s, use_acc=False, is_async=True)
-        dp_tok = warpgroup_mma(do_tile, v_smem.index(s).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-        s_ij = warpgroup_mma_wait(1, deps=(s_tok,))
-        p = gl.exp2(s_ij * qk_scale - lse2[:, None])
-        if j >= n_full:
-            cols = j * BLOCK_N + cols0
-            p = gl.where(cols[None, :] < col_limit[:, None], p, 0.0)
-        dp = warpgroup_mma_wait(0, deps=(dp_tok,))
-        ds = gl.convert_layout((p * (dp - delta[:, None])).to(dtype), a_layout)
-        dq_tok = warpgroup_mma(ds, k_tile, dq, is_async=True)
-        dq, ds = warpgroup_mma_wait(0, deps=(dq_tok, ds))
-        gl.thread_barrier()                  # every warp of the partition is past its wait
-        mbarrier.arrive(kv_empty.index(s), count=1)
+    # Key blocks [0, n_full) unmasked, then the rest masked, in two loops (no branch inside a step).
+    n_lo = gl.minimum(n_full, n_blocks)
+    for j in range(0, n_lo):
+        dq = _dq_step(j, dq, q_tile, do_tile, k_smem, v_smem, kv_ready, kv_empty, zero_s, lse2, delta,
+                      cols0, col_limit, qk_scale, BLOCK_N, STAGES, a_layout, False)
+    for j in range(n_lo, n_blocks):
+        dq = _dq_step(j, dq, q_tile, do_tile, k_smem, v_smem, kv_ready, kv_empty, zero_s, lse2, delta,
+                      cols0, col_limit, qk_scale, BLOCK_N, STAGES, a_layout, True)
     out_rows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, dq_layout))
     dims = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, dq_layout))
     ptrs = DQ + off_b.to(gl.int64) * stride_dqb + off_h.to(gl.int64) * stride_dqh \
