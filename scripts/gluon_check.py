@@ -150,12 +150,13 @@ def cases(variants):
                     q = torch.randn(2, 1000, 8, d, dtype=dtype)
                     k = torch.randn(2, 1500, 2, d, dtype=dtype)
                     v = torch.randn(2, 1500, 2, d, dtype=dtype)
-                    # Causal persistent variants: each tile order of the persistent loop.
-                    orders = ("paired", "snake") if causal and FH.variant_config(variant, d)["persistent"] \
+                    # Causal persistent variants: each tile order of the persistent loop (the GPU
+                    # tests force all three).
+                    orders = tuple(FH.ORDERS) if causal and FH.variant_config(variant, d)["persistent"] \
                         else ("plain",)
                     for order in orders:
                         label = (f"{variant} D{d} {TYPES[dtype]} {'causal' if causal else 'full'}"
-                                 + (f" {order}" if order != "plain" else ""))
+                                 + (f" {order}" if len(orders) > 1 else ""))
                         yield label, (lambda q=q, k=k, v=v, c=causal, var=variant, o=order:
                                       FH.forward_hopper(q, k, v, 0.1, c, variant=var, order=o))
 

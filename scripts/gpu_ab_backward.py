@@ -1,8 +1,10 @@
 """A/B of the Gluon backward in one process: the backward through triflash's launcher with
 kernels/backward_hopper.py as it is (A) and with another version of that file (B, e.g. main's, saved
 with `git show main:src/triflash/kernels/backward_hopper.py > /tmp/old.py`), five interleaved rounds
-of do_bench medians each, cuDNN beside them. Both must give the same gradients, deterministically;
-the largest difference between A and B is printed.
+of do_bench medians each, cuDNN beside them. Each must give the same gradients twice in a row
+(asserted); the largest difference between A's and B's is printed. B is loaded inside
+triflash.kernels, so its relative imports take today's forward_hopper and configs: B must call
+their helpers with today's signatures (a file from before 5c62e77 calls the older _tile_coords).
 
     PYTHONPATH=src python3 scripts/gpu_ab_backward.py path/to/other/backward_hopper.py
 """

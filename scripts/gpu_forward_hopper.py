@@ -375,10 +375,13 @@ def main():
 
     # ---- compact table ----
     log("\n== TFLOP/s (B,H,S,D; median)")
-    head = f"{'B,H,S,D':<18} {'mode':<6} {'dtype':<5} " + " ".join(f"{n.replace('gluon:', ''):>9}" for n in fns)
+    width = {n: max(9, len(n.replace("gluon:", ""))) for n in fns}
+    head = f"{'B,H,S,D':<18} {'mode':<6} {'dtype':<5} " + " ".join(
+        f"{n.replace('gluon:', ''):>{width[n]}}" for n in fns)
     log(head)
     for r in results:
-        cells = " ".join(f"{r[n]:9.1f}" if r.get(n) is not None else f"{'-':>9}" for n in fns)
+        cells = " ".join(f"{r[n]:{width[n]}.1f}" if r.get(n) is not None else f"{'-':>{width[n]}}"
+                         for n in fns)
         b, h, s, d = r["shape"]
         log(f"{f'{b},{h},{s},{d}':<18} {'causal' if r['causal'] else 'full':<6} {r['dtype'][:4]:<5} {cells}")
     log(f"\ntotal wall time {time.time() - T0:.0f}s")

@@ -169,8 +169,9 @@ def test_hopper_many_tiles_per_cta(device, monkeypatch, dtype, head_dim, variant
     """Every variant the forward takes (per dtype and head dim), with more work items than SMs, so a
     persistent CTA runs several tiles: the K/V ring position, the
     ping-pong turn and the query barriers' phase carry over from tile to tile, and each O tile is
-    reused after its previous TMA store. Sq != Sk with an odd number of query blocks (causal pairs
-    the middle block with itself). The suite's grid has at most 96 items, fewer than the 132 SMs."""
+    reused after its previous TMA store. Sq != Sk with an odd number of query blocks (where the
+    tile order is paired, causal pairs the middle block with itself). The suite's grid has at most
+    96 items, fewer than the 132 SMs."""
     from triflash.kernels import forward_hopper
 
     _force_path(monkeypatch, f"gluon:{variant}")
@@ -217,12 +218,15 @@ def test_hopper_split_loops_match_one_loop(device, monkeypatch, dtype, variant, 
 def test_hopper_tile_orders_match(device, head_dim, variant):
     """The persistent loop's tile orders (plain, paired, snake) only change which CTA runs which tile
     and when; each tile's arithmetic is the same, so out and LSE are equal bit for bit. Causal, with
-    more tiles than SMs and a last round the grid does not fill (snake's overhang), with fewer tiles
-    than SMs, and with Sq > Sk (query blocks that see no key: zero work, still visited)."""
+    more tiles than SMs and a last round the grid does not fill (snake's overhang) after an even
+    round (B2 H16) and after an odd, reversed one (B1 H14: 238 tiles of 128 rows, 154 of 192), with
+    fewer tiles than SMs, and with Sq > Sk (query blocks that see no key: zero work, still visited),
+    alone (B2 H4) and among other tiles of the same CTAs (B4 H16: several rounds)."""
     from triflash.kernels import forward_hopper
 
-    for batch, hq, hkv, seqlen_q, seqlen_k in ((2, 16, 4, 2100, 2300), (1, 3, 1, 700, 1000),
-                                               (2, 4, 2, 1500, 900)):
+    for batch, hq, hkv, seqlen_q, seqlen_k in ((2, 16, 4, 2100, 2300), (1, 14, 2, 2100, 2300),
+                                               (1, 3, 1, 700, 1000), (2, 4, 2, 1500, 900),
+                                               (4, 16, 4, 1500, 900)):
         q, k, v = make_qkv(batch, seqlen_q, seqlen_k, hq, hkv, head_dim, torch.float16, device)
         results = {order: forward_hopper.forward_hopper(q, k, v, 0.1, True, variant=variant, order=order)
                    for order in forward_hopper.ORDERS}
@@ -233,11 +237,11 @@ def test_hopper_tile_orders_match(device, head_dim, variant):
 
 
 def test_hopper_tile_order_rule():
-    """``forward_hopper.tile_order``: plain unless causal and persistent; there snake where the
-    paired items leave a partly filled last round that costs the busiest CTA at least 1 / SNAKE_GAIN
-    of snake's work (B4 H16 S4096 in 192-row tiles: 704 equal items on 132 CTAs, the busiest does 6
-    where the mean is 5.3), paired where the gain is smaller (the same in 128-row tiles: 1024 items,
-    the busiest does 8 where the mean is 7.8; B4 H32: 1408 items, 11 against 10.7)."""
+    """``forward_hopper.tile_order``: plain unless causal and persistent; paired for 128-row tiles
+    (snake was slower at every measured shape there); for 192-row tiles snake where the paired items
+    leave a partly filled last round that costs the busiest CTA at least 1 / SNAKE_GAIN of snake's
+    work (B4 H16 S4096: 704 items of about equal cost on 132 CTAs, the busiest does 6 where the mean
+    is 5.3), paired where the gain is smaller (B4 H32: 1408 items, 11 against 10.7)."""
     from triflash.kernels import forward_hopper
 
     order = forward_hopper.tile_order
@@ -245,13 +249,28 @@ def test_hopper_tile_order_rule():
     assert order(True, False, 64, 22, 192, 128, 4096, 4096, 132) == "plain"
     assert order(True, True, 64, 22, 192, 128, 4096, 4096, 132) == "snake"
     assert order(True, True, 32, 43, 192, 128, 8192, 8192, 132) == "snake"
-    assert order(True, True, 64, 32, 128, 128, 4096, 4096, 132) == "paired"
     assert order(True, True, 128, 22, 192, 128, 4096, 4096, 132) == "paired"
-    with pytest.raises(ValueError, match="order"):
-        forward_hopper.forward_hopper(torch.zeros(1, 64, 1, 64, dtype=torch.float16),
-                                      torch.ones(1, 64, 1, 64, dtype=torch.float16),
-                                      torch.ones(1, 64, 1, 64, dtype=torch.float16), 0.1, True,
-                                      variant="pp_persist", order="zigzag")
+    # 128-row tiles stay paired, even where the model sees snake far ahead (B2 H16 Sq2100 Sk2300).
+    assert order(True, True, 64, 32, 128, 128, 4096, 4096, 132) == "paired"
+    assert order(True, True, 32, 17, 128, 128, 2100, 2300, 132) == "paired"
+    # One query block per head: an item is one tile in either order, so nothing to gain.
+    assert order(True, True, 8, 1, 192, 128, 100, 100, 132) == "paired"
+    # Fewer tiles than SMs, Sq > Sk (blocks with no key cost 1 each): snake gives every tile its own
+    # CTA where paired puts two on one.
+    assert order(True, True, 2, 8, 192, 128, 1500, 900, 132) == "snake"
+
+
+def test_hopper_order_argument_is_checked():
+    """forward_hopper's ``order`` is checked before anything else, empty inputs included, and the
+    error names the argument, the choices and what was given."""
+    from triflash.kernels import forward_hopper
+
+    q = torch.randn(1, 64, 1, 64, dtype=torch.float16)
+    empty = torch.randn(1, 0, 1, 64, dtype=torch.float16)
+    for args in ((q, q, q), (empty, q, q), (q, empty, empty)):
+        for bad in ("zigzag", ["snake"]):
+            with pytest.raises(ValueError, match=r"order must be one of \['paired', 'plain', 'snake'\]"):
+                forward_hopper.forward_hopper(*args, 0.1, True, variant="pp_persist", order=bad)
 
 
 def test_hopper_variant_chooser(monkeypatch):

@@ -194,7 +194,8 @@ def hopper_forward_variant(*, head_dim: int, dtype, device, causal: bool, seqlen
       forward_hopper refuses bf16 for LTC variants). In run 57 the bf16 split-loop forms were
       +12-13% over the bf16 picks before from 4k and +2% at 1k; at 512 queries the 192-row tiles
       were 12% slower than ``pp_persist`` (run 25). Causal below 8k keys, ``pp_persist`` (128-row
-      tiles, paired order) stays 1-3% ahead of the 192-row forms in either order (run 61);
+      tiles, paired order) stayed ahead of every 192-row form in either order (run 61: 1-3% at 4k,
+      5% at 2k);
     * head_dim 64, causal below 2k queries: the Triton kernel, 15-20% faster than the Gluon variants
       there (315 against 258 TFLOP/s at 1k in run 16; 304 against 264-285 in run 24).
     """

@@ -217,10 +217,10 @@ def _tile_coords(item, half, num_m_blocks, num_heads_q, kv_group_size, seqlen_q,
     * PLAIN: item = tile. Query blocks vary fastest (neighbouring tiles share K/V in L2); causal:
       heaviest (last) query block of a head first.
     * PAIRED (causal, persistent): an item is two query blocks of one head, m = M - 1 - p (half 0)
-      and m = p (half 1), whose key-block counts add up to the same total for every p. So every
-      item costs the same, the persistent CTAs stay in step, and the tiles in flight at any moment
-      stay neighbours (their K/V stays in L2). With M odd the middle block pairs with itself: its
-      half 1 is not valid. The CTAs do whole items, so with N items the last round has N mod grid.
+      and m = p (half 1), whose key-block counts add up to about the same total for every p (exactly
+      when BLOCK_M is a multiple of BLOCK_N). So every item costs about the same, the persistent
+      CTAs stay in step, and the tiles in flight at any moment stay neighbours (their K/V stays in
+      L2). With M odd the middle block pairs with itself: its half 1 is not valid. The CTAs do whole items, so with N items the last round has N mod grid.
     * SNAKE (causal, persistent): tiles sorted by cost (query block m from the last, the heads
       fastest) and dealt in rounds of grid tiles, the even rounds to programs 0, 1, ..., the odd
       ones in reverse: a program that took a heavy tile in one round takes a light one in the next.
@@ -785,7 +785,9 @@ def _descriptor(t: torch.Tensor, rows: int, head_dim: int) -> GluonTensorDescrip
     return desc
 
 
-SNAKE_GAIN = 0.92       # tile_order: SNAKE where its busiest program has at most this share of PAIRED's
+# tile_order: SNAKE (taller than 128-row tiles) where its busiest program has at most this share of
+# PAIRED's work. Read when tile_order's cache misses: set it before the first launch.
+SNAKE_GAIN = 0.92
 ORDERS = {"plain": PLAIN.value, "paired": PAIRED.value, "snake": SNAKE.value}
 
 
@@ -793,23 +795,30 @@ ORDERS = {"plain": PLAIN.value, "paired": PAIRED.value, "snake": SNAKE.value}
 def tile_order(causal: bool, persistent: bool, num_bh: int, num_m_blocks: int, block_m: int,
                block_n: int, seqlen_q: int, seqlen_k: int, grid: int) -> str:
     """The persistent loop's tile order (``_tile_coords``): 'plain' unless causal and persistent;
-    there 'snake' where its busiest program has at most SNAKE_GAIN of PAIRED's busiest program's
-    work, else 'paired'. The work of a tile is counted in key blocks, plus one for its query load and
-    output store.
+    there 'paired' for 128-row tiles, and for taller ones 'snake' where its busiest program has at
+    most SNAKE_GAIN of PAIRED's busiest program's work, else 'paired'. The work of a tile is counted
+    in key blocks, plus one for its query load and output store.
 
-    The margin: SNAKE runs tiles of up to grid different heads at once where PAIRED runs a few
-    heads' tiles side by side, so it reads K/V with less reuse in L2. Measured (run 61, causal):
-    with 128-row tiles, where PAIRED's busiest program is at most 3% above the mean, SNAKE was
-    5-17% slower; with 192-row tiles it was 5-25% faster where this model saw 9-13% less work for the
-    busiest program (B4 H16 S4k, B2 H16 S8k, B8 H16 S2k at head_dim 64; S4k and S16k at 128), level
-    at 5% (S16k, head_dim 64) and 4-7% slower at 2-3% (B4 H32 S4k at 64, B16 H16 S1k at 128)."""
+    Why the limits: SNAKE runs tiles of up to grid different heads at once where PAIRED runs a few
+    heads' tiles side by side, so it reads K/V with less reuse in L2, and a 128-row tile does 2/3 of
+    a 192-row one's FLOPs per K/V byte. Measured (run 61, causal, every order forced;
+    performance.md has the table): with 128-row tiles SNAKE was 5-17% slower at every shape but one
+    (level at B16 H32 S1k), where this model saw 0-3% less work. With 192-row tiles, where the
+    model saw 9-13% less work: +4-5% at B4 H16 S4k (head_dim 64 and 128), +11% at B2 H16 S8k,
+    +19-23% at B8 H16 S2k, +7-9% at S16k (head_dim 128), +1% at B8 H16 S2k (head_dim 128); at 5%,
+    level (S16k, head_dim 64); at 2-3%, 3-6% slower (B4 H32 S4k at 64, B16 H16 S1k at 128) but
+    +35-41% at B16 H32 S1k (head_dim 64). Part of the 192-row gains is code quality: the PAIRED forms of
+    ``pp3_persist*`` spill 44-184 bytes causal, the SNAKE forms 0-28."""
     if not (causal and persistent):
         return "plain"
-    m = torch.arange(num_m_blocks)
+    if block_m < 192:
+        return "paired"
+    cpu = torch.device("cpu")                        # host arithmetic whatever the default device
+    m = torch.arange(num_m_blocks, device=cpu)
     hi = ((m + 1) * block_m + seqlen_k - seqlen_q).clamp(0, seqlen_k)
     cost = (hi + block_n - 1) // block_n + 1                               # per query block m
     half = (num_m_blocks + 1) // 2
-    p = torch.arange(half)
+    p = torch.arange(half, device=cpu)
     item = cost.flip(0)[:half] + torch.where(2 * p != num_m_blocks - 1, cost[:half], 0)
 
     def busiest(work, reverse_odd_rounds):           # work[i] goes to program i % grid
@@ -851,6 +860,8 @@ def forward_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: 
     ``configs.hopper_forward_variant`` picks). ``order``: the tile order, a key of ORDERS (any of them
     gives the same result; they differ in how evenly the persistent CTAs share the causal work);
     None lets ``tile_order`` pick."""
+    if order is not None and (not isinstance(order, str) or order not in ORDERS):
+        raise ValueError(f"order must be one of {sorted(ORDERS)} or None; got order={order!r}")
     batch, seqlen_q, heads_q, head_dim = q.shape
     _, seqlen_k, heads_k, _ = k.shape
     if out is None:
@@ -877,8 +888,6 @@ def forward_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: 
     if order is None:
         order = tile_order(causal, cfg["persistent"], batch * heads_q, num_m_blocks, cfg["block_m"],
                            cfg["block_n"], seqlen_q, seqlen_k, sms)
-    if order not in ORDERS:
-        raise ValueError(f"order must be one of {sorted(ORDERS)} or None; got order={order!r}")
     num_items = batch * heads_q * ((num_m_blocks + 1) // 2) if order == "paired" else num_tiles
     grid = (min(num_items, sms) if cfg["persistent"] else num_items,)
     _attn_fwd_hopper_kernel[grid](
