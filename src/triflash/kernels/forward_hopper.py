@@ -72,7 +72,10 @@ fastest kernels (FlashAttention-3) schedule by hand:
    (``persistent``) a CTA stays resident and its producer loads the next tile's first K tile and
    its query tiles while the consumers still finish the current one: each consumer releases its
    query tile (``q_empty``) after its last S product, and writes O through its own shared-memory
-   tile (``o_smem``), waiting for its previous TMA store before reusing it.
+   tile (``o_smem``), waiting for its previous TMA store before reusing it. Causal tiles differ in
+   cost, so the persistent loop takes them in one of two orders (ORDER, picked by ``tile_order``):
+   PAIRED items of a heavy and a light query block of one head, or SNAKE, all tiles sorted by cost
+   and dealt out in rounds, every other round in reverse (``_tile_coords``).
 
 6. *Row sums on the tensor cores* (LTC; the forward takes it for fp16 at head_dim 64 with three
    warpgroups). The softmax's row sum l is the one part of the step's arithmetic that is a plain
