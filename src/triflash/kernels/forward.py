@@ -229,13 +229,12 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float, 
     _, seqlen_k, heads_k, _ = k.shape
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    lse = torch.empty((batch, heads_q, seqlen_q), dtype=torch.float32, device=q.device)
-    if out.numel() == 0:
-        return out, lse
-    if seqlen_k == 0:
-        # No key at all: every row is empty by definition.
-        out.zero_()
-        lse.fill_(float("-inf"))
+    if out.numel() == 0 or seqlen_k == 0:
+        lse = torch.empty((batch, heads_q, seqlen_q), dtype=torch.float32, device=q.device)
+        if out.numel():
+            # No key at all: every row is empty by definition.
+            out.zero_()
+            lse.fill_(float("-inf"))
         return out, lse
 
     if config is None:
@@ -245,7 +244,9 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float, 
             from . import forward_hopper   # imported here: it imports this module (tma_compatible)
 
             if forward_hopper.supported(q, k, v, out):
+                # It allocates its own lse.
                 return forward_hopper.forward_hopper(q, k, v, sm_scale, causal, out=out, variant=variant)
+    lse = torch.empty((batch, heads_q, seqlen_q), dtype=torch.float32, device=q.device)
     if config is None:
         config = configs.forward_config(head_dim=head_dim, dtype=q.dtype, causal=causal,
                                         batch_heads=batch * heads_q, seqlen_q=seqlen_q,
