@@ -370,7 +370,8 @@ def _bwd_consumer(DK, DV, q_smem, do_smem, k_all, v_all, lse_smem, delta_smem, d
     mbarrier.wait(kv_ready, 0)
     # Steps by the mask they need, each kind in its own loop (no branch inside a step): causal, the
     # query blocks below m_full (the first steps: they go up from the diagonal); then the rest, with
-    # the key-tail mask where this partition holds key rows past seqlen_k.
+    # the key-tail mask where this partition holds key rows past seqlen_k. (The three calls written
+    # as one gl.static_range(3) over the mask kind spill 8-16 bytes at head_dim 128: notes, run 62.)
     if IS_CAUSAL:
         n_masked = gl.minimum(gl.maximum(m_full - m_first, 0) * kv_group_size, n_steps)
         for i in range(0, n_masked):
