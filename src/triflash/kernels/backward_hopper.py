@@ -104,7 +104,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTen
 
 from .common import LOG2E, on_input_device
 from .configs import cdiv, sm_count
-from .forward_hopper import PLAIN, _descriptor, _tile_coords, shared_layout
+from .forward_hopper import PLAIN, _descriptor, _row_limits, _tile_coords, shared_layout
 from .forward_hopper import supported as forward_supported
 
 BLOCK_N = 128              # keys per CTA: 64 per consumer partition
@@ -742,12 +742,8 @@ def _dq_consumer(DQ, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, q_re
     cols0 = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
     causal_offset = seqlen_k - seqlen_q
     # Key blocks [0, n_full) are seen in full by every row of this warpgroup: no mask there.
-    if IS_CAUSAL:
-        n_full = gl.minimum(gl.maximum(row0 + causal_offset + 1, 0) // BLOCK_N, seqlen_k // BLOCK_N)
-        col_limit = gl.minimum(rows + causal_offset + 1, seqlen_k)
-    else:
-        n_full = seqlen_k // BLOCK_N
-        col_limit = gl.full([ROWS], 0, gl.int32, row_layout) + seqlen_k
+    n_full, col_limit = _row_limits(row0, rows, causal_offset, seqlen_k, ROWS, BLOCK_N, IS_CAUSAL,
+                                    row_layout)
     q_tile = q_smem.index(WG)
     do_tile = do_smem.index(WG)
     mbarrier.wait(q_ready, 0)

@@ -223,7 +223,8 @@ def _tile_coords(item, half, num_m_blocks, num_heads_q, kv_group_size, seqlen_q,
       and m = p (half 1), whose key-block counts add up to about the same total for every p (exactly
       when BLOCK_M is a multiple of BLOCK_N). So every item costs about the same, the persistent
       CTAs stay in step, and the tiles in flight at any moment stay neighbours (their K/V stays in
-      L2). With M odd the middle block pairs with itself: its half 1 is not valid. The CTAs do whole items, so with N items the last round has N mod grid.
+      L2). With M odd the middle block pairs with itself: its half 1 is not valid. The CTAs do
+      whole items, so with N items the last round has N mod grid.
     * SNAKE (causal, persistent): tiles sorted by cost (query block m from the last, the heads
       fastest) and dealt in rounds of grid tiles, the even rounds to programs 0, 1, ..., the odd
       ones in reverse: a program that took a heavy tile in one round takes a light one in the next.
@@ -261,6 +262,22 @@ def _tile_coords(item, half, num_m_blocks, num_heads_q, kv_group_size, seqlen_q,
         hi = seqlen_k
     n_blocks = gl.cdiv(hi, BLOCK_N)
     return pid_bh, off_b, off_h, off_hk, start_m, n_blocks, valid
+
+
+@gluon.jit
+def _row_limits(row0, rows, causal_offset, seqlen_k, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
+                IS_CAUSAL: gl.constexpr, row_layout: gl.constexpr):
+    """For query rows ``rows`` (the first is row0): (n_full, col_limit). Key blocks [0, n_full) are
+    seen in full by every row (no mask); row i sees keys < col_limit[i] (the end of the keys, or its
+    causal diagonal + 1, bottom-right aligned: causal_offset = seqlen_k - seqlen_q). The forward's
+    consumers and the backward's dQ consumers use it."""
+    if IS_CAUSAL:
+        n_full = gl.minimum(gl.maximum(row0 + causal_offset + 1, 0) // BLOCK_N, seqlen_k // BLOCK_N)
+        col_limit = gl.minimum(rows + causal_offset + 1, seqlen_k)
+    else:
+        n_full = seqlen_k // BLOCK_N
+        col_limit = gl.full([ROWS], 0, gl.int32, row_layout) + seqlen_k
+    return n_full, col_limit
 
 
 @gluon.jit
@@ -506,14 +523,8 @@ def _consumer(q_desc, o_desc, LSE, q_smem, o_smem, k_smem, v_smem,
                 row0 = start_m + WG * ROWS
                 rows = row0 + gl.arange(0, ROWS, layout=row_layout)             # [ROWS] query positions
                 # Key blocks [0, n_full) are seen in full by every row of this warpgroup: no mask.
-                # col_limit: row i sees keys < col_limit[i] (the end of the keys, or its causal diagonal + 1).
-                if IS_CAUSAL:
-                    n_full = gl.minimum(gl.maximum(row0 + causal_offset + 1, 0) // BLOCK_N,
-                                        seqlen_k // BLOCK_N)
-                    col_limit = gl.minimum(rows + causal_offset + 1, seqlen_k)
-                else:
-                    n_full = seqlen_k // BLOCK_N
-                    col_limit = gl.full([ROWS], 0, gl.int32, row_layout) + seqlen_k
+                n_full, col_limit = _row_limits(row0, rows, causal_offset, seqlen_k, ROWS, BLOCK_N, IS_CAUSAL,
+                                                row_layout)
 
                 mbarrier.wait(q_bar, n_done & 1)   # always: the query's TMA must land before the tile is done
 
@@ -810,8 +821,8 @@ def tile_order(causal: bool, persistent: bool, num_bh: int, num_m_blocks: int, b
     model saw 9-13% less work: +4-5% at B4 H16 S4k (head_dim 64 and 128), +11% at B2 H16 S8k,
     +19-23% at B8 H16 S2k, +7-9% at S16k (head_dim 128), +1% at B8 H16 S2k (head_dim 128); at 5%,
     level (S16k, head_dim 64); at 2-3%, 3-6% slower (B4 H32 S4k at 64, B16 H16 S1k at 128) but
-    +35-41% at B16 H32 S1k (head_dim 64). Part of the 192-row gains is code quality: the PAIRED forms of
-    ``pp3_persist*`` spill 44-184 bytes causal, the SNAKE forms 0-28."""
+    +35-41% at B16 H32 S1k (head_dim 64). Part of the 192-row gains is code quality: the PAIRED
+    forms of ``pp3_persist*`` spill 44-184 bytes causal, the SNAKE forms 0-28."""
     if not (causal and persistent):
         return "plain"
     if block_m < 192:
