@@ -30,6 +30,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTen
 from compile_check import Recorder  # noqa: E402  (scripts/ is on sys.path when run as a script)
 from triflash.kernels import forward_hopper as FH  # noqa: E402
 from triflash.kernels import backward_hopper as BH  # noqa: E402
+from triflash.kernels import decode_hopper as DH  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)      # (backend, compute capability, warp size)
 TYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.int32: "i32"}
@@ -194,6 +195,35 @@ def dq_cases(variants):
                                   BH.dq_hopper(do, q, k, v, st, st, 0.1, c, torch.empty_like(q), variant=var))
 
 
+def decode_cases(tiles):
+    """The Gluon decode kernel (decode_hopper.py): each (block_n, stages) tile at head_dim 64 and
+    128, fp16 and bf16, over a contiguous cache and paged caches of 16 and 256 keys per page."""
+    for block_n, stages in tiles:
+        for d in (64, 128):
+            for dtype in (torch.float16, torch.bfloat16):
+                for cache, page in (("contiguous", None), ("page16", 16), ("page256", 256)):
+                    for causal in ((False, True) if cache == "page16" else (False,)):
+                        batch, sq, hq, hkv = 2, 4 if causal else 1, 32, 8
+                        q = torch.randn(batch, sq, hq, d, dtype=dtype)
+                        if page is None:
+                            k = torch.randn(batch, 1024, hkv, d, dtype=dtype)
+                            table = None
+                        else:
+                            k = torch.randn(2048 // page, page, hkv, d, dtype=dtype)
+                            table = torch.arange(2048 // page, dtype=torch.int32).view(batch, -1)
+                        v = torch.randn_like(k)
+                        seqlens = torch.full((batch,), 1000, dtype=torch.int32)
+                        splits = 3
+                        o = torch.empty(splits, batch, sq, hq, d)
+                        lse = torch.empty(splits, batch, hq, sq)
+                        label = (f"decode N{block_n} s{stages} D{d} {TYPES[dtype]} {cache}"
+                                 + (" causal" if causal else ""))
+                        yield label, (lambda q=q, k=k, v=v, o=o, lse=lse, sl=seqlens, t=table, c=causal,
+                                      bn=block_n, st=stages, n=splits:
+                                      DH.decode_hopper(q, k, v, o, lse, sl, t, 0, 0.1, c, block_n=bn,
+                                                       stages=st, num_splits=n))
+
+
 def _backward_without_finish(do, q, k, v, stats, causal, variant):
     """backward_hopper with its small Triton epilogue kernel not launched (no GPU here)."""
     saved = BH._dq_finish_kernel
@@ -211,8 +241,18 @@ def main():
     ap.add_argument("--backward", nargs="*", default=None,
                     help="compile these variants of the Gluon backward (backward_hopper.py), and the Gluon "
                          "dQ kernel where they take it, instead")
+    ap.add_argument("--decode", nargs="*", default=None, metavar="N,STAGES",
+                    help="compile the Gluon decode kernel (decode_hopper.py) at these tiles instead "
+                         "(default 128,2 64,2 64,3 64,4)")
     ap.add_argument("--ptx-dump", default=None, help="write ttgir/ptx/sass per case here")
     a = ap.parse_args()
+    if a.decode is not None:
+        tiles = [tuple(int(x) for x in t.split(",")) for t in (a.decode or ["128,2", "64,2", "64,3", "64,4"])]
+        ok = True
+        for label, run in decode_cases(tiles):
+            ok &= compile_one(label, run, a.ptx_dump, DH, "_decode_hopper_kernel")
+        print("all compiled" if ok else "SOME FAILED")
+        return 0 if ok else 1
     if a.backward is not None:
         ok = True
         for label, run in backward_cases(a.backward or list(BH.VARIANTS)):

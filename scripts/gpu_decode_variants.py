@@ -9,7 +9,7 @@ the median over rounds, in µs per call and GB/s of K/V read, CUDA-graph replays
 decode. Hq=32, Hkv=8, D=128, fp16, one query token, page size 16 (pages shuffled).
 
     PYTHONPATH=src python3 scripts/gpu_decode_variants.py [--shapes 16,8192 ...] [--rounds 5]
-        [--clean-l2] [--out $OUT/decode_variants.json]
+        [--clean-l2] [--gluon] [--out $OUT/decode_variants.json]
 """
 
 import argparse
@@ -32,6 +32,7 @@ from triflash.bench.decode import SdpaDecode  # noqa: E402
 from triflash.bench.providers import Prepared  # noqa: E402
 from triflash.bench.runner import DoBench, free_memory, load_error, run_one  # noqa: E402
 from triflash.bench.workloads import decode_workloads  # noqa: E402
+from triflash.kernels import configs  # noqa: E402
 from triflash.kernels.configs import DecodeConfig  # noqa: E402
 
 
@@ -41,12 +42,33 @@ from triflash.kernels.configs import DecodeConfig  # noqa: E402
 KINDS = ("contiguous", "paged", "paged-ordered")
 
 
-def candidates(batch: int):
+# The Gluon kernel's (block_n, ring depth) tiles timed with --gluon (decode_hopper.py).
+GLUON_TILES = [(128, 2), (64, 2), (64, 3)]
+
+
+def gluon_splits(batch: int, context: int, block_n: int, stages: int) -> int:
+    """The split count decode_config's rule gives a Gluon tile: one wave of resident programs, two
+    per SM where two fit in shared memory (decode_hopper's launcher then halves the registers)."""
+    smem = 2 * (2 * 64 * 64 + 2 * stages * 2 * block_n * 64) + 1024
+    per_sm = 2 if 2 * smem <= 232448 else 1
+    return configs.effective_splits(
+        configs.decode_num_splits(programs=batch * HEADS_KV, max_seqlen=context, block_n=block_n,
+                                  per_sm=per_sm, sms=132), context, block_n)
+
+
+def candidates(batch: int, context: int, gluon: bool):
     """(cache kind, name, DecodeConfig or None for the launcher's own pick) per shape. Run 36 tried
     three to five K/V buffers per SM (N128 at 4 and 7 stages, N64 at 9 and 11, 4 or 8 warps) and an
-    L2 prefetch of the block table: all level or slower than the auto picks (performance-notes)."""
+    L2 prefetch of the block table: all level or slower than the auto picks (performance-notes).
+    gluon: also the Gluon kernel's tiles, on the contiguous and the paged cache."""
     out = [(kind, "auto", None) for kind in KINDS]
-    if batch * HEADS_KV <= 132:
+    if gluon:
+        for block_n, stages in GLUON_TILES:
+            splits = gluon_splits(batch, context, block_n, stages)
+            cfg = DecodeConfig(64, block_n, 4, stages, splits, kernel="gluon")
+            name = f"gluon-N{block_n}-s{stages}-x{splits}"
+            out += [("contiguous", name, cfg), ("paged", name, cfg)]
+    elif batch * HEADS_KV <= 132:
         out += [("paged", "N128-w8-s5", DecodeConfig(16, 128, 8, 5)),
                 ("paged-ordered", "N128-w8-s5", DecodeConfig(16, 128, 8, 5))]
     return out
@@ -97,6 +119,8 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=float, default=25)
     ap.add_argument("--rep", type=float, default=100)
     ap.add_argument("--out", default="decode_variants.json")
+    ap.add_argument("--gluon", action="store_true",
+                    help="time the Gluon kernel's tiles (GLUON_TILES) instead of run 36's extra configs")
     ap.add_argument("--clean-l2", action="store_true",
                     help="also time every variant behind a flush whose dirty lines were read out "
                          "of the L2 first (CleanL2), next to do_bench's flush")
@@ -119,7 +143,7 @@ def main(argv=None) -> int:
             if load_error(sdpa) is None:
                 providers.append(("contiguous", sdpa.name, sdpa))
         providers += [(kind, name, DecodeVariant(name, prepared[kind], cfg, context))
-                      for kind, name, cfg in candidates(batch)]
+                      for kind, name, cfg in candidates(batch, context, a.gluon)]
         entries = [(kind, name, prov, tname, timer) for kind, name, prov in providers
                    for tname, timer in timers]
         times = {i: [] for i in range(len(entries))}

@@ -262,7 +262,9 @@ class DecodeConfig:
     16 for tl.dot; a group with more rows takes several M blocks. block_n: keys per iteration.
     num_warps / num_stages: Triton's launch options (stages = depth of the K/V load pipeline, which
     is what keeps enough bytes in flight for a memory-bound kernel). num_splits: how many programs
-    share one sequence's keys (1 = no merge pass).
+    share one sequence's keys (1 = no merge pass). kernel: "triton" (decode.py) or "gluon" (the
+    TMA-fed Hopper kernel of decode_hopper.py; there num_stages is the depth of its K/V ring, and
+    block_m is 64 and num_warps 4, one wgmma warpgroup).
     """
 
     block_m: int
@@ -270,11 +272,17 @@ class DecodeConfig:
     num_warps: int
     num_stages: int
     num_splits: int = 1
+    kernel: str = "triton"
 
     def __post_init__(self):
         if self.num_splits < 1:
             raise ValueError(f"DecodeConfig.num_splits must be >= 1 (a count, not 'choose'), got "
                              f"{self.num_splits}")
+        if self.kernel not in ("triton", "gluon"):
+            raise ValueError(f"DecodeConfig.kernel must be 'triton' or 'gluon', got {self.kernel!r}")
+        if self.kernel == "gluon" and (self.block_m, self.num_warps) != (64, 4):
+            raise ValueError(f"DecodeConfig with kernel='gluon' takes block_m=64 and num_warps=4 (one "
+                             f"wgmma warpgroup), got block_m={self.block_m}, num_warps={self.num_warps}")
 
 
 # The interpreter has no multiprocessors: pretend to have a few, so auto-splitting happens in tests.
@@ -349,18 +357,47 @@ def effective_splits(num_splits: int, max_seqlen: int, block_n: int) -> int:
     return cdiv(blocks, cdiv(blocks, max(1, num_splits)))
 
 
+def hopper_decode_applies(*, head_dim: int, dtype, device) -> bool:
+    """Whether the Gluon decode kernel (decode_hopper.py) can run this head dim and dtype: sm_90
+    exactly, fp16 or bf16, head_dim 64 or 128 (its launcher's ``supported`` checks the caches)."""
+    return hopper_forward_applies(head_dim=head_dim, dtype=dtype, device=device)
+
+
+# The Gluon decode kernel is taken where it was measured faster than the Triton one (run 70, H200,
+# D=128, Hq=32, Hkv=8): few programs (batch x KV heads x M blocks below a quarter of the SMs, where
+# the sequence is cut into many splits) and at least this many keys. There, at batch 1, it took 2-8%
+# less time than the Triton kernel (8k: 21.8 against 23.5 us); at batch 2-4 it was level (+-1%);
+# from batch 16 (one program per SM, no splits) it was 0.5-2% slower, so the Triton kernel stays.
+GLUON_DECODE_MIN_KEYS = 8192
+_DECODE_GLUON = _DecodeTile(128, 4, 2, per_sm=1)   # two K/V ring slots of 64 KiB: one program per SM
+
+
 def decode_config(*, head_dim: int, dtype, rows: int, batch: int, heads_kv: int, max_seqlen: int,
-                  num_splits: int, paged: bool, device, page_size: int | None = None) -> DecodeConfig:
+                  num_splits: int, paged: bool, device, page_size: int | None = None,
+                  gluon_ok: bool = False) -> DecodeConfig:
     """Pick the decode kernel's launch parameters.
 
     rows = (query heads per KV head) x (query positions per sequence): the M dimension of one tile.
     num_splits: the caller's request; 0 means choose (``decode_num_splits``). Either way the count
     is lowered where some splits would get no key of the longest sequence (``effective_splits``).
     page_size: a paged cache's page size (the tile depends on whether it is a power of two).
+    gluon_ok: the inputs suit the Gluon kernel (``hopper_decode_applies`` and its launcher's
+    ``supported``); it is then taken where GLUON_DECODE_MIN_KEYS's comment says.
     """
     import torch
 
     sms = INTERPRETER_SM_COUNT if INTERPRET else sm_count(device)
+    if gluon_ok and not INTERPRET and head_dim == 128 and max_seqlen >= GLUON_DECODE_MIN_KEYS:
+        programs = batch * heads_kv * cdiv(max(1, rows), 64)
+        if programs < sms // 4:
+            tile = _DECODE_GLUON
+            if num_splits == 0:
+                num_splits = decode_num_splits(programs=programs, max_seqlen=max_seqlen,
+                                               block_n=tile.block_n, per_sm=tile.per_sm, sms=sms)
+            return DecodeConfig(block_m=64, block_n=tile.block_n, num_warps=tile.num_warps,
+                                num_stages=tile.num_stages,
+                                num_splits=effective_splits(num_splits, max_seqlen, tile.block_n),
+                                kernel="gluon")
     wide = dtype == torch.float32 or head_dim_block(head_dim) > 128
     if INTERPRET:
         block_m_cap = INTERPRETER_DECODE.block_m

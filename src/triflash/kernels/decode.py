@@ -261,12 +261,17 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         return out, lse
 
     rows = group * seqlen_q
+    gluon_ok = False                      # the inputs suit decode_hopper.py (checked once per call)
     if config is None:
+        if q.is_cuda and configs.hopper_decode_applies(head_dim=head_dim, dtype=q.dtype, device=q.device):
+            from . import decode_hopper   # imported here: Gluon is only needed on this path
+            gluon_ok = decode_hopper.supported(q, k_cache, v_cache, block_table)
         config = configs.decode_config(head_dim=head_dim, dtype=q.dtype, rows=rows, batch=batch,
                                        heads_kv=heads_kv, max_seqlen=max_seqlen,
                                        num_splits=num_splits, paged=block_table is not None,
                                        device=q.device,
-                                       page_size=k_cache.shape[1] if block_table is not None else None)
+                                       page_size=k_cache.shape[1] if block_table is not None else None,
+                                       gluon_ok=gluon_ok)
     splits = config.num_splits
     num_m_blocks = configs.cdiv(rows, config.block_m)
     if splits == 1:
@@ -282,6 +287,19 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         l_part = torch.empty((splits, batch, heads_q, seqlen_q), dtype=l_dtype, device=q.device)
 
     paged = block_table is not None
+    if config.kernel == "gluon":
+        from . import decode_hopper       # imported here: Gluon is only needed on this path
+        if not (gluon_ok or decode_hopper.supported(q, k_cache, v_cache, block_table)):
+            raise ValueError("DecodeConfig(kernel='gluon') takes fp16/bf16 inputs on an sm_90 GPU, head_dim "
+                             "64 or 128, TMA-compatible caches and (paged) a power-of-two page size of at least "
+                             f"{decode_hopper.MIN_BOX}; got q {q.dtype} {tuple(q.shape)} on {q.device}, "
+                             f"k_cache {tuple(k_cache.shape)} strides {k_cache.stride()}")
+        decode_hopper.decode_hopper(q, k_cache, v_cache, o_part, l_part, cache_seqlens, block_table,
+                                    seqlen_new, sm_scale, causal, block_n=config.block_n,
+                                    stages=config.num_stages, num_splits=splits)
+        if splits > 1:
+            _merge_launch(o_part, l_part, out=out, lse=lse)
+        return out, lse
     has_seqlens = cache_seqlens is not None
     # Unused pointer arguments get a valid tensor of the right kind (never dereferenced).
     seqlens_arg = cache_seqlens if has_seqlens else lse

@@ -1,0 +1,380 @@
+"""Decode attention over a KV cache for Hopper (sm_90) in Gluon: a TMA-fed K/V ring and wgmma.
+
+Same contract as the Triton decode kernel (decode.py): one program per (batch b, KV head hk, split,
+M block) attends the packed query tile (the GROUP query heads of hk times the Sq query positions) to
+one range of sequence b's keys, and writes either the final (out, lse) or a split's partial for the
+merge kernel. What changes is how K and V reach the tensor cores.
+
+Why a second decode kernel
+--------------------------
+Decode is a stream of K/V bytes: at batch 16 and 8k keys a call reads 537 MB and does almost no
+arithmetic per byte, so a kernel's speed is how many bytes it keeps in flight and how little else it
+does per byte. The Triton kernel loads with ``cp.async``: every thread computes 64-bit addresses for
+its 16-byte pieces of every key (and, paged, looks up each key's page), and the pipeline holds two
+K/V buffers per SM (num_stages counts the block-table read as a stage, so deeper pipelines cost
+registers and shared memory it did not pay back; runs 14 and 36).
+
+Here the copies go to the TMA engine:
+
+* a **producer** warp reads the block table (one entry per page, the next key block's entries
+  loaded while it waits for a free slot) and issues one TMA box per page and per 64 head-dim
+  columns, ``BOX`` = min(page size, BLOCK_N) keys of one KV head, into a ring of ``STAGES`` K/V
+  slots. It computes no per-key address.
+* a **consumer** warpgroup (4 warps) waits for a slot, computes S = Q K^T with wgmma (the query tile
+  padded to 64 rows, the wgmma M; padded rows hold zeros and are never stored), the online softmax
+  in registers (``forward_hopper._softmax``: fp32 state, exp2 with the scale folded into one FMA),
+  and O += P V with wgmma, then releases the slot.
+
+Shared-memory tiles are [BLOCK_N, 64] (128-byte rows, 128-byte swizzle); head_dim 128 takes two per
+K or V block (``HALVES``), so a TMA box never exceeds the 128-byte swizzle span and a page's box
+lands in rows [p * BOX, (p + 1) * BOX) of the tile (BOX a multiple of 8 rows: the swizzle repeats
+every 8 rows). S = sum over halves of Q_h K_h^T; O is two [64, 64] accumulators.
+
+The key ranges (split shares, the unmasked part [lo, mid) and the masked rest [mid, hi)) are
+decode.py's. TMA copies whole boxes, so a masked block also brings keys past the end of the range:
+their scores are masked to -inf, and, because 0 * NaN is NaN on the tensor cores too, the consumer
+zeroes those rows of the V tile in shared memory before P V (a cache allocated with torch.empty may
+hold NaN there). Pages past the end of the sequence are never looked up in the block table: their
+boxes read page 0 (any valid page; every key of it is masked).
+
+Supported: fp16/bf16, head_dim 64 or 128, TMA-compatible caches (``supported``), contiguous or paged
+with a power-of-two page size of at least 8. Everything else takes the Triton kernel.
+"""
+
+from __future__ import annotations
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
+                                                              warpgroup_mma, warpgroup_mma_wait)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTensorDescriptor
+
+from .common import LOG2E, on_input_device
+from .configs import hopper_decode_applies
+from .forward import tma_compatible
+from .forward_hopper import _GL_DTYPES, _softmax, _to_operand, shared_layout
+
+ROWS = 64            # query rows per program: the wgmma M of one warpgroup
+HALF = 64            # head-dim columns per shared-memory tile (128-byte rows at 16 bits)
+MIN_BOX = 8          # rows of one 128-byte swizzle atom: the smallest page a box may hold
+PRODUCER_REGS = 48   # setmaxnreg of the producer's warpgroup
+SHARED_PER_SM = 232448   # bytes of shared memory the CTAs of one H100/H200 SM may use together
+
+
+@gluon.jit
+def _program(SEQLENS, stride_sl, heads_kv, seqlen_q, seqlen_k, seqlen_new, num_m_blocks, num_splits,
+             BLOCK_N: gl.constexpr, HAS_SEQLENS: gl.constexpr, IS_CAUSAL: gl.constexpr):
+    """This program's (M block, split, KV head, batch) and key ranges, as decode.py computes them:
+    [lo, mid) whole blocks every row sees, [mid, hi) the rest (masked). Empty: hi <= lo."""
+    pid = gl.program_id(0)
+    pid_m = pid % num_m_blocks
+    rest = pid // num_m_blocks
+    split = rest % num_splits
+    rest = rest // num_splits
+    off_hk = rest % heads_kv
+    off_b = rest // heads_kv
+    if HAS_SEQLENS:
+        seqlen = gl.load(SEQLENS + off_b * stride_sl) + seqlen_new
+    else:
+        seqlen = seqlen_k
+    n_blocks = (seqlen + BLOCK_N - 1) // BLOCK_N
+    blocks_per_split = (n_blocks + num_splits - 1) // num_splits
+    lo = split * blocks_per_split * BLOCK_N
+    hi = gl.minimum(lo + blocks_per_split * BLOCK_N, seqlen)
+    causal_offset = seqlen - seqlen_q
+    if IS_CAUSAL:
+        seen_by_all = gl.maximum(causal_offset + 1, 0)
+    else:
+        seen_by_all = seqlen
+    mid = gl.minimum(gl.maximum((seen_by_all // BLOCK_N) * BLOCK_N, lo), hi)
+    return pid_m, split, off_hk, off_b, lo, mid, hi, causal_offset
+
+
+@gluon.jit
+def _page_ids(table, start, hi, stride_btp, offs_p, BOX: gl.constexpr, PAGE_SIZE: gl.constexpr):
+    """Block-table entries of the boxes of the key block at ``start`` ([PAGES]); boxes at or past
+    ``hi`` get page 0 without a table read."""
+    key0 = start + offs_p * BOX
+    return gl.load(table + (key0 // PAGE_SIZE) * stride_btp, mask=key0 < hi, other=0)
+
+
+@gluon.jit
+def _producer(k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
+              SEQLENS, BLOCK_TABLE, stride_sl, stride_btb, stride_btp,
+              heads_kv, seqlen_q, seqlen_k, seqlen_new, num_m_blocks, num_splits,
+              BLOCK_N: gl.constexpr, BOX: gl.constexpr, PAGE_SIZE: gl.constexpr, PAGED: gl.constexpr,
+              HAS_SEQLENS: gl.constexpr, IS_CAUSAL: gl.constexpr, STAGES: gl.constexpr,
+              HALVES: gl.constexpr):
+    """One warp: for each key block of [lo, hi), wait for its ring slot, then one TMA box per page
+    (BOX keys) and per 64 head-dim columns, for K and for V."""
+    pid_m, split, off_hk, off_b, lo, mid, hi, causal_offset = _program(
+        SEQLENS, stride_sl, heads_kv, seqlen_q, seqlen_k, seqlen_new, num_m_blocks, num_splits,
+        BLOCK_N, HAS_SEQLENS, IS_CAUSAL)
+    PAGES: gl.constexpr = BLOCK_N // BOX
+    NBYTES: gl.constexpr = BLOCK_N * HALVES * k_desc.block_type.nbytes // BOX
+    p_layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+    offs_p = gl.arange(0, PAGES, layout=p_layout)
+    table = BLOCK_TABLE + off_b.to(gl.int64) * stride_btb
+    n = gl.maximum(hi - lo + BLOCK_N - 1, 0) // BLOCK_N
+    if PAGED:
+        ids = _page_ids(table, lo, hi, stride_btp, offs_p, BOX, PAGE_SIZE)
+    for j in range(n):
+        start = lo + j * BLOCK_N
+        s = j % STAGES
+        phase = ((j // STAGES) & 1) ^ 1                 # a fresh barrier passes parity 1 at once
+        mbarrier.wait(k_empty.index(s), phase)
+        mbarrier.wait(v_empty.index(s), phase)
+        mbarrier.expect(k_ready.index(s), NBYTES)
+        mbarrier.expect(v_ready.index(s), NBYTES)
+        for p in gl.static_range(PAGES):
+            if PAGED:
+                page = gl.sum(gl.where(offs_p == p, ids, 0), axis=0)
+                slot = (start + p * BOX) % PAGE_SIZE
+            else:
+                page = off_b
+                slot = start + p * BOX
+            for h in gl.static_range(HALVES):
+                tma.async_copy_global_to_shared(k_desc, [page, slot, off_hk, h * 64], k_ready.index(s),
+                                                k_smem.index(s * HALVES + h).slice(p * BOX, BOX))
+                tma.async_copy_global_to_shared(v_desc, [page, slot, off_hk, h * 64], v_ready.index(s),
+                                                v_smem.index(s * HALVES + h).slice(p * BOX, BOX))
+        if PAGED:
+            # The next block's entries: their latency passes while this warp waits for a free slot.
+            ids = _page_ids(table, start + BLOCK_N, hi, stride_btp, offs_p, BOX, PAGE_SIZE)
+
+
+@gluon.jit
+def _zero_tail(v_smem, first, start, hi, HALVES: gl.constexpr, BLOCK_N: gl.constexpr,
+               ld_layout: gl.constexpr):
+    """Zero the rows of a landed V block whose keys are at or past ``hi`` (P is 0 there, but the
+    bytes may be NaN), and make the writes visible to wgmma's reads."""
+    keys = start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, ld_layout))
+    for h in gl.static_range(HALVES):
+        tile = v_smem.index(first + h)
+        v = tile.load(ld_layout)
+        tile.store(gl.where((keys < hi)[:, None], v, gl.zeros_like(v)))
+    fence_async_shared()
+    gl.thread_barrier()
+
+
+@gluon.jit
+def _consume(c, lo, hi, q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
+             acc0, acc1, m_i, l_i, s_zero, col_limit, qk_scale,
+             MASKED: gl.constexpr, HALVES: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+             s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr,
+             ld_layout: gl.constexpr):
+    """Fold key blocks [lo, hi) into (acc0, acc1, m, l); ``c`` counts blocks (ring slot and phase).
+    MASKED: scores at columns >= col_limit (per row) are -inf and V rows past ``hi`` are zeroed."""
+    dtype: gl.constexpr = q_smem.dtype
+    cols0 = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+    for start in range(lo, hi, BLOCK_N):
+        s = c % STAGES
+        phase = (c // STAGES) & 1
+        mbarrier.wait(k_ready.index(s), phase)
+        tok = warpgroup_mma(q_smem.index(0), k_smem.index(s * HALVES).permute((1, 0)), s_zero,
+                            use_acc=False, is_async=True)
+        if HALVES == 2:
+            tok = warpgroup_mma(q_smem.index(1), k_smem.index(s * HALVES + 1).permute((1, 0)), tok,
+                                is_async=True)
+        sc = warpgroup_mma_wait(0, deps=(tok,))
+        mbarrier.arrive(k_empty.index(s), count=1)
+        p, m_i, l_i, alpha = _softmax(sc, m_i, l_i, col_limit, start + cols0, qk_scale, MASKED)
+        alpha_o = gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+        p_op = _to_operand(p, dtype, p_layout)
+        mbarrier.wait(v_ready.index(s), phase)
+        if MASKED:
+            if start + BLOCK_N > hi:
+                _zero_tail(v_smem, s * HALVES, start, hi, HALVES, BLOCK_N, ld_layout)
+        tok0 = warpgroup_mma(p_op, v_smem.index(s * HALVES), acc0 * alpha_o, is_async=True)
+        if HALVES == 2:
+            tok1 = warpgroup_mma(p_op, v_smem.index(s * HALVES + 1), acc1 * alpha_o, is_async=True)
+            acc0, acc1, p_op = warpgroup_mma_wait(0, deps=(tok0, tok1, p_op))
+        else:
+            acc0, p_op = warpgroup_mma_wait(0, deps=(tok0, p_op))
+        mbarrier.arrive(v_empty.index(s), count=1)
+        c += 1
+    return c, acc0, acc1, m_i, l_i
+
+
+@gluon.jit
+def _consumer(Q, O, LSE, q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
+              SEQLENS, stride_sl, stride_qb, stride_qs, stride_qh,
+              stride_on, stride_ob, stride_os, stride_oh, stride_ln, stride_lb, stride_lh,
+              heads_kv, seqlen_q, seqlen_k, seqlen_new, num_m_blocks, num_splits, sm_scale, qk_scale,
+              GROUP: gl.constexpr, BLOCK_N: gl.constexpr, HAS_SEQLENS: gl.constexpr,
+              IS_CAUSAL: gl.constexpr, STAGES: gl.constexpr, HALVES: gl.constexpr):
+    """One warpgroup: load the packed query tile (row r: position r // GROUP of query head
+    hk * GROUP + r % GROUP) into shared memory, fold the unmasked then the masked key blocks, and
+    write out / lse (a split's partial when num_splits > 1)."""
+    pid_m, split, off_hk, off_b, lo, mid, hi, causal_offset = _program(
+        SEQLENS, stride_sl, heads_kv, seqlen_q, seqlen_k, seqlen_new, num_m_blocks, num_splits,
+        BLOCK_N, HAS_SEQLENS, IS_CAUSAL)
+    dtype: gl.constexpr = q_smem.dtype
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, 64, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    ld_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+
+    # -- the query tile, zero in padded rows --
+    offs_r = pid_m * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, ld_layout))
+    offs_c = gl.arange(0, 64, layout=gl.SliceLayout(0, ld_layout))
+    q_rows = (off_b.to(gl.int64) * stride_qb + (offs_r // GROUP) * stride_qs
+              + (off_hk * GROUP + offs_r % GROUP) * stride_qh)
+    r_ok = offs_r < GROUP * seqlen_q
+    for h in gl.static_range(HALVES):
+        q = gl.load(Q + q_rows[:, None] + (h * 64 + offs_c)[None, :], mask=r_ok[:, None], other=0.0)
+        q_smem.index(h).store(q)
+    fence_async_shared()
+    gl.thread_barrier()
+
+    # Per-row bound of the masked loop: the range's end, and (causal) the row's diagonal.
+    rows = pid_m * 64 + gl.arange(0, 64, layout=row_layout)
+    if IS_CAUSAL:
+        col_limit = gl.minimum(rows // GROUP + causal_offset + 1, hi)
+    else:
+        col_limit = gl.full([64], 0, gl.int32, row_layout) + hi
+    s_zero = gl.zeros([64, BLOCK_N], gl.float32, s_layout)
+    acc0 = gl.zeros([64, 64], gl.float32, o_layout)
+    acc1 = gl.zeros([64, 64], gl.float32, o_layout)
+    m_i = gl.full([64], float("-inf"), gl.float32, row_layout)
+    l_i = gl.zeros([64], gl.float32, row_layout)
+    c = 0
+    c, acc0, acc1, m_i, l_i = _consume(c, lo, mid, q_smem, k_smem, v_smem, k_ready, k_empty, v_ready,
+                                       v_empty, acc0, acc1, m_i, l_i, s_zero, col_limit, qk_scale,
+                                       False, HALVES, BLOCK_N, STAGES, s_layout, o_layout, p_layout,
+                                       ld_layout)
+    c, acc0, acc1, m_i, l_i = _consume(c, mid, hi, q_smem, k_smem, v_smem, k_ready, k_empty, v_ready,
+                                       v_empty, acc0, acc1, m_i, l_i, s_zero, col_limit, qk_scale,
+                                       True, HALVES, BLOCK_N, STAGES, s_layout, o_layout, p_layout,
+                                       ld_layout)
+
+    # -- epilogue: out = acc / l, lse = m * sm_scale + ln(l); no visible key: 0 and -inf --
+    empty = l_i == 0.0
+    l_safe = gl.where(empty, 1.0, l_i)
+    lse = gl.where(empty, float("-inf"), m_i * sm_scale + gl.log(l_safe))
+    inv_l = gl.convert_layout(1.0 / l_safe, gl.SliceLayout(1, o_layout))[:, None]
+    o_r = pid_m * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, o_layout))
+    o_c = gl.arange(0, 64, layout=gl.SliceLayout(0, o_layout))
+    o_rows = (split.to(gl.int64) * stride_on + off_b.to(gl.int64) * stride_ob
+              + (o_r // GROUP) * stride_os + (off_hk * GROUP + o_r % GROUP) * stride_oh)
+    o_ok = (o_r < GROUP * seqlen_q)[:, None]
+    out_ty: gl.constexpr = O.dtype.element_ty
+    gl.store(O + o_rows[:, None] + o_c[None, :], (acc0 * inv_l).to(out_ty), mask=o_ok)
+    if HALVES == 2:
+        gl.store(O + o_rows[:, None] + (64 + o_c)[None, :], (acc1 * inv_l).to(out_ty), mask=o_ok)
+    l_rows = (split.to(gl.int64) * stride_ln + off_b.to(gl.int64) * stride_lb
+              + (off_hk * GROUP + rows % GROUP) * stride_lh + rows // GROUP)
+    gl.store(LSE + l_rows, lse.to(LSE.dtype.element_ty), mask=rows < GROUP * seqlen_q)
+
+
+# Lengths and counts that change from one decode step to the next are not specialised (as in
+# decode.py): a generation loop would otherwise recompile as they grow.
+@gluon.jit(do_not_specialize=["seqlen_q", "seqlen_k", "seqlen_new", "num_m_blocks", "num_splits"])
+def _decode_hopper_kernel(
+    Q, k_desc, v_desc, O, LSE, SEQLENS, BLOCK_TABLE,
+    stride_qb, stride_qs, stride_qh,
+    stride_on, stride_ob, stride_os, stride_oh,
+    stride_ln, stride_lb, stride_lh,
+    stride_sl, stride_btb, stride_btp,
+    heads_kv, seqlen_q, seqlen_k, seqlen_new, num_m_blocks, num_splits,
+    sm_scale, qk_scale,
+    GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, BOX: gl.constexpr,
+    PAGE_SIZE: gl.constexpr, PAGED: gl.constexpr, HAS_SEQLENS: gl.constexpr, IS_CAUSAL: gl.constexpr,
+    STAGES: gl.constexpr, PRODUCER_REGS_: gl.constexpr,
+):
+    HALVES: gl.constexpr = HEAD_DIM // 64
+    dtype: gl.constexpr = k_desc.dtype
+    tile_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, 64], dtype)
+    q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 64], dtype)
+    q_smem = gl.allocate_shared_memory(dtype, [HALVES, 64, 64], q_layout)
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES * HALVES, BLOCK_N, 64], tile_layout)
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES * HALVES, BLOCK_N, 64], tile_layout)
+    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(STAGES):
+        mbarrier.init(k_ready.index(s), count=1)
+        mbarrier.init(k_empty.index(s), count=1)
+        mbarrier.init(v_ready.index(s), count=1)
+        mbarrier.init(v_empty.index(s), count=1)
+    gl.warp_specialize([
+        (_consumer, (Q, O, LSE, q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
+                     SEQLENS, stride_sl, stride_qb, stride_qs, stride_qh,
+                     stride_on, stride_ob, stride_os, stride_oh, stride_ln, stride_lb, stride_lh,
+                     heads_kv, seqlen_q, seqlen_k, seqlen_new, num_m_blocks, num_splits, sm_scale,
+                     qk_scale, GROUP, BLOCK_N, HAS_SEQLENS, IS_CAUSAL, STAGES, HALVES)),
+        (_producer, (k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
+                     SEQLENS, BLOCK_TABLE, stride_sl, stride_btb, stride_btp,
+                     heads_kv, seqlen_q, seqlen_k, seqlen_new, num_m_blocks, num_splits,
+                     BLOCK_N, BOX, PAGE_SIZE, PAGED, HAS_SEQLENS, IS_CAUSAL, STAGES, HALVES)),
+    ], [1], [PRODUCER_REGS_])
+
+
+# --------------------------------------------------------------------------------------------------
+# Launcher
+# --------------------------------------------------------------------------------------------------
+
+def supported(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+              block_table: torch.Tensor | None) -> bool:
+    """True when this kernel handles the (validated) inputs: fp16/bf16 on an sm_90 GPU, head_dim 64
+    or 128 (``configs.hopper_decode_applies``), caches TMA can read (``tma_compatible``), and for a
+    paged cache a power-of-two page size of at least MIN_BOX (a page's box must fill whole swizzle
+    atoms of the shared-memory tile)."""
+    if not q.is_cuda or not hopper_decode_applies(head_dim=q.shape[-1], dtype=q.dtype, device=q.device):
+        return False
+    if block_table is not None:
+        page_size = k_cache.shape[1]
+        if page_size < MIN_BOX or page_size & (page_size - 1):
+            return False
+    return tma_compatible(k_cache, v_cache)
+
+
+def _cache_descriptor(cache: torch.Tensor, box: int) -> GluonTensorDescriptor:
+    """4-D descriptor over a [pages or B, keys, Hkv, D] cache moving [1, box, 1, 64] boxes: ``box``
+    keys of one KV head, 64 head-dim columns (128 bytes), swizzled like the kernel's K/V tiles."""
+    block = [1, box, 1, 64]
+    layout = shared_layout(tuple(block), _GL_DTYPES[cache.dtype])
+    return GluonTensorDescriptor(cache, list(cache.shape), list(cache.stride()), block, layout)
+
+
+@on_input_device
+def decode_hopper(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  o_part: torch.Tensor, l_part: torch.Tensor, cache_seqlens: torch.Tensor | None,
+                  block_table: torch.Tensor | None, seqlen_new: int, sm_scale: float, causal: bool, *,
+                  block_n: int, stages: int, num_splits: int):
+    """Launch on inputs decode.decode() has prepared: o_part [N, B, Sq, Hq, D] and l_part
+    [N, B, Hq, Sq] (N = num_splits; with N = 1 the final out and lse seen with a leading axis).
+    ``supported`` must hold."""
+    batch, seqlen_q, heads_q, head_dim = q.shape
+    heads_kv = k_cache.shape[2]
+    group = heads_q // heads_kv
+    paged = block_table is not None
+    page_size = k_cache.shape[1] if paged else block_n
+    box = min(page_size, block_n)
+    num_m_blocks = -(-(group * seqlen_q) // ROWS)
+    has_seqlens = cache_seqlens is not None
+    grid = (batch * heads_kv * num_splits * num_m_blocks,)
+    # Two programs per SM where their shared memory allows it: then each may use half the register
+    # file (the launch's per-thread limit over the 5 warps, which setmaxnreg then shares out).
+    halves = head_dim // HALF
+    smem = 2 * (halves * ROWS * HALF + 2 * stages * halves * block_n * HALF) + 1024
+    maxnreg = 128 if 2 * smem <= SHARED_PER_SM else None
+    _decode_hopper_kernel[grid](
+        q, _cache_descriptor(k_cache, box), _cache_descriptor(v_cache, box), o_part, l_part,
+        cache_seqlens if has_seqlens else l_part, block_table if paged else l_part,
+        q.stride(0), q.stride(1), q.stride(2),
+        o_part.stride(0) if num_splits > 1 else 0, o_part.stride(1), o_part.stride(2), o_part.stride(3),
+        l_part.stride(0) if num_splits > 1 else 0, l_part.stride(1), l_part.stride(2),
+        cache_seqlens.stride(0) if has_seqlens else 0,
+        block_table.stride(0) if paged else 0, block_table.stride(1) if paged else 0,
+        heads_kv, seqlen_q, k_cache.shape[1], seqlen_new, num_m_blocks, num_splits,
+        sm_scale, sm_scale * LOG2E,
+        GROUP=group, HEAD_DIM=head_dim, BLOCK_N=block_n, BOX=box, PAGE_SIZE=page_size, PAGED=paged,
+        HAS_SEQLENS=has_seqlens, IS_CAUSAL=causal, STAGES=stages, PRODUCER_REGS_=PRODUCER_REGS,
+        num_warps=4, **({} if maxnreg is None else {"maxnreg": maxnreg}),
+    )
