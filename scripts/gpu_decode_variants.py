@@ -32,7 +32,7 @@ from triflash.bench.decode import SdpaDecode  # noqa: E402
 from triflash.bench.providers import Prepared  # noqa: E402
 from triflash.bench.runner import DoBench, free_memory, load_error, run_one  # noqa: E402
 from triflash.bench.workloads import decode_workloads  # noqa: E402
-from triflash.kernels import configs  # noqa: E402
+from triflash.kernels import configs, decode_hopper  # noqa: E402
 from triflash.kernels.configs import DecodeConfig  # noqa: E402
 
 
@@ -48,9 +48,8 @@ GLUON_TILES = [(128, 2), (64, 2), (64, 3)]
 
 def gluon_splits(batch: int, context: int, block_n: int, stages: int) -> int:
     """The split count decode_config's rule gives a Gluon tile: one wave of resident programs, two
-    per SM where two fit in shared memory (decode_hopper's launcher then halves the registers)."""
-    smem = 2 * (2 * 64 * 64 + 2 * stages * 2 * block_n * 64) + 1024
-    per_sm = 2 if 2 * smem <= 232448 else 1
+    per SM where two fit in shared memory (``decode_hopper.programs_per_sm``)."""
+    per_sm = decode_hopper.programs_per_sm(HEAD_DIM, block_n, stages)
     return configs.effective_splits(
         configs.decode_num_splits(programs=batch * HEADS_KV, max_seqlen=context, block_n=block_n,
                                   per_sm=per_sm, sms=132), context, block_n)

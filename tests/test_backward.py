@@ -393,7 +393,7 @@ def test_hopper_backward_chooser(monkeypatch):
     pick = configs.hopper_backward_variant
     kw = dict(dtype=torch.float16, device="cpu")
     assert pick(head_dim=64, causal=True, seqlen_q=4096, seqlen_k=4096, **kw) is None
-    monkeypatch.setattr(configs, "hopper_forward_applies",
+    monkeypatch.setattr(configs, "gluon_hopper_applies",
                         lambda *, head_dim, dtype, device: head_dim in (64, 128))
     for d in (64, 128):
         for sq, sk in ((4096, 4096), (1024, 1024), (1, 16384), (16384, 77)):

@@ -112,22 +112,35 @@ def test_gluon_decode_refuses_what_it_does_not_handle(device, what):
 
 def test_chooser_takes_gluon_where_measured(monkeypatch):
     """decode_config takes the Gluon kernel only where run 70 measured it faster: head_dim 128, fewer
-    programs than a quarter of the SMs, from GLUON_DECODE_MIN_KEYS keys, and only when the caller
-    says the inputs suit it (gluon_ok). Its split count fills one wave of one program per SM."""
+    programs than a quarter of the SMs, from GLUON_DECODE_MIN_KEYS keys, and only when the inputs
+    suit it (``gluon_suits``, asked only for such shapes). Its split count fills one wave of one
+    program per SM."""
     monkeypatch.setattr(configs, "INTERPRET", False)
     monkeypatch.setattr(configs, "sm_count", lambda device: 132)
+    asked = []
+
+    def suits(answer):
+        return lambda: asked.append(answer) or answer
+
     common = dict(head_dim=128, dtype=torch.float16, rows=4, heads_kv=8, paged=True, device="cpu",
                   page_size=16, num_splits=0)
-    cfg = configs.decode_config(batch=1, max_seqlen=131072, gluon_ok=True, **common)
+
+    def kernel(**kw):
+        return configs.decode_config(**dict(common, **kw)).kernel
+
+    cfg = configs.decode_config(batch=1, max_seqlen=131072, gluon_suits=suits(True), **common)
     assert (cfg.kernel, cfg.block_m, cfg.block_n, cfg.num_stages, cfg.num_splits) == ("gluon", 64, 128, 2, 16)
-    assert configs.decode_config(batch=4, max_seqlen=32768, gluon_ok=True, **common).kernel == "gluon"
-    assert configs.decode_config(batch=1, max_seqlen=131072, gluon_ok=False, **common).kernel == "triton"
-    assert configs.decode_config(batch=1, max_seqlen=4096, gluon_ok=True, **common).kernel == "triton"
-    assert configs.decode_config(batch=5, max_seqlen=32768, gluon_ok=True, **common).kernel == "triton"
-    assert configs.decode_config(batch=16, max_seqlen=8192, gluon_ok=True, **common).kernel == "triton"
-    d64 = dict(common, head_dim=64)
-    assert configs.decode_config(batch=1, max_seqlen=131072, gluon_ok=True, **d64).kernel == "triton"
-    fixed = configs.decode_config(batch=1, max_seqlen=131072, gluon_ok=True, **dict(common, num_splits=3))
+    assert kernel(batch=4, max_seqlen=32768, gluon_suits=suits(True)) == "gluon"
+    assert kernel(batch=1, max_seqlen=131072, gluon_suits=suits(False)) == "triton"
+    assert kernel(batch=1, max_seqlen=131072, gluon_suits=None) == "triton"
+    assert asked == [True, True, False]
+    # Shapes the rule leaves to the Triton kernel never ask whether the inputs suit.
+    for kw in (dict(batch=1, max_seqlen=4096), dict(batch=5, max_seqlen=32768),
+               dict(batch=16, max_seqlen=8192), dict(batch=1, max_seqlen=131072, head_dim=64)):
+        assert kernel(gluon_suits=suits(True), **kw) == "triton", kw
+    assert asked == [True, True, False]
+    fixed = configs.decode_config(batch=1, max_seqlen=131072, gluon_suits=suits(True),
+                                  **dict(common, num_splits=3))
     assert (fixed.kernel, fixed.num_splits) == ("gluon", 3)
 
 

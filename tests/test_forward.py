@@ -24,7 +24,7 @@ HOPPER = ON_GPU and torch.cuda.get_device_capability() == (9, 0)
 
 
 def _paths(head_dim, dtype):
-    if HOPPER and configs.hopper_forward_applies(head_dim=head_dim, dtype=dtype, device="cuda"):
+    if HOPPER and configs.gluon_hopper_applies(head_dim=head_dim, dtype=dtype, device="cuda"):
         return ["triton"] + [f"gluon:{v}" for v in configs.hopper_forward_candidates(head_dim, dtype)]
     return ["default"]
 
@@ -35,7 +35,7 @@ def _force_path(monkeypatch, path):
     if path == "default":
         return
     variant = path.split(":", 1)[1] if path.startswith("gluon:") else None
-    applies = configs.hopper_forward_applies
+    applies = configs.gluon_hopper_applies
     monkeypatch.setattr(configs, "hopper_forward_variant",
                         lambda *, head_dim, dtype, device, **_: variant
                         if variant and applies(head_dim=head_dim, dtype=dtype, device=device) else None)
@@ -281,7 +281,7 @@ def test_hopper_variant_chooser(monkeypatch):
     pick = configs.hopper_forward_variant
     kw = dict(dtype=torch.float16, device="cpu")
     assert pick(head_dim=128, causal=False, seqlen_q=4096, seqlen_k=4096, **kw) is None
-    monkeypatch.setattr(configs, "hopper_forward_applies",
+    monkeypatch.setattr(configs, "gluon_hopper_applies",
                         lambda *, head_dim, dtype, device: head_dim in (64, 128))
     assert pick(head_dim=128, causal=False, seqlen_q=1024, seqlen_k=1024, **kw) == "pp_persist"
     assert pick(head_dim=128, causal=False, seqlen_q=16384, seqlen_k=16384, **kw) == "pp"

@@ -94,7 +94,7 @@ def hopper_backward_variant(*, head_dim: int, dtype, device, causal: bool, seqle
     before) -> dkdv: 4,16,4096,64 333.9 -> 362.9 (292.2 -> 337.1), 16,32,1024,64 280.7 -> 314.1
     (205.2 -> 245.4). Run 52, the Gluon dQ kernel at head_dim 128: 403.6 -> 425.4 at 4k (causal
     346.5 -> 370.3), 422.8 -> 452.9 at 16k (377.3 -> 418.6), 326.0 -> 342.4 at 1k (248.6 -> 251.6)."""
-    if not hopper_forward_applies(head_dim=head_dim, dtype=dtype, device=device):
+    if not gluon_hopper_applies(head_dim=head_dim, dtype=dtype, device=device):
         return None
     return "dkdv"
 
@@ -153,9 +153,10 @@ def _is_hopper_or_newer(device) -> bool:
     return _device_facts(device)[0] >= 9
 
 
-def hopper_forward_applies(*, head_dim: int, dtype, device) -> bool:
-    """Whether the Gluon Hopper kernel (forward_hopper.py) can run this head dim and dtype: sm_90
-    exactly (its wgmma and setmaxnreg are Hopper instructions), fp16 or bf16, head_dim 64 or 128."""
+def gluon_hopper_applies(*, head_dim: int, dtype, device) -> bool:
+    """Whether the Gluon Hopper kernels (forward_hopper.py, backward_hopper.py, decode_hopper.py) can
+    run this head dim and dtype: sm_90 exactly (their wgmma and setmaxnreg are Hopper instructions),
+    fp16 or bf16, head_dim 64 or 128. Each launcher's ``supported`` checks the tensors."""
     import torch
 
     if INTERPRET or dtype not in (torch.float16, torch.bfloat16) or head_dim not in (64, 128):
@@ -201,7 +202,7 @@ def hopper_forward_variant(*, head_dim: int, dtype, device, causal: bool, seqlen
     """
     import torch
 
-    if not hopper_forward_applies(head_dim=head_dim, dtype=dtype, device=device):
+    if not gluon_hopper_applies(head_dim=head_dim, dtype=dtype, device=device):
         return None
     if head_dim == 128:
         return "pp" if not causal and seqlen_k >= 8192 else "pp_persist"
@@ -254,6 +255,9 @@ def forward_config(*, head_dim: int, dtype, causal: bool, batch_heads: int, seql
 # Decode (flash_attn_with_kvcache) and merge
 # --------------------------------------------------------------------------------------------------
 
+GLUON_DECODE_ROWS = 64          # the Gluon decode kernel's query rows per program (one wgmma M)
+
+
 @dataclass(frozen=True)
 class DecodeConfig:
     """Launch parameters of the split-KV decode kernel.
@@ -280,9 +284,10 @@ class DecodeConfig:
                              f"{self.num_splits}")
         if self.kernel not in ("triton", "gluon"):
             raise ValueError(f"DecodeConfig.kernel must be 'triton' or 'gluon', got {self.kernel!r}")
-        if self.kernel == "gluon" and (self.block_m, self.num_warps) != (64, 4):
-            raise ValueError(f"DecodeConfig with kernel='gluon' takes block_m=64 and num_warps=4 (one "
-                             f"wgmma warpgroup), got block_m={self.block_m}, num_warps={self.num_warps}")
+        if self.kernel == "gluon" and (self.block_m, self.num_warps) != (GLUON_DECODE_ROWS, 4):
+            raise ValueError(f"DecodeConfig with kernel='gluon' takes block_m={GLUON_DECODE_ROWS} and "
+                             f"num_warps=4 (one wgmma warpgroup), got block_m={self.block_m}, "
+                             f"num_warps={self.num_warps}")
 
 
 # The interpreter has no multiprocessors: pretend to have a few, so auto-splitting happens in tests.
@@ -357,12 +362,6 @@ def effective_splits(num_splits: int, max_seqlen: int, block_n: int) -> int:
     return cdiv(blocks, cdiv(blocks, max(1, num_splits)))
 
 
-def hopper_decode_applies(*, head_dim: int, dtype, device) -> bool:
-    """Whether the Gluon decode kernel (decode_hopper.py) can run this head dim and dtype: sm_90
-    exactly, fp16 or bf16, head_dim 64 or 128 (its launcher's ``supported`` checks the caches)."""
-    return hopper_forward_applies(head_dim=head_dim, dtype=dtype, device=device)
-
-
 # The Gluon decode kernel is taken where it was measured faster than the Triton one (run 70, H200,
 # D=128, Hq=32, Hkv=8): few programs (batch x KV heads x M blocks below a quarter of the SMs, where
 # the sequence is cut into many splits) and at least this many keys. There, at batch 1, it took 2-8%
@@ -374,28 +373,30 @@ _DECODE_GLUON = _DecodeTile(128, 4, 2, per_sm=1)   # two K/V ring slots of 64 Ki
 
 def decode_config(*, head_dim: int, dtype, rows: int, batch: int, heads_kv: int, max_seqlen: int,
                   num_splits: int, paged: bool, device, page_size: int | None = None,
-                  gluon_ok: bool = False) -> DecodeConfig:
+                  gluon_suits=None) -> DecodeConfig:
     """Pick the decode kernel's launch parameters.
 
     rows = (query heads per KV head) x (query positions per sequence): the M dimension of one tile.
     num_splits: the caller's request; 0 means choose (``decode_num_splits``). Either way the count
     is lowered where some splits would get no key of the longest sequence (``effective_splits``).
     page_size: a paged cache's page size (the tile depends on whether it is a power of two).
-    gluon_ok: the inputs suit the Gluon kernel (``hopper_decode_applies`` and its launcher's
-    ``supported``); it is then taken where GLUON_DECODE_MIN_KEYS's comment says.
+    gluon_suits: None, or a function of no arguments saying whether the inputs suit the Gluon
+    kernel (``decode_hopper.supported``). It is called only where the shape would take that kernel
+    (GLUON_DECODE_MIN_KEYS's comment), so other calls do not pay for the check.
     """
     import torch
 
     sms = INTERPRETER_SM_COUNT if INTERPRET else sm_count(device)
-    if gluon_ok and not INTERPRET and head_dim == 128 and max_seqlen >= GLUON_DECODE_MIN_KEYS:
-        programs = batch * heads_kv * cdiv(max(1, rows), 64)
-        if programs < sms // 4:
+    if (gluon_suits is not None and not INTERPRET and head_dim == 128
+            and max_seqlen >= GLUON_DECODE_MIN_KEYS):
+        programs = batch * heads_kv * cdiv(max(1, rows), GLUON_DECODE_ROWS)
+        if programs < sms // 4 and gluon_suits():
             tile = _DECODE_GLUON
             if num_splits == 0:
                 num_splits = decode_num_splits(programs=programs, max_seqlen=max_seqlen,
                                                block_n=tile.block_n, per_sm=tile.per_sm, sms=sms)
-            return DecodeConfig(block_m=64, block_n=tile.block_n, num_warps=tile.num_warps,
-                                num_stages=tile.num_stages,
+            return DecodeConfig(block_m=GLUON_DECODE_ROWS, block_n=tile.block_n,
+                                num_warps=tile.num_warps, num_stages=tile.num_stages,
                                 num_splits=effective_splits(num_splits, max_seqlen, tile.block_n),
                                 kernel="gluon")
     wide = dtype == torch.float32 or head_dim_block(head_dim) > 128

@@ -136,6 +136,48 @@ def _decode_inner(
     return acc, l_i, m_i
 
 
+@triton.jit
+def _program_coords(SEQLENS, stride_sl, heads_kv, seqlen_k, seqlen_new, num_m_blocks, num_splits,
+                    HAS_SEQLENS: tl.constexpr):
+    """Which (M block, split, KV head, batch) this program owns, and its sequence's length (keys
+    attended). Returns (pid_m, split, off_hk, off_b, seqlen). The Gluon decode kernel
+    (decode_hopper.py) calls it and ``_key_ranges`` too, so both kernels cut the work the same way."""
+    # 1-D grid (no 65535 limit); the M blocks of one split are neighbours: they read the same K/V.
+    pid = tl.program_id(0)
+    pid_m = pid % num_m_blocks
+    rest = pid // num_m_blocks
+    split = rest % num_splits
+    rest = rest // num_splits
+    off_hk = rest % heads_kv
+    off_b = rest // heads_kv
+    if HAS_SEQLENS:
+        seqlen = tl.load(SEQLENS + off_b * stride_sl) + seqlen_new
+    else:
+        seqlen = seqlen_k
+    return pid_m, split, off_hk, off_b, seqlen
+
+
+@triton.jit
+def _key_ranges(seqlen, split, num_splits, seqlen_q, BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr):
+    """This split's keys: (lo, mid, hi, causal_offset). [lo, mid) are whole blocks every row sees in
+    full (unmasked); [mid, hi) the rest (masked). causal_offset = seqlen - seqlen_q."""
+    # Equal shares of the sequence's key blocks.
+    n_blocks = tl.cdiv(seqlen, BLOCK_N)
+    blocks_per_split = tl.cdiv(n_blocks, num_splits)
+    lo = split * blocks_per_split * BLOCK_N
+    hi = tl.minimum(lo + blocks_per_split * BLOCK_N, seqlen)
+    # Keys every row sees: all of them, or with causal masking those up to the first row's diagonal.
+    causal_offset = seqlen - seqlen_q
+    if IS_CAUSAL:
+        seen_by_all = tl.maximum(causal_offset + 1, 0)
+    else:
+        seen_by_all = seqlen
+    # mid is a multiple of BLOCK_N: hi is one too unless hi = seqlen, and seen_by_all <= seqlen.
+    # An empty split (lo >= seqlen) gets hi < lo, and both loops run zero times.
+    mid = tl.minimum(tl.maximum((seen_by_all // BLOCK_N) * BLOCK_N, lo), hi)
+    return lo, mid, hi, causal_offset
+
+
 # Lengths and counts that change from one decode step to the next are not specialised (== 1, % 16):
 # a generation loop would otherwise recompile as its lengths and split counts grow.
 @triton.jit(do_not_specialize=["seqlen_k", "seqlen_new", "num_m_blocks", "num_splits"])
@@ -158,19 +200,8 @@ def _decode_kernel(
     """SEQLENS: cache_seqlens [B] (the keys attended are cache_seqlens[b] + seqlen_new); without it
     every sequence has seqlen_k keys. BLOCK_TABLE: [B, max_pages] int32 when PAGED."""
     # -- which (batch, kv head, split, M block) this program owns --
-    # 1-D grid (no 65535 limit); the M blocks of one split are neighbours: they read the same K/V.
-    pid = tl.program_id(0)
-    pid_m = pid % num_m_blocks
-    rest = pid // num_m_blocks
-    split = rest % num_splits
-    rest = rest // num_splits
-    off_hk = rest % heads_kv
-    off_b = rest // heads_kv
-
-    if HAS_SEQLENS:
-        seqlen = tl.load(SEQLENS + off_b * stride_sl) + seqlen_new
-    else:
-        seqlen = seqlen_k
+    pid_m, split, off_hk, off_b, seqlen = _program_coords(
+        SEQLENS, stride_sl, heads_kv, seqlen_k, seqlen_new, num_m_blocks, num_splits, HAS_SEQLENS)
 
     # -- the packed query tile: row r is query position r // GROUP of head off_hk * GROUP + r % GROUP --
     offs_r = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)                   # [BM]
@@ -194,21 +225,7 @@ def _decode_kernel(
         k_base += off_b.to(tl.int64) * stride_kb
         v_base += off_b.to(tl.int64) * stride_vb
 
-    # -- this split's key range: equal shares of the sequence's key blocks --
-    n_blocks = tl.cdiv(seqlen, BLOCK_N)
-    blocks_per_split = tl.cdiv(n_blocks, num_splits)
-    lo = split * blocks_per_split * BLOCK_N
-    hi = tl.minimum(lo + blocks_per_split * BLOCK_N, seqlen)
-    # Keys every row sees: all of them, or with causal masking those up to the first row's diagonal.
-    causal_offset = seqlen - seqlen_q
-    if IS_CAUSAL:
-        seen_by_all = tl.maximum(causal_offset + 1, 0)
-    else:
-        seen_by_all = seqlen
-    # [lo, mid): whole blocks, every key seen by every row (unmasked); [mid, hi): the rest (masked).
-    # mid is a multiple of BLOCK_N: hi is one too unless hi = seqlen, and seen_by_all <= seqlen.
-    # An empty split (lo >= seqlen) gets hi < lo, and both loops run zero times.
-    mid = tl.minimum(tl.maximum((seen_by_all // BLOCK_N) * BLOCK_N, lo), hi)
+    lo, mid, hi, causal_offset = _key_ranges(seqlen, split, num_splits, seqlen_q, BLOCK_N, IS_CAUSAL)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -261,17 +278,20 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         return out, lse
 
     rows = group * seqlen_q
-    gluon_ok = False                      # the inputs suit decode_hopper.py (checked once per call)
+    gluon_ok = False                      # decode_hopper.supported held when the chooser asked
     if config is None:
-        if q.is_cuda and configs.hopper_decode_applies(head_dim=head_dim, dtype=q.dtype, device=q.device):
+        def gluon_suits():
+            nonlocal gluon_ok
             from . import decode_hopper   # imported here: Gluon is only needed on this path
             gluon_ok = decode_hopper.supported(q, k_cache, v_cache, block_table)
+            return gluon_ok
+
         config = configs.decode_config(head_dim=head_dim, dtype=q.dtype, rows=rows, batch=batch,
                                        heads_kv=heads_kv, max_seqlen=max_seqlen,
                                        num_splits=num_splits, paged=block_table is not None,
                                        device=q.device,
                                        page_size=k_cache.shape[1] if block_table is not None else None,
-                                       gluon_ok=gluon_ok)
+                                       gluon_suits=gluon_suits if q.is_cuda else None)
     splits = config.num_splits
     num_m_blocks = configs.cdiv(rows, config.block_m)
     if splits == 1:

@@ -30,8 +30,8 @@ K or V block (``HALVES``), so a TMA box never exceeds the 128-byte swizzle span 
 lands in rows [p * BOX, (p + 1) * BOX) of the tile (BOX a multiple of 8 rows: the swizzle repeats
 every 8 rows). S = sum over halves of Q_h K_h^T; O is two [64, 64] accumulators.
 
-The key ranges (split shares, the unmasked part [lo, mid) and the masked rest [mid, hi)) are
-decode.py's. TMA copies whole boxes, so a masked block also brings keys past the end of the range:
+The key ranges (split shares, the unmasked part [lo, mid) and the masked rest [mid, hi)) come from
+decode.py's ``_program_coords`` and ``_key_ranges``, which both kernels call. TMA copies whole boxes, so a masked block also brings keys past the end of the range:
 their scores are masked to -inf, and, because 0 * NaN is NaN on the tensor cores too, the consumer
 zeroes those rows of the V tile in shared memory before P V (a cache allocated with torch.empty may
 hold NaN there). Pages past the end of the sequence are never looked up in the block table: their
@@ -48,47 +48,18 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
                                                               warpgroup_mma, warpgroup_mma_wait)
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTensorDescriptor
 
 from .common import LOG2E, on_input_device
-from .configs import hopper_decode_applies
+from .configs import GLUON_DECODE_ROWS, cdiv, gluon_hopper_applies
+from .decode import _key_ranges, _program_coords
 from .forward import tma_compatible
-from .forward_hopper import _GL_DTYPES, _softmax, _to_operand, shared_layout
+from .forward_hopper import _descriptor, _finish_rows, _softmax, _to_operand
 
-ROWS = 64            # query rows per program: the wgmma M of one warpgroup
-HALF = 64            # head-dim columns per shared-memory tile (128-byte rows at 16 bits)
+ROWS = gl.constexpr(GLUON_DECODE_ROWS)   # query rows per program: the wgmma M of one warpgroup
+HALF = gl.constexpr(64)      # head-dim columns per shared-memory tile (128-byte rows at 16 bits)
 MIN_BOX = 8          # rows of one 128-byte swizzle atom: the smallest page a box may hold
 PRODUCER_REGS = 48   # setmaxnreg of the producer's warpgroup
 SHARED_PER_SM = 232448   # bytes of shared memory the CTAs of one H100/H200 SM may use together
-
-
-@gluon.jit
-def _program(SEQLENS, stride_sl, heads_kv, seqlen_q, seqlen_k, seqlen_new, num_m_blocks, num_splits,
-             BLOCK_N: gl.constexpr, HAS_SEQLENS: gl.constexpr, IS_CAUSAL: gl.constexpr):
-    """This program's (M block, split, KV head, batch) and key ranges, as decode.py computes them:
-    [lo, mid) whole blocks every row sees, [mid, hi) the rest (masked). Empty: hi <= lo."""
-    pid = gl.program_id(0)
-    pid_m = pid % num_m_blocks
-    rest = pid // num_m_blocks
-    split = rest % num_splits
-    rest = rest // num_splits
-    off_hk = rest % heads_kv
-    off_b = rest // heads_kv
-    if HAS_SEQLENS:
-        seqlen = gl.load(SEQLENS + off_b * stride_sl) + seqlen_new
-    else:
-        seqlen = seqlen_k
-    n_blocks = (seqlen + BLOCK_N - 1) // BLOCK_N
-    blocks_per_split = (n_blocks + num_splits - 1) // num_splits
-    lo = split * blocks_per_split * BLOCK_N
-    hi = gl.minimum(lo + blocks_per_split * BLOCK_N, seqlen)
-    causal_offset = seqlen - seqlen_q
-    if IS_CAUSAL:
-        seen_by_all = gl.maximum(causal_offset + 1, 0)
-    else:
-        seen_by_all = seqlen
-    mid = gl.minimum(gl.maximum((seen_by_all // BLOCK_N) * BLOCK_N, lo), hi)
-    return pid_m, split, off_hk, off_b, lo, mid, hi, causal_offset
 
 
 @gluon.jit
@@ -108,9 +79,9 @@ def _producer(k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty
               HALVES: gl.constexpr):
     """One warp: for each key block of [lo, hi), wait for its ring slot, then one TMA box per page
     (BOX keys) and per 64 head-dim columns, for K and for V."""
-    pid_m, split, off_hk, off_b, lo, mid, hi, causal_offset = _program(
-        SEQLENS, stride_sl, heads_kv, seqlen_q, seqlen_k, seqlen_new, num_m_blocks, num_splits,
-        BLOCK_N, HAS_SEQLENS, IS_CAUSAL)
+    pid_m, split, off_hk, off_b, seqlen = _program_coords(
+        SEQLENS, stride_sl, heads_kv, seqlen_k, seqlen_new, num_m_blocks, num_splits, HAS_SEQLENS)
+    lo, mid, hi, causal_offset = _key_ranges(seqlen, split, num_splits, seqlen_q, BLOCK_N, IS_CAUSAL)
     PAGES: gl.constexpr = BLOCK_N // BOX
     NBYTES: gl.constexpr = BLOCK_N * HALVES * k_desc.block_type.nbytes // BOX
     p_layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
@@ -135,9 +106,9 @@ def _producer(k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty
                 page = off_b
                 slot = start + p * BOX
             for h in gl.static_range(HALVES):
-                tma.async_copy_global_to_shared(k_desc, [page, slot, off_hk, h * 64], k_ready.index(s),
+                tma.async_copy_global_to_shared(k_desc, [page, slot, off_hk, h * HALF], k_ready.index(s),
                                                 k_smem.index(s * HALVES + h).slice(p * BOX, BOX))
-                tma.async_copy_global_to_shared(v_desc, [page, slot, off_hk, h * 64], v_ready.index(s),
+                tma.async_copy_global_to_shared(v_desc, [page, slot, off_hk, h * HALF], v_ready.index(s),
                                                 v_smem.index(s * HALVES + h).slice(p * BOX, BOX))
         if PAGED:
             # The next block's entries: their latency passes while this warp waits for a free slot.
@@ -207,41 +178,41 @@ def _consumer(Q, O, LSE, q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_em
     """One warpgroup: load the packed query tile (row r: position r // GROUP of query head
     hk * GROUP + r % GROUP) into shared memory, fold the unmasked then the masked key blocks, and
     write out / lse (a split's partial when num_splits > 1)."""
-    pid_m, split, off_hk, off_b, lo, mid, hi, causal_offset = _program(
-        SEQLENS, stride_sl, heads_kv, seqlen_q, seqlen_k, seqlen_new, num_m_blocks, num_splits,
-        BLOCK_N, HAS_SEQLENS, IS_CAUSAL)
+    pid_m, split, off_hk, off_b, seqlen = _program_coords(
+        SEQLENS, stride_sl, heads_kv, seqlen_k, seqlen_new, num_m_blocks, num_splits, HAS_SEQLENS)
+    lo, mid, hi, causal_offset = _key_ranges(seqlen, split, num_splits, seqlen_q, BLOCK_N, IS_CAUSAL)
     dtype: gl.constexpr = q_smem.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, 64, 16])
+                                                       instr_shape=[16, HALF, 16])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     ld_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
 
     # -- the query tile, zero in padded rows --
-    offs_r = pid_m * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, ld_layout))
-    offs_c = gl.arange(0, 64, layout=gl.SliceLayout(0, ld_layout))
+    offs_r = pid_m * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, ld_layout))
+    offs_c = gl.arange(0, HALF, layout=gl.SliceLayout(0, ld_layout))
     q_rows = (off_b.to(gl.int64) * stride_qb + (offs_r // GROUP) * stride_qs
               + (off_hk * GROUP + offs_r % GROUP) * stride_qh)
     r_ok = offs_r < GROUP * seqlen_q
     for h in gl.static_range(HALVES):
-        q = gl.load(Q + q_rows[:, None] + (h * 64 + offs_c)[None, :], mask=r_ok[:, None], other=0.0)
+        q = gl.load(Q + q_rows[:, None] + (h * HALF + offs_c)[None, :], mask=r_ok[:, None], other=0.0)
         q_smem.index(h).store(q)
     fence_async_shared()
     gl.thread_barrier()
 
     # Per-row bound of the masked loop: the range's end, and (causal) the row's diagonal.
-    rows = pid_m * 64 + gl.arange(0, 64, layout=row_layout)
+    rows = pid_m * ROWS + gl.arange(0, ROWS, layout=row_layout)
     if IS_CAUSAL:
         col_limit = gl.minimum(rows // GROUP + causal_offset + 1, hi)
     else:
-        col_limit = gl.full([64], 0, gl.int32, row_layout) + hi
-    s_zero = gl.zeros([64, BLOCK_N], gl.float32, s_layout)
-    acc0 = gl.zeros([64, 64], gl.float32, o_layout)
-    acc1 = gl.zeros([64, 64], gl.float32, o_layout)
-    m_i = gl.full([64], float("-inf"), gl.float32, row_layout)
-    l_i = gl.zeros([64], gl.float32, row_layout)
+        col_limit = gl.full([ROWS], 0, gl.int32, row_layout) + hi
+    s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
+    acc0 = gl.zeros([ROWS, HALF], gl.float32, o_layout)
+    acc1 = gl.zeros([ROWS, HALF], gl.float32, o_layout)
+    m_i = gl.full([ROWS], float("-inf"), gl.float32, row_layout)
+    l_i = gl.zeros([ROWS], gl.float32, row_layout)
     c = 0
     c, acc0, acc1, m_i, l_i = _consume(c, lo, mid, q_smem, k_smem, v_smem, k_ready, k_empty, v_ready,
                                        v_empty, acc0, acc1, m_i, l_i, s_zero, col_limit, qk_scale,
@@ -253,19 +224,17 @@ def _consumer(Q, O, LSE, q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_em
                                        ld_layout)
 
     # -- epilogue: out = acc / l, lse = m * sm_scale + ln(l); no visible key: 0 and -inf --
-    empty = l_i == 0.0
-    l_safe = gl.where(empty, 1.0, l_i)
-    lse = gl.where(empty, float("-inf"), m_i * sm_scale + gl.log(l_safe))
-    inv_l = gl.convert_layout(1.0 / l_safe, gl.SliceLayout(1, o_layout))[:, None]
-    o_r = pid_m * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, o_layout))
-    o_c = gl.arange(0, 64, layout=gl.SliceLayout(0, o_layout))
+    lse, inv_l = _finish_rows(m_i, l_i, sm_scale, o_layout)
+    inv_l = inv_l[:, None]
+    o_r = pid_m * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, o_layout))
+    o_c = gl.arange(0, HALF, layout=gl.SliceLayout(0, o_layout))
     o_rows = (split.to(gl.int64) * stride_on + off_b.to(gl.int64) * stride_ob
               + (o_r // GROUP) * stride_os + (off_hk * GROUP + o_r % GROUP) * stride_oh)
     o_ok = (o_r < GROUP * seqlen_q)[:, None]
     out_ty: gl.constexpr = O.dtype.element_ty
     gl.store(O + o_rows[:, None] + o_c[None, :], (acc0 * inv_l).to(out_ty), mask=o_ok)
     if HALVES == 2:
-        gl.store(O + o_rows[:, None] + (64 + o_c)[None, :], (acc1 * inv_l).to(out_ty), mask=o_ok)
+        gl.store(O + o_rows[:, None] + (HALF + o_c)[None, :], (acc1 * inv_l).to(out_ty), mask=o_ok)
     l_rows = (split.to(gl.int64) * stride_ln + off_b.to(gl.int64) * stride_lb
               + (off_hk * GROUP + rows % GROUP) * stride_lh + rows // GROUP)
     gl.store(LSE + l_rows, lse.to(LSE.dtype.element_ty), mask=rows < GROUP * seqlen_q)
@@ -286,13 +255,13 @@ def _decode_hopper_kernel(
     PAGE_SIZE: gl.constexpr, PAGED: gl.constexpr, HAS_SEQLENS: gl.constexpr, IS_CAUSAL: gl.constexpr,
     STAGES: gl.constexpr, PRODUCER_REGS_: gl.constexpr,
 ):
-    HALVES: gl.constexpr = HEAD_DIM // 64
+    HALVES: gl.constexpr = HEAD_DIM // HALF
     dtype: gl.constexpr = k_desc.dtype
-    tile_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, 64], dtype)
-    q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 64], dtype)
-    q_smem = gl.allocate_shared_memory(dtype, [HALVES, 64, 64], q_layout)
-    k_smem = gl.allocate_shared_memory(dtype, [STAGES * HALVES, BLOCK_N, 64], tile_layout)
-    v_smem = gl.allocate_shared_memory(dtype, [STAGES * HALVES, BLOCK_N, 64], tile_layout)
+    tile_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HALF], dtype)
+    q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, HALF], dtype)
+    q_smem = gl.allocate_shared_memory(dtype, [HALVES, ROWS, HALF], q_layout)
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES * HALVES, BLOCK_N, HALF], tile_layout)
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES * HALVES, BLOCK_N, HALF], tile_layout)
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -322,10 +291,10 @@ def _decode_hopper_kernel(
 def supported(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
               block_table: torch.Tensor | None) -> bool:
     """True when this kernel handles the (validated) inputs: fp16/bf16 on an sm_90 GPU, head_dim 64
-    or 128 (``configs.hopper_decode_applies``), caches TMA can read (``tma_compatible``), and for a
+    or 128 (``configs.gluon_hopper_applies``), caches TMA can read (``tma_compatible``), and for a
     paged cache a power-of-two page size of at least MIN_BOX (a page's box must fill whole swizzle
     atoms of the shared-memory tile)."""
-    if not q.is_cuda or not hopper_decode_applies(head_dim=q.shape[-1], dtype=q.dtype, device=q.device):
+    if not q.is_cuda or not gluon_hopper_applies(head_dim=q.shape[-1], dtype=q.dtype, device=q.device):
         return False
     if block_table is not None:
         page_size = k_cache.shape[1]
@@ -334,12 +303,12 @@ def supported(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     return tma_compatible(k_cache, v_cache)
 
 
-def _cache_descriptor(cache: torch.Tensor, box: int) -> GluonTensorDescriptor:
-    """4-D descriptor over a [pages or B, keys, Hkv, D] cache moving [1, box, 1, 64] boxes: ``box``
-    keys of one KV head, 64 head-dim columns (128 bytes), swizzled like the kernel's K/V tiles."""
-    block = [1, box, 1, 64]
-    layout = shared_layout(tuple(block), _GL_DTYPES[cache.dtype])
-    return GluonTensorDescriptor(cache, list(cache.shape), list(cache.stride()), block, layout)
+def programs_per_sm(head_dim: int, block_n: int, stages: int) -> int:
+    """Programs of one tile resident per SM: two where their shared memory (the query tile and the
+    K/V ring, plus 1 KiB for barriers and the reserve) fits twice, else one."""
+    halves = head_dim // HALF.value
+    smem = 2 * (halves * ROWS.value * HALF.value + 2 * stages * halves * block_n * HALF.value) + 1024
+    return 2 if 2 * smem <= SHARED_PER_SM else 1
 
 
 @on_input_device
@@ -356,16 +325,15 @@ def decode_hopper(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     paged = block_table is not None
     page_size = k_cache.shape[1] if paged else block_n
     box = min(page_size, block_n)
-    num_m_blocks = -(-(group * seqlen_q) // ROWS)
+    num_m_blocks = cdiv(group * seqlen_q, ROWS.value)
     has_seqlens = cache_seqlens is not None
     grid = (batch * heads_kv * num_splits * num_m_blocks,)
-    # Two programs per SM where their shared memory allows it: then each may use half the register
-    # file (the launch's per-thread limit over the 5 warps, which setmaxnreg then shares out).
-    halves = head_dim // HALF
-    smem = 2 * (halves * ROWS * HALF + 2 * stages * halves * block_n * HALF) + 1024
-    maxnreg = 128 if 2 * smem <= SHARED_PER_SM else None
+    # Two programs per SM where their shared memory allows it: then each gets half the register file
+    # (a launch limit of 128 per thread over its 8 warps, the producer's padded to a warpgroup, which
+    # setmaxnreg then shares out between consumer and producer).
+    maxnreg = 128 if programs_per_sm(head_dim, block_n, stages) == 2 else None
     _decode_hopper_kernel[grid](
-        q, _cache_descriptor(k_cache, box), _cache_descriptor(v_cache, box), o_part, l_part,
+        q, _descriptor(k_cache, box, HALF.value), _descriptor(v_cache, box, HALF.value), o_part, l_part,
         cache_seqlens if has_seqlens else l_part, block_table if paged else l_part,
         q.stride(0), q.stride(1), q.stride(2),
         o_part.stride(0) if num_splits > 1 else 0, o_part.stride(1), o_part.stride(2), o_part.stride(3),

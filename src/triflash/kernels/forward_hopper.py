@@ -384,6 +384,17 @@ def _softmax(s, m_i, l_i, col_limit, cols, qk_scale, MASK: gl.constexpr, SUM: gl
 
 
 @gluon.jit
+def _finish_rows(m_i, l_i, sm_scale, o_layout: gl.constexpr):
+    """The epilogue's row statistics: (lse = m * sm_scale + ln(l), 1 / l in O's row layout). A row
+    that saw no key (l = 0) gets lse = -inf and 1 / l = 1, so its out (acc = 0) is 0, never NaN.
+    The forward's and the decode kernel's consumers use it."""
+    empty = l_i == 0.0
+    l_safe = gl.where(empty, 1.0, l_i)
+    lse = gl.where(empty, float("-inf"), m_i * sm_scale + gl.log(l_safe))
+    return lse, gl.convert_layout(1.0 / l_safe, gl.SliceLayout(1, o_layout))
+
+
+@gluon.jit
 def _pv_issue(p, v_tile, acc, l_acc, ones_smem, pl_layout: gl.constexpr, LTC: gl.constexpr):
     """Issue O += P V (async) and, LTC, l += P @ ones beside it. Returns the tokens and the operands
     the wait must keep live: (o_tok, l_tok, p_l); without LTC, l_tok and p_l are placeholders."""
@@ -640,10 +651,7 @@ def _consumer(q_desc, o_desc, LSE, q_smem, o_smem, k_smem, v_smem,
                     l_i = gl.zeros([ROWS], gl.float32, row_layout)
 
                 # -- epilogue: out = acc / l, lse = m * sm_scale + ln(l); empty rows (l = 0): 0 and -inf --
-                empty = l_i == 0.0
-                l_safe = gl.where(empty, 1.0, l_i)
-                lse = gl.where(empty, float("-inf"), m_i * sm_scale + gl.log(l_safe))
-                inv_l = gl.convert_layout(1.0 / l_safe, gl.SliceLayout(1, o_layout))
+                lse, inv_l = _finish_rows(m_i, l_i, sm_scale, o_layout)
                 out = (acc * inv_l[:, None]).to(dtype)
                 gl.store(LSE + pid_bh.to(gl.int64) * seqlen_q + rows, lse, mask=rows < seqlen_q)
                 # O goes out through this warpgroup's own shared-memory tile and one TMA store, which
@@ -787,15 +795,15 @@ def shared_layout(block_shape: tuple[int, ...], dtype) -> gl.NVMMASharedLayout:
     return gl.NVMMASharedLayout.get_default_for(list(block_shape), dtype)
 
 
-def _descriptor(t: torch.Tensor, rows: int, head_dim: int) -> GluonTensorDescriptor:
-    """Host-built 4-D [B, S, H, D] descriptor moving [1, rows, 1, D] boxes (one (batch, head)'s block
-    of rows), 128-byte swizzled like the kernel's shared-memory tiles. Built without the dataclass's
-    re-validation (``supported`` already checked what TMA needs): host time per call matters at
-    short sequences."""
-    layout = shared_layout((1, rows, 1, head_dim), _GL_DTYPES[t.dtype])
+def _descriptor(t: torch.Tensor, rows: int, cols: int) -> GluonTensorDescriptor:
+    """Host-built 4-D [B, S, H, D] descriptor moving [1, rows, 1, cols] boxes (one (batch, head)'s
+    block of rows; cols is D, or for the decode kernel 64 of its columns), 128-byte swizzled like the
+    kernels' shared-memory tiles. Built without the dataclass's re-validation (``supported`` already
+    checked what TMA needs): host time per call matters at short sequences."""
+    layout = shared_layout((1, rows, 1, cols), _GL_DTYPES[t.dtype])
     desc = object.__new__(GluonTensorDescriptor)
     desc.base, desc.shape, desc.strides = t, list(t.shape), list(t.stride())
-    desc.block_shape, desc.layout, desc.padding = [1, rows, 1, head_dim], layout, "zero"
+    desc.block_shape, desc.layout, desc.padding = [1, rows, 1, cols], layout, "zero"
     return desc
 
 
