@@ -6,7 +6,8 @@ variant first, then timing beside triflash's current forward and SDPA's cuDNN ba
         [--causal-only]
 
 A variant name may carry a tile order after '@' (forward_hopper.ORDERS: plain, paired, snake);
-without one the launcher's ``tile_order`` picks.
+without one the launcher's ``tile_order`` picks. An order may end in '/N' or '/l2:MB': its heads
+per section (``split_name``).
 
 (a) Correctness. Each variant is checked in its own child process (all in parallel, each with a
     time limit), so a variant that fails to compile, crashes or deadlocks is reported and the others go
@@ -73,9 +74,25 @@ def correctness_cases():
 
 
 def split_name(name):
-    """'variant@order' -> (variant, order); a plain variant name -> (variant, None)."""
+    """'variant@order' -> (variant, order); a plain variant name -> (variant, None). The order may
+    end in '/N' (N heads per section of forward_hopper._by_cost) or '/l2:MB' (as many heads as
+    forward_hopper.l2_section fits in MB megabytes); that suffix is kept on the order, and
+    ``order_section`` reads it."""
     variant, _, order = name.partition("@")
     return variant, order or None
+
+
+def order_section(order, q, k):
+    """(order, section) for forward_hopper from an order name with an optional '/N' or '/l2:MB'."""
+    if order is None or "/" not in order:
+        return order, None
+    from triflash.kernels import forward_hopper as FH
+    order, _, spec = order.partition("/")
+    if spec.startswith("l2:"):
+        group = q.shape[2] // k.shape[2]
+        return order, FH.l2_section(k.shape[1], k.shape[3], group, k.element_size(),
+                                    int(float(spec[3:]) * 2**20))
+    return order, int(spec)
 
 
 def applicable(FH, name, d, dtname):
@@ -128,7 +145,9 @@ def check_variant(variant, path):
                     continue
                 t = time.time()
                 var, order = split_name(variant)
-                out, lse = FH.forward_hopper(q, k, v, scale, causal, out=out_buf, variant=var, order=order)
+                order, section = order_section(order, q, k)
+                out, lse = FH.forward_hopper(q, k, v, scale, causal, out=out_buf, variant=var, order=order,
+                                             section=section)
                 torch.cuda.synchronize()
                 dt = time.time() - t
                 ref, ref_lse = flash_attn_ref(q, k, v, causal, scale, torch.float64, return_lse=True)
@@ -236,7 +255,7 @@ def main():
     tmp = tempfile.mkdtemp()
     procs = {}
     for v in ([] if a.skip_check else variants):
-        path = os.path.join(tmp, f"{v}.txt")
+        path = os.path.join(tmp, f"{v}.txt".replace("/", "_"))
         p = ctx.Process(target=check_variant, args=(v, path), daemon=True)
         p.start()
         procs[v] = (p, path)
@@ -318,8 +337,9 @@ def main():
                     if not applicable(FH, var, d, dtname):
                         continue
                     var, order = split_name(var)
-                    fn = lambda var=var, order=order: FH.forward_hopper(q, k, v, scale, causal, out=out,
-                                                                        variant=var, order=order)
+                    order, section = order_section(order, q, k)
+                    fn = lambda var=var, order=order, section=section: FH.forward_hopper(
+                        q, k, v, scale, causal, out=out, variant=var, order=order, section=section)
                 elif name == "triflash":
                     fn = lambda: triflash_forward(q, k, v, scale, causal, out=out)
                 elif name == "fa4":

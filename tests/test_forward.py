@@ -178,8 +178,7 @@ def test_hopper_many_tiles_per_cta(device, monkeypatch, dtype, head_dim, variant
     cfg = forward_hopper.variant_config(variant, head_dim)
     batch, hq, hkv, seqlen_q, seqlen_k = 2, 16, 4, 2100, 2300
     num_m_blocks = -(-seqlen_q // cfg["block_m"])
-    order = forward_hopper.tile_order(causal, cfg["persistent"], batch * hq, num_m_blocks, cfg["block_m"],
-                                      cfg["block_n"], seqlen_q, seqlen_k, configs.sm_count(device))
+    order = forward_hopper.tile_order(causal, cfg["persistent"], cfg["block_m"])
     items = batch * hq * ((num_m_blocks + 1) // 2 if order == "paired" else num_m_blocks)
     assert num_m_blocks % 2 == 1 and items > configs.sm_count(device)
     q, k, v = make_qkv(batch, seqlen_q, seqlen_k, hq, hkv, head_dim, dtype, device)
@@ -214,10 +213,11 @@ def test_hopper_split_loops_match_one_loop(device, monkeypatch, dtype, variant, 
 
 @pytest.mark.skipif(not HOPPER, reason="the Gluon Hopper kernel runs on sm_90 GPUs only")
 @pytest.mark.parametrize("head_dim, variant", [(64, "pp_persist"), (128, "pp_persist"), (64, "pp3_persist"),
-                                               (64, "pp3_persist_ltc")])
+                                               (64, "pp3_persist_ltc"), (64, "pp3_ltc"), (128, "pp")])
 def test_hopper_tile_orders_match(device, head_dim, variant):
-    """The persistent loop's tile orders (plain, paired, snake) only change which CTA runs which tile
-    and when; each tile's arithmetic is the same, so out and LSE are equal bit for bit. Causal, with
+    """The persistent loop's tile orders (plain, paired, snake, and plain and snake in sections of 2
+    and 3 heads, the last section smaller) only change which CTA runs which tile and when; each
+    tile's arithmetic is the same, so out and LSE are equal bit for bit. Causal, with
     more tiles than SMs and a last round the grid does not fill (snake's overhang) after an even
     round (B2 H16) and after an odd, reversed one (B1 H14: 238 tiles of 128 rows, 154 of 192), with
     fewer tiles than SMs, and with Sq > Sk (query blocks that see no key: zero work, still visited),
@@ -228,36 +228,50 @@ def test_hopper_tile_orders_match(device, head_dim, variant):
                                                (1, 3, 1, 700, 1000), (2, 4, 2, 1500, 900),
                                                (4, 16, 4, 1500, 900)):
         q, k, v = make_qkv(batch, seqlen_q, seqlen_k, hq, hkv, head_dim, torch.float16, device)
-        results = {order: forward_hopper.forward_hopper(q, k, v, 0.1, True, variant=variant, order=order)
-                   for order in forward_hopper.ORDERS}
-        assert_matches_reference(*results["plain"], q, k, v, causal=True, softmax_scale=0.1)
-        for order in ("paired", "snake"):
-            assert torch.equal(results[order][0], results["plain"][0]), (order, seqlen_q, seqlen_k)
-            assert torch.equal(results[order][1], results["plain"][1]), (order, seqlen_q, seqlen_k)
+        plain = forward_hopper.forward_hopper(q, k, v, 0.1, True, variant=variant, order="plain")
+        assert_matches_reference(*plain, q, k, v, causal=True, softmax_scale=0.1)
+        for order, section in (("paired", None), ("snake", None), ("snake", 2), ("snake", 3),
+                               ("plain", 2), ("plain", 3)):
+            out, lse = forward_hopper.forward_hopper(q, k, v, 0.1, True, variant=variant, order=order,
+                                                     section=section)
+            assert torch.equal(out, plain[0]), (order, section, batch, hq, seqlen_q, seqlen_k)
+            assert torch.equal(lse, plain[1]), (order, section, batch, hq, seqlen_q, seqlen_k)
 
 
 def test_hopper_tile_order_rule():
     """``forward_hopper.tile_order``: plain unless causal and persistent; paired for 128-row tiles
-    (snake was slower at every measured shape there); for 192-row tiles snake where the paired items
-    leave a partly filled last round that costs the busiest CTA at least 1 / SNAKE_GAIN of snake's
-    work (B4 H16 S4096: 704 items of about equal cost on 132 CTAs, the busiest does 6 where the mean
-    is 5.3), paired where the gain is smaller (B4 H32: 1408 items, 11 against 10.7)."""
+    (snake was slower at every measured shape there), snake for 192-row ones."""
     from triflash.kernels import forward_hopper
 
     order = forward_hopper.tile_order
-    assert order(False, True, 64, 22, 192, 128, 4096, 4096, 132) == "plain"
-    assert order(True, False, 64, 22, 192, 128, 4096, 4096, 132) == "plain"
-    assert order(True, True, 64, 22, 192, 128, 4096, 4096, 132) == "snake"
-    assert order(True, True, 32, 43, 192, 128, 8192, 8192, 132) == "snake"
-    assert order(True, True, 128, 22, 192, 128, 4096, 4096, 132) == "paired"
-    # 128-row tiles stay paired, even where the model sees snake far ahead (B2 H16 Sq2100 Sk2300).
-    assert order(True, True, 64, 32, 128, 128, 4096, 4096, 132) == "paired"
-    assert order(True, True, 32, 17, 128, 128, 2100, 2300, 132) == "paired"
-    # One query block per head: an item is one tile in either order, so nothing to gain.
-    assert order(True, True, 8, 1, 192, 128, 100, 100, 132) == "paired"
-    # Fewer tiles than SMs, Sq > Sk (blocks with no key cost 1 each): snake gives every tile its own
-    # CTA where paired puts two on one.
-    assert order(True, True, 2, 8, 192, 128, 1500, 900, 132) == "snake"
+    assert order(False, True, 192) == "plain"
+    assert order(True, False, 192) == "plain"
+    assert order(True, True, 192) == "snake"
+    assert order(True, True, 128) == "paired"
+
+
+def test_hopper_snake_section_rule():
+    """``forward_hopper.snake_section`` (192-row tiles of 128-key blocks, 132 CTAs): the sections the
+    timings of run 74 favoured, where its model (the busiest CTA's work over the mean, times a cost
+    for the heads run at once) tells them apart. One section where all heads' tiles are few enough
+    to share K/V (B2 H16: 32 heads), sections of 16 at B4 H16 S4k (one section leaves 2 CTAs per
+    head; 8 leave the busiest CTA 11% over the mean), 8 at B1 H32 S16k."""
+    from triflash.kernels import forward_hopper
+
+    def pick(batch, heads, seqlen, seqlen_k=None):
+        return forward_hopper.snake_section(batch * heads, -(-seqlen // 192), 192, 128, seqlen,
+                                            seqlen_k or seqlen, 132)
+
+    assert pick(2, 16, 8192) == 32
+    assert pick(2, 16, 4096) == 32
+    assert pick(4, 16, 4096) == 16
+    assert pick(4, 32, 4096) == 8
+    assert pick(1, 32, 16384) == 8
+    # Powers of two up to the head count, or the head count itself; one head: one section.
+    assert pick(1, 1, 4096) == 1
+    for b, h, s, sk in ((3, 5, 3000, 3000), (2, 7, 1000, 5000), (4, 3, 5000, 900)):
+        sec = pick(b, h, s, sk)
+        assert sec == b * h or (sec & (sec - 1) == 0 and sec < b * h), (b, h, s, sk, sec)
 
 
 def test_hopper_order_argument_is_checked():
@@ -271,6 +285,24 @@ def test_hopper_order_argument_is_checked():
         for bad in ("zigzag", ["snake"]):
             with pytest.raises(ValueError, match=r"order must be one of \['paired', 'plain', 'snake'\]"):
                 forward_hopper.forward_hopper(*args, 0.1, True, variant="pp_persist", order=bad)
+        for bad in (0, -2, 2.0, True, "4"):
+            with pytest.raises(ValueError, match=r"section must be a positive int or None; got section="):
+                forward_hopper.forward_hopper(*args, 0.1, True, variant="pp_persist", order="snake",
+                                              section=bad)
+
+
+def test_hopper_l2_section():
+    """``forward_hopper.l2_section``: the (batch, head) pairs whose K and V fit the byte budget, a power
+    of two, at least one; query heads of one GQA group share their K/V."""
+    from triflash.kernels import forward_hopper
+
+    mib = 2**20
+    # One head's K and V at 4096 keys, head_dim 64, fp16: 1 MiB.
+    assert forward_hopper.l2_section(4096, 64, 1, 2, 32 * mib) == 32
+    assert forward_hopper.l2_section(4096, 64, 1, 2, 48 * mib) == 32        # rounded down
+    assert forward_hopper.l2_section(4096, 64, 4, 2, 32 * mib) == 128       # 4 query heads per K/V
+    assert forward_hopper.l2_section(16384, 128, 1, 2, 4 * mib) == 1        # one head is 8 MiB
+    assert forward_hopper.l2_section(1, 64, 1, 2, 0) == 1
 
 
 def test_hopper_variant_chooser(monkeypatch):
@@ -287,7 +319,9 @@ def test_hopper_variant_chooser(monkeypatch):
     assert pick(head_dim=128, causal=False, seqlen_q=16384, seqlen_k=16384, **kw) == "pp"
     assert pick(head_dim=128, causal=True, seqlen_q=16384, seqlen_k=16384, **kw) == "pp_persist"
     assert pick(head_dim=64, causal=True, seqlen_q=1024, seqlen_k=1024, **kw) is None
-    assert pick(head_dim=64, causal=True, seqlen_q=4096, seqlen_k=4096, **kw) == "pp_persist"
+    assert pick(head_dim=64, causal=True, seqlen_q=2048, seqlen_k=2048, **kw) == "pp_persist"
+    assert pick(head_dim=64, causal=True, seqlen_q=4095, seqlen_k=4095, **kw) == "pp_persist"
+    assert pick(head_dim=64, causal=True, seqlen_q=4096, seqlen_k=4096, **kw) == "pp3_persist_ltc"
     # fp16 at D=64: the row sums on the tensor cores; bf16 keeps fp32 row sums (its LSE).
     assert pick(head_dim=64, causal=False, seqlen_q=512, seqlen_k=512, **kw) == "pp_persist"
     assert pick(head_dim=64, causal=False, seqlen_q=1024, seqlen_k=1024, **kw) == "pp3_persist_ltc"
@@ -299,6 +333,7 @@ def test_hopper_variant_chooser(monkeypatch):
     assert pick(head_dim=64, causal=False, seqlen_q=4096, seqlen_k=4096, **bf16) == "pp3_persist"
     assert pick(head_dim=64, causal=False, seqlen_q=16384, seqlen_k=16384, **bf16) == "pp3_persist"
     assert pick(head_dim=64, causal=True, seqlen_q=4096, seqlen_k=4096, **bf16) == "pp_persist"
+    assert pick(head_dim=64, causal=True, seqlen_q=8192, seqlen_k=8192, **bf16) == "pp3_persist"
     assert pick(head_dim=64, causal=True, seqlen_q=16384, seqlen_k=16384, **bf16) == "pp3_persist"
     assert pick(head_dim=80, causal=False, seqlen_q=4096, seqlen_k=4096, **kw) is None
     assert pick(head_dim=64, causal=True, seqlen_q=2048, seqlen_k=16384, **kw) == "pp3_persist_ltc"

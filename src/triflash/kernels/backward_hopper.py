@@ -668,10 +668,10 @@ def _dq_producer(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc,
                  IS_CAUSAL: gl.constexpr):
     """The query side once (one barrier for all of it), then K_j and V_j into ring slot j % STAGES.
     The tile and its key blocks are the forward's (``_tile_coords``: every key block some row of the
-    tile sees; causal, the heaviest query blocks first)."""
+    tile sees; causal, one head after the other, the heaviest query blocks first)."""
     pid_bh, off_b, off_h, off_hk, start_m, n_blocks, _ = _tile_coords(
         gl.program_id(0), 0, num_m_blocks, num_heads_q, kv_group_size, seqlen_q, seqlen_k,
-        gl.num_programs(0), ROWS * NUM_WG, BLOCK_N, IS_CAUSAL, PLAIN)
+        gl.num_programs(0), 1, ROWS * NUM_WG, BLOCK_N, IS_CAUSAL, PLAIN)
     mbarrier.expect(q_ready, NUM_WG * (q_desc.block_type.nbytes + do_desc.block_type.nbytes
                                        + 2 * lse_desc.block_type.nbytes))
     for w in gl.static_range(NUM_WG):
@@ -730,7 +730,7 @@ def _dq_consumer(DQ, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, q_re
     dtype: gl.constexpr = q_smem.dtype
     pid_bh, off_b, off_h, off_hk, start_m, n_blocks, _ = _tile_coords(
         gl.program_id(0), 0, num_m_blocks, num_heads_q, kv_group_size, seqlen_q, seqlen_k,
-        gl.num_programs(0), ROWS * NUM_WG, BLOCK_N, IS_CAUSAL, PLAIN)
+        gl.num_programs(0), 1, ROWS * NUM_WG, BLOCK_N, IS_CAUSAL, PLAIN)
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
     dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],

@@ -74,8 +74,10 @@ fastest kernels (FlashAttention-3) schedule by hand:
    query tile (``q_empty``) after its last S product, and writes O through its own shared-memory
    tile (``o_smem``), waiting for its previous TMA store before reusing it. Causal tiles differ in
    cost, so the persistent loop takes them in one of two orders (ORDER, picked by ``tile_order``):
-   PAIRED items of a heavy and a light query block of one head, or SNAKE, all tiles sorted by cost
-   and dealt out in rounds, every other round in reverse (``_tile_coords``).
+   PAIRED items of a heavy and a light query block of one head (128-row tiles), or SNAKE (taller
+   tiles): the tiles sorted by cost within sections of a few heads (``snake_section``, so that
+   several CTAs read each head's K/V while it is in L2) and dealt out in rounds, every other round
+   in reverse (``_tile_coords``).
 
 6. *Row sums on the tensor cores* (LTC; the forward takes it for fp16 at head_dim 64 with three
    warpgroups). The softmax's row sum l is the one part of the step's arithmetic that is a plain
@@ -209,24 +211,39 @@ def _item_bound(num_items, ORDER: gl.constexpr):
 
 
 @gluon.jit
+def _by_cost(tile, num_m_blocks, num_bh, section):
+    """Tile number -> (query block, (batch, head) index) in the order of decreasing cost within
+    sections of ``section`` (batch, head) pairs: section 0's heads first, within it the query blocks
+    from the last (the heaviest, causal) and the heads fastest; the last section may be smaller.
+    section = 1: one head after the other; section = num_bh: all heads' heaviest blocks first.
+    A tile number past the last (SNAKE's overhang, not valid) maps out of range: nothing reads it."""
+    first = (tile // (section * num_m_blocks)) * section              # the section's first head
+    size = gl.maximum(gl.minimum(section, num_bh - first), 1)         # (>= 1 past the last tile)
+    r = tile - first * num_m_blocks                                   # position within the section
+    return num_m_blocks - 1 - r // size, first + r % size
+
+
+@gluon.jit
 def _tile_coords(item, half, num_m_blocks, num_heads_q, kv_group_size, seqlen_q, seqlen_k, num_items,
-                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, IS_CAUSAL: gl.constexpr,
+                 section, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, IS_CAUSAL: gl.constexpr,
                  ORDER: gl.constexpr):
     """Work item (and half of it) -> (pid_bh, batch, query head, kv head, first query row, key blocks
     to visit, valid). The key blocks are [0, n_blocks): none above the last row's causal diagonal.
     Every partition calls this with the same arguments, so they all walk the same blocks.
 
     ORDER (host side: ``tile_order``), num_items tiles or items:
-    * PLAIN: item = tile. Query blocks vary fastest (neighbouring tiles share K/V in L2); causal:
-      heaviest (last) query block of a head first.
+    * PLAIN: item = tile. Query blocks vary fastest (neighbouring tiles share K/V in L2). Causal:
+      by cost within sections of ``section`` heads (``_by_cost``): the heaviest (last) query
+      blocks of a section's heads first.
     * PAIRED (causal, persistent): an item is two query blocks of one head, m = M - 1 - p (half 0)
       and m = p (half 1), whose key-block counts add up to about the same total for every p (exactly
       when BLOCK_M is a multiple of BLOCK_N). So every item costs about the same, the persistent
       CTAs stay in step, and the tiles in flight at any moment stay neighbours (their K/V stays in
       L2). With M odd the middle block pairs with itself: its half 1 is not valid. The CTAs do
       whole items, so with N items the last round has N mod grid.
-    * SNAKE (causal, persistent): tiles sorted by cost (query block m from the last, the heads
-      fastest) and dealt in rounds of grid tiles, the even rounds to programs 0, 1, ..., the odd
+    * SNAKE (causal, persistent): tiles sorted by cost within sections of ``section`` heads
+      (``_by_cost``; one section: query block m from the last, the heads fastest) and dealt in
+      rounds of grid tiles, the even rounds to programs 0, 1, ..., the odd
       ones in reverse: a program that took a heavy tile in one round takes a light one in the next.
       The loads even out to within a fraction of a tile (longest-processing-time scheduling, up to
       the ties), where PAIRED leaves the last round's remainder of whole items."""
@@ -242,14 +259,13 @@ def _tile_coords(item, half, num_m_blocks, num_heads_q, kv_group_size, seqlen_q,
         slot = item % grid
         slot = slot + (rnd % 2) * (grid - 1 - 2 * slot)       # odd rounds: programs in reverse
         tile = rnd * grid + slot
-        num_bh = num_items // num_m_blocks
         valid = tile < num_items
-        pid_m = num_m_blocks - 1 - tile // num_bh
-        pid_bh = tile % num_bh
+        pid_m, pid_bh = _by_cost(tile, num_m_blocks, num_items // num_m_blocks, section)
+    elif IS_CAUSAL:
+        pid_m, pid_bh = _by_cost(item, num_m_blocks, num_items // num_m_blocks, section)
+        valid = True
     else:
         pid_m = item % num_m_blocks
-        if IS_CAUSAL:
-            pid_m = num_m_blocks - 1 - pid_m
         pid_bh = item // num_m_blocks
         valid = True
     off_b = pid_bh // num_heads_q
@@ -294,7 +310,7 @@ def _load_q(q_desc, q_smem, q_ready, q_empty, off_b, off_h, start_m, phase,
 @gluon.jit
 def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem,
               q_ready, q_empty, k_ready, k_empty, v_ready, v_empty,
-              num_items, num_m_blocks, num_heads_q, kv_group_size, seqlen_q, seqlen_k,
+              num_items, section, num_m_blocks, num_heads_q, kv_group_size, seqlen_q, seqlen_k,
               ROWS: gl.constexpr, NUM_WG: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
               IS_CAUSAL: gl.constexpr, ORDER: gl.constexpr):
     """One warp: for each tile, TMA loads of the query tiles and of K_j, V_j for j in [0, n_blocks).
@@ -305,7 +321,7 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem,
         for half in range(2 if ORDER == PAIRED else 1):
             pid_bh, off_b, off_h, off_hk, start_m, n_blocks, valid = _tile_coords(
                 item, half, num_m_blocks, num_heads_q, kv_group_size, seqlen_q, seqlen_k, num_items,
-                ROWS * NUM_WG, BLOCK_N, IS_CAUSAL, ORDER)
+                section, ROWS * NUM_WG, BLOCK_N, IS_CAUSAL, ORDER)
             if valid:
                 if n_blocks == 0:
                     _load_q(q_desc, q_smem, q_ready, q_empty, off_b, off_h, start_m, n_done & 1, ROWS, NUM_WG)
@@ -491,8 +507,8 @@ def _overlap_step(j, c, t, p, acc, l_acc, m_i, l_i, q_tile, k_smem, v_smem,
 @gluon.jit
 def _consumer(q_desc, o_desc, LSE, q_smem, o_smem, k_smem, v_smem,
               q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, sched,
-              num_items, num_m_blocks, num_heads_q, kv_group_size, seqlen_q, seqlen_k, sm_scale, qk_scale,
-              WG: gl.constexpr, NUM_WG: gl.constexpr, ROWS: gl.constexpr, WARPS: gl.constexpr,
+              num_items, section, num_m_blocks, num_heads_q, kv_group_size, seqlen_q, seqlen_k, sm_scale,
+              qk_scale, WG: gl.constexpr, NUM_WG: gl.constexpr, ROWS: gl.constexpr, WARPS: gl.constexpr,
               BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr,
               OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, ORDER: gl.constexpr,
               LTC: gl.constexpr, ones_smem):
@@ -529,7 +545,7 @@ def _consumer(q_desc, o_desc, LSE, q_smem, o_smem, k_smem, v_smem,
         for half in range(2 if ORDER == PAIRED else 1):
             pid_bh, off_b, off_h, off_hk, start_m, n_blocks, valid = _tile_coords(
                 item, half, num_m_blocks, num_heads_q, kv_group_size, seqlen_q, seqlen_k, num_items,
-                ROWS * NUM_WG, BLOCK_N, IS_CAUSAL, ORDER)
+                section, ROWS * NUM_WG, BLOCK_N, IS_CAUSAL, ORDER)
             if valid:
                 row0 = start_m + WG * ROWS
                 rows = row0 + gl.arange(0, ROWS, layout=row_layout)             # [ROWS] query positions
@@ -674,10 +690,10 @@ def _consumer(q_desc, o_desc, LSE, q_smem, o_smem, k_smem, v_smem,
 # Sequence lengths and head counts are not specialised on (divisibility by 16, value 1): the kernel
 # does not use those facts, and each specialisation would be one more compile.
 @gluon.jit(do_not_specialize=["num_heads_q", "kv_group_size", "seqlen_q", "seqlen_k", "num_m_blocks",
-                              "num_items"])
+                              "num_items", "section"])
 def _attn_fwd_hopper_kernel(
     q_desc, k_desc, v_desc, o_desc, LSE,
-    num_heads_q, kv_group_size, seqlen_q, seqlen_k, num_m_blocks, num_items,
+    num_heads_q, kv_group_size, seqlen_q, seqlen_k, num_m_blocks, num_items, section,
     sm_scale, qk_scale,
     HEAD_DIM: gl.constexpr, ROWS: gl.constexpr, NUM_WG: gl.constexpr, BLOCK_N: gl.constexpr,
     STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr,
@@ -732,51 +748,51 @@ def _attn_fwd_hopper_kernel(
     if NUM_WG == 1:
         gl.warp_specialize([
             (_consumer, (q_desc, o_desc, LSE, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
-                         k_empty, v_ready, v_empty, sched, num_items, num_m_blocks, num_heads_q,
+                         k_empty, v_ready, v_empty, sched, num_items, section, num_m_blocks, num_heads_q,
                          kv_group_size, seqlen_q, seqlen_k, sm_scale, qk_scale,
                          0, NUM_WG, ROWS, WARPS, BLOCK_N, HEAD_DIM, STAGES, IS_CAUSAL, OVERLAP, PINGPONG,
                          ORDER, LTC, ones_smem)),
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty,
-                         v_ready, v_empty, num_items, num_m_blocks, num_heads_q, kv_group_size, seqlen_q,
-                         seqlen_k, ROWS, NUM_WG, BLOCK_N, STAGES, IS_CAUSAL, ORDER)),
+                         v_ready, v_empty, num_items, section, num_m_blocks, num_heads_q, kv_group_size,
+                         seqlen_q, seqlen_k, ROWS, NUM_WG, BLOCK_N, STAGES, IS_CAUSAL, ORDER)),
         ], [1], [PRODUCER_REGS_])
     elif NUM_WG == 2:
         gl.warp_specialize([
             (_consumer, (q_desc, o_desc, LSE, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
-                         k_empty, v_ready, v_empty, sched, num_items, num_m_blocks, num_heads_q,
+                         k_empty, v_ready, v_empty, sched, num_items, section, num_m_blocks, num_heads_q,
                          kv_group_size, seqlen_q, seqlen_k, sm_scale, qk_scale,
                          0, NUM_WG, ROWS, WARPS, BLOCK_N, HEAD_DIM, STAGES, IS_CAUSAL, OVERLAP, PINGPONG,
                          ORDER, LTC, ones_smem)),
             (_consumer, (q_desc, o_desc, LSE, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
-                         k_empty, v_ready, v_empty, sched, num_items, num_m_blocks, num_heads_q,
+                         k_empty, v_ready, v_empty, sched, num_items, section, num_m_blocks, num_heads_q,
                          kv_group_size, seqlen_q, seqlen_k, sm_scale, qk_scale,
                          1, NUM_WG, ROWS, WARPS, BLOCK_N, HEAD_DIM, STAGES, IS_CAUSAL, OVERLAP, PINGPONG,
                          ORDER, LTC, ones_smem)),
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty,
-                         v_ready, v_empty, num_items, num_m_blocks, num_heads_q, kv_group_size, seqlen_q,
-                         seqlen_k, ROWS, NUM_WG, BLOCK_N, STAGES, IS_CAUSAL, ORDER)),
+                         v_ready, v_empty, num_items, section, num_m_blocks, num_heads_q, kv_group_size,
+                         seqlen_q, seqlen_k, ROWS, NUM_WG, BLOCK_N, STAGES, IS_CAUSAL, ORDER)),
         ], [4, 1], [CONSUMER_REGS_, PRODUCER_REGS_])
     else:
         gl.static_assert(NUM_WG == 3, "NUM_WG: 1, 2 or 3 consumer warpgroups")
         gl.warp_specialize([
             (_consumer, (q_desc, o_desc, LSE, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
-                         k_empty, v_ready, v_empty, sched, num_items, num_m_blocks, num_heads_q,
+                         k_empty, v_ready, v_empty, sched, num_items, section, num_m_blocks, num_heads_q,
                          kv_group_size, seqlen_q, seqlen_k, sm_scale, qk_scale,
                          0, NUM_WG, ROWS, WARPS, BLOCK_N, HEAD_DIM, STAGES, IS_CAUSAL, OVERLAP, PINGPONG,
                          ORDER, LTC, ones_smem)),
             (_consumer, (q_desc, o_desc, LSE, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
-                         k_empty, v_ready, v_empty, sched, num_items, num_m_blocks, num_heads_q,
+                         k_empty, v_ready, v_empty, sched, num_items, section, num_m_blocks, num_heads_q,
                          kv_group_size, seqlen_q, seqlen_k, sm_scale, qk_scale,
                          1, NUM_WG, ROWS, WARPS, BLOCK_N, HEAD_DIM, STAGES, IS_CAUSAL, OVERLAP, PINGPONG,
                          ORDER, LTC, ones_smem)),
             (_consumer, (q_desc, o_desc, LSE, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
-                         k_empty, v_ready, v_empty, sched, num_items, num_m_blocks, num_heads_q,
+                         k_empty, v_ready, v_empty, sched, num_items, section, num_m_blocks, num_heads_q,
                          kv_group_size, seqlen_q, seqlen_k, sm_scale, qk_scale,
                          2, NUM_WG, ROWS, WARPS, BLOCK_N, HEAD_DIM, STAGES, IS_CAUSAL, OVERLAP, PINGPONG,
                          ORDER, LTC, ones_smem)),
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty,
-                         v_ready, v_empty, num_items, num_m_blocks, num_heads_q, kv_group_size, seqlen_q,
-                         seqlen_k, ROWS, NUM_WG, BLOCK_N, STAGES, IS_CAUSAL, ORDER)),
+                         v_ready, v_empty, num_items, section, num_m_blocks, num_heads_q, kv_group_size,
+                         seqlen_q, seqlen_k, ROWS, NUM_WG, BLOCK_N, STAGES, IS_CAUSAL, ORDER)),
         ], [4, 4, 1], [CONSUMER_REGS_, CONSUMER_REGS_, PRODUCER_REGS_])
 
 
@@ -807,52 +823,66 @@ def _descriptor(t: torch.Tensor, rows: int, cols: int) -> GluonTensorDescriptor:
     return desc
 
 
-# tile_order: SNAKE (taller than 128-row tiles) where its busiest program has at most this share of
-# PAIRED's work. Read when tile_order's cache misses: set it before the first launch.
-SNAKE_GAIN = 0.92
 ORDERS = {"plain": PLAIN.value, "paired": PAIRED.value, "snake": SNAKE.value}
+# snake_section's model of the cost of reading K/V with little reuse: when the grid's CTAs run the
+# tiles of h heads at once (about grid / h CTAs on each head's K/V), the time grows by about
+# SECTION_REUSE * h / grid (fitted on run 74: 4 CTAs per head ~7% slower than 33, 16 ~1%).
+SECTION_REUSE = 0.3
 
 
 @functools.lru_cache(maxsize=256)
-def tile_order(causal: bool, persistent: bool, num_bh: int, num_m_blocks: int, block_m: int,
-               block_n: int, seqlen_q: int, seqlen_k: int, grid: int) -> str:
+def tile_order(causal: bool, persistent: bool, block_m: int) -> str:
     """The persistent loop's tile order (``_tile_coords``): 'plain' unless causal and persistent;
-    there 'paired' for 128-row tiles, and for taller ones 'snake' where its busiest program has at
-    most SNAKE_GAIN of PAIRED's busiest program's work, else 'paired'. The work of a tile is counted
-    in key blocks, plus one for its query load and output store.
+    there 'paired' for 128-row tiles and 'snake' for taller ones (with ``snake_section``'s sections).
 
-    Why the limits: SNAKE runs tiles of up to grid different heads at once where PAIRED runs a few
-    heads' tiles side by side, so it reads K/V with less reuse in L2, and a 128-row tile does 2/3 of
-    a 192-row one's FLOPs per K/V byte. Measured (run 61, causal, every order forced;
-    performance.md has the table): with 128-row tiles SNAKE was 5-17% slower at every shape but one
-    (level at B16 H32 S1k), where this model saw 0-3% less work. With 192-row tiles, where the
-    model saw 9-13% less work: +4-5% at B4 H16 S4k (head_dim 64 and 128), +11% at B2 H16 S8k,
-    +19-23% at B8 H16 S2k, +7-9% at S16k (head_dim 128), +1% at B8 H16 S2k (head_dim 128); at 5%,
-    level (S16k, head_dim 64); at 2-3%, 3-6% slower (B4 H32 S4k at 64, B16 H16 S1k at 128) but
-    +35-41% at B16 H32 S1k (head_dim 64). Part of the 192-row gains is code quality: the PAIRED
-    forms of ``pp3_persist*`` spill 44-184 bytes causal, the SNAKE forms 0-28."""
+    Measured (runs 61 and 74, causal, every order forced; performance.md has the tables): with
+    128-row tiles snake was 5-17% slower than paired at every shape but one (level at B16 H32 S1k),
+    in one section or in sections of 16-32 heads. With 192-row tiles, snake in the sections
+    ``snake_section`` picks was level with paired or ahead at every measured shape (+22-23% at
+    B8-16 H16 S2k), and paired spills 44-184 bytes causal where snake spills 0-32."""
     if not (causal and persistent):
         return "plain"
-    if block_m < 192:
-        return "paired"
+    return "paired" if block_m < 192 else "snake"
+
+
+@functools.lru_cache(maxsize=256)
+def snake_section(num_bh: int, num_m_blocks: int, block_m: int, block_n: int, seqlen_q: int,
+                  seqlen_k: int, grid: int) -> int:
+    """The snake order's section (``_by_cost``): how many (batch, head) pairs' tiles are sorted and
+    dealt together. One section of all heads balances the CTAs' work best, but runs the heaviest
+    tiles of up to ``grid`` heads at once, each read by one or two CTAs, where a smaller section
+    keeps grid / section CTAs on each head's K/V while it is in L2 (run 74: B4 H32 S4k at head_dim
+    64, 355.7 TFLOP/s in one section of 128 heads, 408.0 in sections of 8). So each power of two up
+    to num_bh (and num_bh) is scored by its busiest CTA's work over the mean (the tiles dealt as
+    the kernel deals them; a tile's work is its key blocks plus one) times 1 + SECTION_REUSE * h /
+    grid, where h, the heads whose tiles run at once, is the section or, when a section has fewer
+    tiles than the grid, grid / num_m_blocks. The lowest score wins (the smaller section on a tie)."""
     cpu = torch.device("cpu")                        # host arithmetic whatever the default device
     m = torch.arange(num_m_blocks, device=cpu)
     hi = ((m + 1) * block_m + seqlen_k - seqlen_q).clamp(0, seqlen_k)
     cost = (hi + block_n - 1) // block_n + 1                               # per query block m
-    half = (num_m_blocks + 1) // 2
-    p = torch.arange(half, device=cpu)
-    item = cost.flip(0)[:half] + torch.where(2 * p != num_m_blocks - 1, cost[:half], 0)
-
-    def busiest(work, reverse_odd_rounds):           # work[i] goes to program i % grid
-        rounds = -(-work.numel() // grid)
+    t = torch.arange(num_m_blocks * num_bh, device=cpu)
+    rounds = -(-t.numel() // grid)
+    best, best_score = num_bh, None
+    for section in sorted({1 << i for i in range(num_bh.bit_length())} | {num_bh}):
+        first = (t // (section * num_m_blocks)) * section             # _by_cost, on the host
+        size = (num_bh - first).clamp(max=section)
+        work = cost[num_m_blocks - 1 - (t - first * num_m_blocks) // size]
         w = torch.cat([work, work.new_zeros(rounds * grid - work.numel())]).view(rounds, grid)
-        if reverse_odd_rounds:
-            w[1::2] = w[1::2].flip(1)
-        return int(w.sum(0).max())
+        w[1::2] = w[1::2].flip(1)                                    # odd rounds in reverse
+        load = w.sum(0)
+        heads = max(min(section, num_bh), grid / num_m_blocks)       # heads whose tiles run at once
+        score = float(load.max()) / float(load.float().mean()) * (1 + SECTION_REUSE * heads / grid)
+        if best_score is None or score < best_score:
+            best, best_score = section, score
+    return best
 
-    paired = busiest(item.repeat(num_bh), False)
-    snake = busiest(cost.flip(0).repeat_interleave(num_bh), True)
-    return "snake" if snake <= SNAKE_GAIN * paired else "paired"
+
+def l2_section(seqlen_k: int, head_dim: int, kv_group: int, itemsize: int, budget: int) -> int:
+    """(batch, query head) pairs whose K and V fit in ``budget`` bytes (the query heads of one GQA
+    group share theirs), rounded down to a power of two, at least 1: a section of ``_by_cost``."""
+    per_head = max(1, (2 * seqlen_k * head_dim * itemsize) // max(1, kv_group))
+    return 1 << (max(1, int(budget) // per_head).bit_length() - 1)
 
 
 def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor | None = None) -> bool:
@@ -875,15 +905,19 @@ def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tens
 
 @on_input_device
 def forward_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float, causal: bool,
-                   out: torch.Tensor | None = None, *, variant: str, order: str | None = None):
+                   out: torch.Tensor | None = None, *, variant: str, order: str | None = None,
+                   section: int | None = None):
     """``forward()``'s contract on the Hopper kernel: q [B, Sq, Hq, D], k/v [B, Sk, Hkv, D];
     returns (out [B, Sq, Hq, D] in q's dtype, lse [B, Hq, Sq] float32, natural log). ``out`` may be a
     preallocated strided view. ``variant``: a key of VARIANTS (the forward takes the one
     ``configs.hopper_forward_variant`` picks). ``order``: the tile order, a key of ORDERS (any of them
     gives the same result; they differ in how evenly the persistent CTAs share the causal work);
-    None lets ``tile_order`` pick."""
+    None lets ``tile_order`` pick. ``section``: causal plain and snake orders, (batch, head) pairs per
+    section of ``_by_cost``; None: 1 for plain, ``snake_section``'s pick for snake."""
     if order is not None and (not isinstance(order, str) or order not in ORDERS):
         raise ValueError(f"order must be one of {sorted(ORDERS)} or None; got order={order!r}")
+    if section is not None and (not isinstance(section, int) or isinstance(section, bool) or section < 1):
+        raise ValueError(f"section must be a positive int or None; got section={section!r}")
     batch, seqlen_q, heads_q, head_dim = q.shape
     _, seqlen_k, heads_k, _ = k.shape
     if out is None:
@@ -908,13 +942,18 @@ def forward_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: 
     # Persistent: one program per SM (132 when compiling on a machine without a GPU).
     sms = sm_count(q.device) if q.is_cuda else 132
     if order is None:
-        order = tile_order(causal, cfg["persistent"], batch * heads_q, num_m_blocks, cfg["block_m"],
-                           cfg["block_n"], seqlen_q, seqlen_k, sms)
+        order = tile_order(causal, cfg["persistent"], cfg["block_m"])
     num_items = batch * heads_q * ((num_m_blocks + 1) // 2) if order == "paired" else num_tiles
-    grid = (min(num_items, sms) if cfg["persistent"] else num_items,)
-    _attn_fwd_hopper_kernel[grid](
+    grid = min(num_items, sms) if cfg["persistent"] else num_items
+    if section is None:
+        section = 1
+        if order == "snake":
+            section = snake_section(batch * heads_q, num_m_blocks, cfg["block_m"], cfg["block_n"],
+                                    seqlen_q, seqlen_k, grid)
+    section = min(section, batch * heads_q)
+    _attn_fwd_hopper_kernel[(grid,)](
         q_desc, k_desc, v_desc, o_desc, lse,
-        heads_q, heads_q // heads_k, seqlen_q, seqlen_k, num_m_blocks, num_items,
+        heads_q, heads_q // heads_k, seqlen_q, seqlen_k, num_m_blocks, num_items, section,
         sm_scale, sm_scale * LOG2E,
         HEAD_DIM=head_dim, ROWS=cfg["rows"], NUM_WG=cfg["num_wg"], BLOCK_N=cfg["block_n"],
         STAGES=cfg["stages"], IS_CAUSAL=causal, OVERLAP=cfg["overlap"], PINGPONG=cfg["pingpong"],
