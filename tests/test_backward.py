@@ -386,8 +386,9 @@ def test_hopper_backward_partial_gradients(device, monkeypatch, variant, head_di
 
 def test_hopper_backward_chooser(monkeypatch):
     """configs.hopper_backward_variant: None off sm_90 (here: a CPU device); with the sm_90 check
-    stubbed to pass, the dK/dV-only Gluon kernel at head_dim 64 and 128 at every length, and its
-    picks are exactly the candidates the GPU tests force."""
+    stubbed to pass, the dK/dV-only Gluon kernel at head_dim 64 and 128 at every length, with dQ
+    from the Gluon dQ kernel at 128 and, at 64, from 8k keys (``dkdv_long``); its picks are exactly
+    the candidates the GPU tests force."""
     from triflash.kernels import backward_hopper, configs
 
     pick = configs.hopper_backward_variant
@@ -396,12 +397,20 @@ def test_hopper_backward_chooser(monkeypatch):
     monkeypatch.setattr(configs, "gluon_hopper_applies",
                         lambda *, head_dim, dtype, device: head_dim in (64, 128))
     for d in (64, 128):
-        for sq, sk in ((4096, 4096), (1024, 1024), (1, 16384), (16384, 77)):
+        for sq, sk in ((4096, 4096), (1024, 1024), (1, 16384), (16384, 77), (8191, 8191), (8192, 8192),
+                       (100, 8192)):
             for causal in (False, True):
-                assert pick(head_dim=d, causal=causal, seqlen_q=sq, seqlen_k=sk, **kw) == "dkdv"
+                want = "dkdv_long" if d == 64 and sk >= 8192 else "dkdv"
+                assert pick(head_dim=d, causal=causal, seqlen_q=sq, seqlen_k=sk, **kw) == want
     assert pick(head_dim=80, causal=False, seqlen_q=16384, seqlen_k=16384, **kw) is None
     assert not backward_hopper.computes_dq("dkdv") and backward_hopper.computes_dq("split")
+    assert not backward_hopper.computes_dq("dkdv_long")
     assert backward_hopper.dq_on_gluon("dkdv", 128) and not backward_hopper.dq_on_gluon("dkdv", 64)
+    assert backward_hopper.dq_on_gluon("dkdv_long", 64)
+    # The same dK/dV kernel: the two variants differ only in where dQ comes from.
+    strip = ("dq_kernel", "dq_block_n", "dq_stages")
+    assert ({k: v for k, v in backward_hopper.VARIANTS["dkdv_long"][64].items() if k not in strip}
+            == {k: v for k, v in backward_hopper.VARIANTS["dkdv"][64].items() if k not in strip})
     lengths = (1, 1000, 4096, 16384)
     for d in (64, 128):
         names = configs.hopper_backward_candidates(d)

@@ -12,10 +12,11 @@ registers. It walks the query blocks that see those keys and, per block, does
         dV  += P^T dO           dK  += dS^T Q             (kept in registers for the whole CTA)
         dQ_m += dS K            (fused form only: a [BLOCK_M, D] partial, added into an fp32 workspace)
 
-* **dK and dV only** (``dq=False``, variant ``dkdv``: what ``configs.hopper_backward_variant``
-  takes). dQ then comes from a kernel that keeps a query block and recomputes S and dP: at head_dim
-  128 this file's Gluon dQ kernel (``_attn_bwd_dq_hopper_kernel``, below), at 64 the portable Triton
-  one (backward.py), each where it was faster (run 52). That is 7 tile products per (query block,
+* **dK and dV only** (``dq=False``, variants ``dkdv`` and ``dkdv_long``: what
+  ``configs.hopper_backward_variant`` takes). dQ then comes from a kernel that keeps a query block
+  and recomputes S and dP: at head_dim 128 this file's Gluon dQ kernel (``_attn_bwd_dq_hopper_kernel``,
+  below), at 64 the portable Triton one (backward.py), or from 8k keys (``dkdv_long``) the Gluon one
+  in 128-key tiles, each where it was faster (runs 52, 66 and 77). That is 7 tile products per (query block,
   key block) pair, as in the portable backward, but on wgmma. Without a writer partition the two
   consumer warpgroups get 240 registers a thread: enough for head_dim 128's dK and dV (128) beside
   S^T and dP^T, and at head_dim 64 for 128 queries per step. At head_dim 128 the dK/dV part ran at
@@ -136,6 +137,10 @@ VARIANTS = {
     # and 3-5% slower at 4k.
     "dkdv": {64: dict(_DKDV, block_m=128, dq_kernel="triton"),
              128: dict(_DKDV, block_m=64, dq_kernel="gluon", dq_block_n=64, dq_stages=3)},
+    # The same dK/dV kernel with dQ from the Gluon kernel in 128-key tiles and two stages: the pick
+    # at head_dim 64 from 8k keys, where that dQ kernel was +4% non-causal and +0-3% causal over
+    # the Triton one (runs 66 and 77), and level or 2-5% slower at 1k-4k.
+    "dkdv_long": {64: dict(_DKDV, block_m=128, dq_kernel="gluon", dq_block_n=128, dq_stages=2)},
     "split": {64: _SPLIT},                      # the fused form (not chosen since run 50)
     "x_split_unordered": {64: dict(_SPLIT, writer_mode=1)},
     "x_split_nowrite": {64: dict(_SPLIT, writer_mode=2)},

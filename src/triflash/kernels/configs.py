@@ -74,7 +74,9 @@ INTERPRETER_BWD = (BwdConfig(32, 64, 1, 1), BwdConfig(64, 32, 1, 1))
 
 
 # The Gluon backward's variants the backward chooses from (backward_hopper.VARIANTS), per head dim.
-HOPPER_BACKWARD_VARIANTS = {64: ("dkdv",), 128: ("dkdv",)}
+HOPPER_BACKWARD_VARIANTS = {64: ("dkdv", "dkdv_long"), 128: ("dkdv",)}
+# The backward at head_dim 64 takes dQ from the Gluon dQ kernel (``dkdv_long``) from this many keys.
+GLUON_DQ_MIN_KEYS_D64 = 8192
 
 
 def hopper_backward_candidates(head_dim: int) -> tuple[str, ...]:
@@ -93,9 +95,15 @@ def hopper_backward_variant(*, head_dim: int, dtype, device, causal: bool, seqle
     287.1 -> 314.1 (222.6 -> 245.4); the fused kernel (``split``, taken at head_dim 64 from 4k keys
     before) -> dkdv: 4,16,4096,64 333.9 -> 362.9 (292.2 -> 337.1), 16,32,1024,64 280.7 -> 314.1
     (205.2 -> 245.4). Run 52, the Gluon dQ kernel at head_dim 128: 403.6 -> 425.4 at 4k (causal
-    346.5 -> 370.3), 422.8 -> 452.9 at 16k (377.3 -> 418.6), 326.0 -> 342.4 at 1k (248.6 -> 251.6)."""
+    346.5 -> 370.3), 422.8 -> 452.9 at 16k (377.3 -> 418.6), 326.0 -> 342.4 at 1k (248.6 -> 251.6).
+    At head_dim 64 from GLUON_DQ_MIN_KEYS_D64 keys, ``dkdv_long`` (dQ on the Gluon kernel too, in
+    128-key tiles). Run 66, Triton dQ -> Gluon dQ: 2,16,8192,64 380.5 -> 395.2 (causal 359.2 ->
+    360.0), 1,16,16384,64 385.5 -> 401.9 (371.0 -> 381.0); at 4k level (379.9 -> 381.7, causal
+    332.5 -> 328.5) and at 1k 2-5% slower."""
     if not gluon_hopper_applies(head_dim=head_dim, dtype=dtype, device=device):
         return None
+    if head_dim == 64 and seqlen_k >= GLUON_DQ_MIN_KEYS_D64:
+        return "dkdv_long"
     return "dkdv"
 
 
