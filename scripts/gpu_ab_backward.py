@@ -4,7 +4,8 @@ with `git show main:src/triflash/kernels/backward_hopper.py > /tmp/old.py`), fiv
 of do_bench medians each, cuDNN beside them. Each must give the same gradients twice in a row
 (asserted); the largest difference between A's and B's is printed. B is loaded inside
 triflash.kernels, so its relative imports take today's forward_hopper and configs: B must call
-their helpers with today's signatures (a file from before 5c62e77 calls the older _tile_coords).
+their helpers with today's signatures (a file from before 5c62e77, or from before 360295d, which
+added its section argument, calls an older _tile_coords).
 
     PYTHONPATH=src python3 scripts/gpu_ab_backward.py path/to/other/backward_hopper.py
 """

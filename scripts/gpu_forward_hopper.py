@@ -76,22 +76,27 @@ def correctness_cases():
 def split_name(name):
     """'variant@order' -> (variant, order); a plain variant name -> (variant, None). The order may
     end in '/N' (N heads per section of forward_hopper._by_cost) or '/l2:MB' (as many heads as
-    forward_hopper.l2_section fits in MB megabytes); that suffix is kept on the order, and
+    ``l2_section`` fits in MB megabytes); that suffix is kept on the order, and
     ``order_section`` reads it."""
     variant, _, order = name.partition("@")
     return variant, order or None
+
+
+def l2_section(seqlen_k, head_dim, kv_group, itemsize, budget):
+    """(batch, query head) pairs whose K and V fit in ``budget`` bytes (the query heads of one GQA
+    group share theirs), rounded down to a power of two, at least 1."""
+    per_head = max(1, (2 * seqlen_k * head_dim * itemsize) // max(1, kv_group))
+    return 1 << (max(1, int(budget) // per_head).bit_length() - 1)
 
 
 def order_section(order, q, k):
     """(order, section) for forward_hopper from an order name with an optional '/N' or '/l2:MB'."""
     if order is None or "/" not in order:
         return order, None
-    from triflash.kernels import forward_hopper as FH
     order, _, spec = order.partition("/")
     if spec.startswith("l2:"):
         group = q.shape[2] // k.shape[2]
-        return order, FH.l2_section(k.shape[1], k.shape[3], group, k.element_size(),
-                                    int(float(spec[3:]) * 2**20))
+        return order, l2_section(k.shape[1], k.shape[3], group, k.element_size(), float(spec[3:]) * 2**20)
     return order, int(spec)
 
 

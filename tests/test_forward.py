@@ -230,10 +230,16 @@ def test_hopper_tile_orders_match(device, head_dim, variant):
         q, k, v = make_qkv(batch, seqlen_q, seqlen_k, hq, hkv, head_dim, torch.float16, device)
         plain = forward_hopper.forward_hopper(q, k, v, 0.1, True, variant=variant, order="plain")
         assert_matches_reference(*plain, q, k, v, causal=True, softmax_scale=0.1)
+        # Every result stays referenced and every output starts as NaN, so a tile that an order
+        # skips cannot pass by leaving another call's values in a reused buffer (the LSE is
+        # allocated by the launcher: kept alive, it is never a buffer the previous call filled).
+        results = []
         for order, section in (("paired", None), ("snake", None), ("snake", 2), ("snake", 3),
                                ("plain", 2), ("plain", 3)):
-            out, lse = forward_hopper.forward_hopper(q, k, v, 0.1, True, variant=variant, order=order,
-                                                     section=section)
+            out = torch.full_like(q, float("nan"))
+            results.append(forward_hopper.forward_hopper(q, k, v, 0.1, True, out=out, variant=variant,
+                                                         order=order, section=section))
+            out, lse = results[-1]
             assert torch.equal(out, plain[0]), (order, section, batch, hq, seqlen_q, seqlen_k)
             assert torch.equal(lse, plain[1]), (order, section, batch, hq, seqlen_q, seqlen_k)
 
@@ -254,7 +260,8 @@ def test_hopper_snake_section_rule():
     """``forward_hopper.snake_section`` (192-row tiles of 128-key blocks, 132 CTAs): the sections the
     timings of run 74 favoured, where its model (the busiest CTA's work over the mean, times a cost
     for the heads run at once) tells them apart. One section where all heads' tiles are few enough
-    to share K/V (B2 H16: 32 heads), sections of 16 at B4 H16 S4k (one section leaves 2 CTAs per
+    to share K/V (B2 H16: 32 heads; sections of 16 there leave the busiest CTA 22% over the
+    mean), sections of 16 at B4 H16 S4k (one section leaves 2 CTAs per
     head; 8 leave the busiest CTA 11% over the mean), 8 at B1 H32 S16k."""
     from triflash.kernels import forward_hopper
 
@@ -267,16 +274,44 @@ def test_hopper_snake_section_rule():
     assert pick(4, 16, 4096) == 16
     assert pick(4, 32, 4096) == 8
     assert pick(1, 32, 16384) == 8
-    # Powers of two up to the head count, or the head count itself; one head: one section.
+    # Sections of 1-4 heads deal the same loads here and run about 6 heads at once: a tie, which
+    # goes to the larger section (4 was timed, 405.5 against 408.6 in sections of 16).
+    assert pick(8, 32, 4096) == 4
     assert pick(1, 1, 4096) == 1
-    for b, h, s, sk in ((3, 5, 3000, 3000), (2, 7, 1000, 5000), (4, 3, 5000, 900)):
-        sec = pick(b, h, s, sk)
-        assert sec == b * h or (sec & (sec - 1) == 0 and sec < b * h), (b, h, s, sk, sec)
+    # GQA: the query heads of a group read one K/V, so larger sections keep the same reuse.
+    assert forward_hopper.snake_section(128, 22, 192, 128, 4096, 4096, 132, 4) == 32
+
+
+def test_hopper_by_cost_order():
+    """``forward_hopper.by_cost`` (the host copy of the kernel's ``_by_cost``, which ``snake_section``
+    models the kernel with): every tile number maps to a distinct (query block, head) pair, for
+    every section, a last section smaller than the others included; a section of 1 is the plain
+    causal order (one head after the other, heaviest block first) and a section of all heads the
+    snake's one-section order (all heads' heaviest blocks first)."""
+    from triflash.kernels import forward_hopper
+
+    for m_blocks in (1, 2, 5):
+        for num_bh in (1, 3, 8, 12):
+            t = torch.arange(m_blocks * num_bh)
+            for section in range(1, num_bh + 1):
+                m, bh = forward_hopper.by_cost(t, m_blocks, num_bh, section)
+                assert sorted(zip(m.tolist(), bh.tolist())) == [(i, j) for i in range(m_blocks)
+                                                                for j in range(num_bh)]
+                # Within a section, the query blocks never grow (the heaviest first).
+                sec = bh // section
+                for s in sec.unique():
+                    ms = m[sec == s]
+                    assert torch.all(ms[1:] <= ms[:-1])
+            m, bh = forward_hopper.by_cost(t, m_blocks, num_bh, 1)
+            assert torch.equal(m, m_blocks - 1 - t % m_blocks) and torch.equal(bh, t // m_blocks)
+            m, bh = forward_hopper.by_cost(t, m_blocks, num_bh, num_bh)
+            assert torch.equal(m, m_blocks - 1 - t // num_bh) and torch.equal(bh, t % num_bh)
 
 
 def test_hopper_order_argument_is_checked():
-    """forward_hopper's ``order`` is checked before anything else, empty inputs included, and the
-    error names the argument, the choices and what was given."""
+    """forward_hopper's ``order`` and ``section`` are checked before anything else, empty inputs
+    included, and the errors name the argument, the choices or what is expected, and what was
+    given."""
     from triflash.kernels import forward_hopper
 
     q = torch.randn(1, 64, 1, 64, dtype=torch.float16)
@@ -289,20 +324,6 @@ def test_hopper_order_argument_is_checked():
             with pytest.raises(ValueError, match=r"section must be a positive int or None; got section="):
                 forward_hopper.forward_hopper(*args, 0.1, True, variant="pp_persist", order="snake",
                                               section=bad)
-
-
-def test_hopper_l2_section():
-    """``forward_hopper.l2_section``: the (batch, head) pairs whose K and V fit the byte budget, a power
-    of two, at least one; query heads of one GQA group share their K/V."""
-    from triflash.kernels import forward_hopper
-
-    mib = 2**20
-    # One head's K and V at 4096 keys, head_dim 64, fp16: 1 MiB.
-    assert forward_hopper.l2_section(4096, 64, 1, 2, 32 * mib) == 32
-    assert forward_hopper.l2_section(4096, 64, 1, 2, 48 * mib) == 32        # rounded down
-    assert forward_hopper.l2_section(4096, 64, 4, 2, 32 * mib) == 128       # 4 query heads per K/V
-    assert forward_hopper.l2_section(16384, 128, 1, 2, 4 * mib) == 1        # one head is 8 MiB
-    assert forward_hopper.l2_section(1, 64, 1, 2, 0) == 1
 
 
 def test_hopper_variant_chooser(monkeypatch):

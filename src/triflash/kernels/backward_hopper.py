@@ -138,8 +138,8 @@ VARIANTS = {
     "dkdv": {64: dict(_DKDV, block_m=128, dq_kernel="triton"),
              128: dict(_DKDV, block_m=64, dq_kernel="gluon", dq_block_n=64, dq_stages=3)},
     # The same dK/dV kernel with dQ from the Gluon kernel in 128-key tiles and two stages: the pick
-    # at head_dim 64 from 8k keys, where that dQ kernel was +4% non-causal and +0-3% causal over
-    # the Triton one (runs 66 and 77), and level or 2-5% slower at 1k-4k.
+    # at head_dim 64 from 8k keys, where the backward was +1.6-4.3% non-causal and +0.2-3.4% causal
+    # with that dQ kernel (runs 66 and 77); at 1k it was 2-5% slower, at 4k level to +2%.
     "dkdv_long": {64: dict(_DKDV, block_m=128, dq_kernel="gluon", dq_block_n=128, dq_stages=2)},
     "split": {64: _SPLIT},                      # the fused form (not chosen since run 50)
     "x_split_unordered": {64: dict(_SPLIT, writer_mode=1)},

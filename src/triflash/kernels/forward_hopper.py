@@ -825,7 +825,7 @@ def _descriptor(t: torch.Tensor, rows: int, cols: int) -> GluonTensorDescriptor:
 
 ORDERS = {"plain": PLAIN.value, "paired": PAIRED.value, "snake": SNAKE.value}
 # snake_section's model of the cost of reading K/V with little reuse: when the grid's CTAs run the
-# tiles of h heads at once (about grid / h CTAs on each head's K/V), the time grows by about
+# tiles of h heads' K/V at once (about grid / h CTAs on each), the time grows by about
 # SECTION_REUSE * h / grid (fitted on run 74: 4 CTAs per head ~7% slower than 33, 16 ~1%).
 SECTION_REUSE = 0.3
 
@@ -836,18 +836,29 @@ def tile_order(causal: bool, persistent: bool, block_m: int) -> str:
     there 'paired' for 128-row tiles and 'snake' for taller ones (with ``snake_section``'s sections).
 
     Measured (runs 61 and 74, causal, every order forced; performance.md has the tables): with
-    128-row tiles snake was 5-17% slower than paired at every shape but one (level at B16 H32 S1k),
-    in one section or in sections of 16-32 heads. With 192-row tiles, snake in the sections
-    ``snake_section`` picks was level with paired or ahead at every measured shape (+22-23% at
-    B8-16 H16 S2k), and paired spills 44-184 bytes causal where snake spills 0-32."""
+    128-row tiles snake was 5-17% slower than paired in one section at every shape but one (level
+    at B16 H32 S1k), and 3-35% slower in sections of 8-128 heads but one (+3% at B16 H32 S1k, where
+    the forward takes the Triton kernel). With 192-row tiles, snake in the sections ``snake_section``
+    picks was level with paired or ahead at every timed shape (+22-23% at B8-16 H16 S2k), and paired
+    spills 44-184 bytes causal where snake spills 0-32."""
     if not (causal and persistent):
         return "plain"
     return "paired" if block_m < 192 else "snake"
 
 
+def by_cost(tile: torch.Tensor, num_m_blocks: int, num_bh: int, section: int):
+    """``_by_cost`` on the host (the kernel's is Gluon): tile numbers -> (query block, (batch, head)
+    index). ``snake_section`` models the kernel's order with it; a CPU test checks it is a
+    bijection and that sections of 1 and of all heads are the plain causal and the old snake order."""
+    first = (tile // (section * num_m_blocks)) * section
+    size = (num_bh - first).clamp(min=1, max=section)
+    r = tile - first * num_m_blocks
+    return num_m_blocks - 1 - r // size, first + r % size
+
+
 @functools.lru_cache(maxsize=256)
 def snake_section(num_bh: int, num_m_blocks: int, block_m: int, block_n: int, seqlen_q: int,
-                  seqlen_k: int, grid: int) -> int:
+                  seqlen_k: int, grid: int, kv_group: int = 1) -> int:
     """The snake order's section (``_by_cost``): how many (batch, head) pairs' tiles are sorted and
     dealt together. One section of all heads balances the CTAs' work best, but runs the heaviest
     tiles of up to ``grid`` heads at once, each read by one or two CTAs, where a smaller section
@@ -855,8 +866,11 @@ def snake_section(num_bh: int, num_m_blocks: int, block_m: int, block_n: int, se
     64, 355.7 TFLOP/s in one section of 128 heads, 408.0 in sections of 8). So each power of two up
     to num_bh (and num_bh) is scored by its busiest CTA's work over the mean (the tiles dealt as
     the kernel deals them; a tile's work is its key blocks plus one) times 1 + SECTION_REUSE * h /
-    grid, where h, the heads whose tiles run at once, is the section or, when a section has fewer
-    tiles than the grid, grid / num_m_blocks. The lowest score wins (the smaller section on a tie)."""
+    grid, where h counts the K/V heads whose tiles run at once: the section's heads (at most
+    grid) or, when a section has fewer tiles than the grid, grid / num_m_blocks, divided by ``kv_group``
+    (the query heads of a GQA group read one K/V; the fit is on groups of 1, GQA picks are
+    untimed). The lowest score wins, the larger section on a tie (a tie means the same balance
+    and about the same heads at once; run 74 timed the larger ones)."""
     cpu = torch.device("cpu")                        # host arithmetic whatever the default device
     m = torch.arange(num_m_blocks, device=cpu)
     hi = ((m + 1) * block_m + seqlen_k - seqlen_q).clamp(0, seqlen_k)
@@ -865,24 +879,18 @@ def snake_section(num_bh: int, num_m_blocks: int, block_m: int, block_n: int, se
     rounds = -(-t.numel() // grid)
     best, best_score = num_bh, None
     for section in sorted({1 << i for i in range(num_bh.bit_length())} | {num_bh}):
-        first = (t // (section * num_m_blocks)) * section             # _by_cost, on the host
-        size = (num_bh - first).clamp(max=section)
-        work = cost[num_m_blocks - 1 - (t - first * num_m_blocks) // size]
-        w = torch.cat([work, work.new_zeros(rounds * grid - work.numel())]).view(rounds, grid)
+        heads = max(min(section, grid), grid / num_m_blocks) / kv_group   # K/V heads read at once
+        reuse = 1 + SECTION_REUSE * heads / grid
+        if best_score is not None and reuse > best_score:
+            break              # balance >= 1 and reuse grows with the section: no later one wins
+        w = cost[by_cost(t, num_m_blocks, num_bh, section)[0]]
+        w = torch.cat([w, w.new_zeros(rounds * grid - w.numel())]).view(rounds, grid)
         w[1::2] = w[1::2].flip(1)                                    # odd rounds in reverse
         load = w.sum(0)
-        heads = max(min(section, num_bh), grid / num_m_blocks)       # heads whose tiles run at once
-        score = float(load.max()) / float(load.float().mean()) * (1 + SECTION_REUSE * heads / grid)
-        if best_score is None or score < best_score:
+        score = float(load.max()) / float(load.float().mean()) * reuse
+        if best_score is None or score <= best_score:
             best, best_score = section, score
     return best
-
-
-def l2_section(seqlen_k: int, head_dim: int, kv_group: int, itemsize: int, budget: int) -> int:
-    """(batch, query head) pairs whose K and V fit in ``budget`` bytes (the query heads of one GQA
-    group share theirs), rounded down to a power of two, at least 1: a section of ``_by_cost``."""
-    per_head = max(1, (2 * seqlen_k * head_dim * itemsize) // max(1, kv_group))
-    return 1 << (max(1, int(budget) // per_head).bit_length() - 1)
 
 
 def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor | None = None) -> bool:
@@ -912,8 +920,9 @@ def forward_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: 
     preallocated strided view. ``variant``: a key of VARIANTS (the forward takes the one
     ``configs.hopper_forward_variant`` picks). ``order``: the tile order, a key of ORDERS (any of them
     gives the same result; they differ in how evenly the persistent CTAs share the causal work);
-    None lets ``tile_order`` pick. ``section``: causal plain and snake orders, (batch, head) pairs per
-    section of ``_by_cost``; None: 1 for plain, ``snake_section``'s pick for snake."""
+    None lets ``tile_order`` pick. ``section``: (batch, head) pairs per section of ``_by_cost`` for
+    the causal plain and snake orders (the paired order and non-causal launches do not use it);
+    None: 1 for plain, ``snake_section``'s pick for snake."""
     if order is not None and (not isinstance(order, str) or order not in ORDERS):
         raise ValueError(f"order must be one of {sorted(ORDERS)} or None; got order={order!r}")
     if section is not None and (not isinstance(section, int) or isinstance(section, bool) or section < 1):
@@ -949,7 +958,7 @@ def forward_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: 
         section = 1
         if order == "snake":
             section = snake_section(batch * heads_q, num_m_blocks, cfg["block_m"], cfg["block_n"],
-                                    seqlen_q, seqlen_k, grid)
+                                    seqlen_q, seqlen_k, grid, heads_q // heads_k)
     section = min(section, batch * heads_q)
     _attn_fwd_hopper_kernel[(grid,)](
         q_desc, k_desc, v_desc, o_desc, lse,
