@@ -387,7 +387,7 @@ def test_hopper_backward_partial_gradients(device, monkeypatch, variant, head_di
 def test_hopper_backward_chooser(monkeypatch):
     """configs.hopper_backward_variant: None off sm_90 (here: a CPU device); with the sm_90 check
     stubbed to pass, the dK/dV-only Gluon kernel at head_dim 64 and 128 at every length, with dQ
-    from the Gluon dQ kernel at 128 and, at 64, from 8k keys (``dkdv_long``); its picks are exactly
+    from the Gluon dQ kernel at 128 and, at 64, from 4k keys (``dkdv_long``); its picks are exactly
     the candidates the GPU tests force."""
     from triflash.kernels import backward_hopper, configs
 
@@ -397,10 +397,10 @@ def test_hopper_backward_chooser(monkeypatch):
     monkeypatch.setattr(configs, "gluon_hopper_applies",
                         lambda *, head_dim, dtype, device: head_dim in (64, 128))
     for d in (64, 128):
-        for sq, sk in ((4096, 4096), (1024, 1024), (1, 16384), (16384, 77), (8191, 8191), (8192, 8192),
-                       (100, 8192)):
+        for sq, sk in ((4096, 4096), (1024, 1024), (1, 16384), (16384, 77), (4095, 4095), (8192, 8192),
+                       (100, 4096)):
             for causal in (False, True):
-                want = "dkdv_long" if d == 64 and sk >= 8192 else "dkdv"
+                want = "dkdv_long" if d == 64 and sk >= 4096 else "dkdv"
                 assert pick(head_dim=d, causal=causal, seqlen_q=sq, seqlen_k=sk, **kw) == want
     assert pick(head_dim=80, causal=False, seqlen_q=16384, seqlen_k=16384, **kw) is None
     assert not backward_hopper.computes_dq("dkdv") and backward_hopper.computes_dq("split")

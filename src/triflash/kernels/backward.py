@@ -24,7 +24,7 @@ runs on a Gluon kernel instead (backward_hopper.py, its dK/dV-only form): the sa
 Hopper's warpgroup MMAs with a TMA-fed Q/dO ring (run 50: the backward 9-20% faster at head_dim 128,
 and at 64 9-10% faster than these kernels at 1k keys and 9-20% faster than the fused Gluon kernel
 taken there before). At head_dim 128 step 3 runs on backward_hopper.py's Gluon dQ kernel too
-(another 1-12%, run 52), and at 64 from 8k keys (variant ``dkdv_long``: 1-4%, runs 66 and 77);
+(another 1-12%, run 52), and at 64 from 4k keys (variant ``dkdv_long``: 0-4%, runs 66-79);
 at 64 below that it stays this file's dQ kernel. LSE2/Delta rows are then padded to
 whole 128-row tiles, and both Triton kernels read them with that row stride (``stats_rows``).
 """

@@ -15,8 +15,8 @@ registers. It walks the query blocks that see those keys and, per block, does
 * **dK and dV only** (``dq=False``, variants ``dkdv`` and ``dkdv_long``: what
   ``configs.hopper_backward_variant`` takes). dQ then comes from a kernel that keeps a query block
   and recomputes S and dP: at head_dim 128 this file's Gluon dQ kernel (``_attn_bwd_dq_hopper_kernel``,
-  below), at 64 the portable Triton one (backward.py), or from 8k keys (``dkdv_long``) the Gluon one
-  in 128-key tiles, each where it was faster (runs 52, 66 and 77). That is 7 tile products per (query block,
+  below), at 64 the portable Triton one (backward.py), or from 4k keys (``dkdv_long``) the Gluon one
+  in 128-key tiles, each where it was faster (runs 52, 66, 77 and 79). That is 7 tile products per (query block,
   key block) pair, as in the portable backward, but on wgmma. Without a writer partition the two
   consumer warpgroups get 240 registers a thread: enough for head_dim 128's dK and dV (128) beside
   S^T and dP^T, and at head_dim 64 for 128 queries per step. At head_dim 128 the dK/dV part ran at
@@ -138,8 +138,9 @@ VARIANTS = {
     "dkdv": {64: dict(_DKDV, block_m=128, dq_kernel="triton"),
              128: dict(_DKDV, block_m=64, dq_kernel="gluon", dq_block_n=64, dq_stages=3)},
     # The same dK/dV kernel with dQ from the Gluon kernel in 128-key tiles and two stages: the pick
-    # at head_dim 64 from 8k keys, where the backward was +1.6-4.3% non-causal and +0.2-3.4% causal
-    # with that dQ kernel (runs 66 and 77); at 1k it was 2-5% slower, at 4k level to +2%.
+    # at head_dim 64 from 4k keys, where the backward was +1.6-4.3% non-causal and +0.2-3.4% causal
+    # with that dQ kernel from 8k (runs 66 and 77) and -1.2% to +4.1% at 4k (runs 66, 77 and 79, 0 to
+    # +4.1% in the last two); at 1k it was 2-5% slower (run 66).
     "dkdv_long": {64: dict(_DKDV, block_m=128, dq_kernel="gluon", dq_block_n=128, dq_stages=2)},
     "split": {64: _SPLIT},                      # the fused form (not chosen since run 50)
     "x_split_unordered": {64: dict(_SPLIT, writer_mode=1)},

@@ -76,7 +76,7 @@ INTERPRETER_BWD = (BwdConfig(32, 64, 1, 1), BwdConfig(64, 32, 1, 1))
 # The Gluon backward's variants the backward chooses from (backward_hopper.VARIANTS), per head dim.
 HOPPER_BACKWARD_VARIANTS = {64: ("dkdv", "dkdv_long"), 128: ("dkdv",)}
 # The backward at head_dim 64 takes dQ from the Gluon dQ kernel (``dkdv_long``) from this many keys.
-GLUON_DQ_MIN_KEYS_D64 = 8192
+GLUON_DQ_MIN_KEYS_D64 = 4096
 
 
 def hopper_backward_candidates(head_dim: int) -> tuple[str, ...]:
@@ -99,7 +99,9 @@ def hopper_backward_variant(*, head_dim: int, dtype, device, causal: bool, seqle
     At head_dim 64 from GLUON_DQ_MIN_KEYS_D64 keys, ``dkdv_long`` (dQ on the Gluon kernel too, in
     128-key tiles). Run 66, Triton dQ -> Gluon dQ: 2,16,8192,64 380.5 -> 395.2 (causal 359.2 ->
     360.0), 1,16,16384,64 385.5 -> 401.9 (371.0 -> 381.0); at 4k level (379.9 -> 381.7, causal
-    332.5 -> 328.5) and at 1k 2-5% slower."""
+    332.5 -> 328.5) and at 1k 2-5% slower. Runs 77 and 79 had it ahead at 4k too: 4,16,4096,64
+    381.9 -> 392.6 (causal 331.6 -> 338.5), 4,32,4096,64 382.2 -> 391.2 (342.7 -> 346.9),
+    2,16,4096,64 374.4 -> 389.7 (322.5 -> 322.5), 9 rounds; so the rule starts at 4k (2k untimed)."""
     if not gluon_hopper_applies(head_dim=head_dim, dtype=dtype, device=device):
         return None
     if head_dim == 64 and seqlen_k >= GLUON_DQ_MIN_KEYS_D64:
