@@ -14,13 +14,14 @@ registers. It walks the query blocks that see those keys and, per block, does
 
 * **dK and dV only** (``dq=False``, variants ``dkdv`` and ``dkdv_long``: what
   ``configs.hopper_backward_variant`` takes). dQ then comes from a kernel that keeps a query block
-  and recomputes S and dP: at head_dim 128 this file's Gluon dQ kernel (``_attn_bwd_dq_hopper_kernel``,
-  below), at 64 the portable Triton one (backward.py), or from 4k keys (``dkdv_long``) the Gluon one
-  in 128-key tiles, each where it was faster (runs 52, 66, 77 and 79). That is 7 tile products per (query block,
-  key block) pair, as in the portable backward, but on wgmma. Without a writer partition the two
-  consumer warpgroups get 240 registers a thread: enough for head_dim 128's dK and dV (128) beside
-  S^T and dP^T, and at head_dim 64 for 128 queries per step. At head_dim 128 the dK/dV part ran at
-  about 590 TFLOP/s where the Triton dK/dV kernel ran at about 425 (run 50).
+  and recomputes S and dP: at head_dim 128 this file's Gluon dQ kernel
+  (``_attn_bwd_dq_hopper_kernel``, below), at 64 the portable Triton one (backward.py), or from 4k
+  keys (``dkdv_long``) the Gluon one in 128-key tiles, each where it was faster (runs 52, 66, 77 and
+  79). That is 7 tile products per (query block, key block) pair, as in the portable backward, but
+  on wgmma. Without a writer partition the two consumer warpgroups get 240 registers a thread:
+  enough for head_dim 128's dK and dV (128) beside S^T and dP^T, and at head_dim 64 for 128 queries
+  per step. At head_dim 128 the dK/dV part ran at about 590 TFLOP/s where the Triton dK/dV kernel
+  ran at about 425 (run 50).
 * **Fused** (``dq=True``, variant ``split``): all three gradients in one pass, 5 tile products per
   pair, FlashAttention-3's count. The catch is dQ: every key block adds a partial into the same dQ
   rows, and the backward may not use atomics. The sections below describe how the partials are added

@@ -199,8 +199,9 @@ def hopper_forward_variant(*, head_dim: int, dtype, device, causal: bool, seqlen
       (``forward_hopper``, point 3), persistent (``pp3_persist*``), for non-causal from 1k queries
       and for causal from 8k keys (fp16: from 4k keys), in ``forward_hopper.tile_order``'s snake
       order, sectioned by ``snake_section`` (+10% over ``pp_persist`` at B2 H16 S8k, run 61; in
-      run 74, fp16 at 4k keys +2-5% at B4-8 H16-32 and level at B2 H16, bf16 at 4k level, and at
-      B1 H32 S16k the sections +3% fp16 and +7% bf16 over one section); below that ``pp_persist``.
+      run 74, fp16 at 4k keys +2-5% over ``pp_persist`` at B4-8 H16-32 and level at B2 H16, bf16 at
+      4k level, and at B1 H32 S16k the sections level with the paired order taken there before);
+      below that ``pp_persist``.
       fp16 takes the LTC forms (row sums on the tensor cores, ``*_ltc``: +5-10% in the one-loop
       schedule, run 24; in the split one 0.5-3% non-causal and level causal, runs
       57-58); bf16 keeps fp32 row sums (the sums of a bf16 P moved the LSE by up to 1.6e-3, and

@@ -306,24 +306,37 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         l_dtype = torch.float64 if q.dtype == torch.float32 else torch.float32
         l_part = torch.empty((splits, batch, heads_q, seqlen_q), dtype=l_dtype, device=q.device)
 
-    paged = block_table is not None
     if config.kernel == "gluon":
         from . import decode_hopper       # imported here: Gluon is only needed on this path
         if not (gluon_ok or decode_hopper.supported(q, k_cache, v_cache, block_table)):
             raise ValueError("DecodeConfig(kernel='gluon') takes fp16/bf16 inputs on an sm_90 GPU, head_dim "
-                             "64 or 128, TMA-compatible caches and (paged) a power-of-two page size of at least "
-                             f"{decode_hopper.MIN_BOX}; got q {q.dtype} {tuple(q.shape)} on {q.device}, "
+                             "64 or 128, TMA-compatible caches and (paged) a power-of-two page size of at "
+                             f"least {decode_hopper.MIN_BOX}; got q {q.dtype} {tuple(q.shape)} on {q.device}, "
                              f"k_cache {tuple(k_cache.shape)} strides {k_cache.stride()}")
         decode_hopper.decode_hopper(q, k_cache, v_cache, o_part, l_part, cache_seqlens, block_table,
                                     seqlen_new, sm_scale, causal, block_n=config.block_n,
                                     stages=config.num_stages, num_splits=splits)
-        if splits > 1:
-            _merge_launch(o_part, l_part, out=out, lse=lse)
-        return out, lse
+    else:
+        _launch_triton(q, k_cache, v_cache, o_part, l_part, cache_seqlens, block_table, seqlen_new,
+                       sm_scale, causal, config, num_m_blocks)
+    if splits > 1:
+        _merge_launch(o_part, l_part, out=out, lse=lse)
+    return out, lse
+
+
+def _launch_triton(q, k_cache, v_cache, o_part, l_part, cache_seqlens, block_table, seqlen_new,
+                   sm_scale, causal, config, num_m_blocks):
+    """The Triton decode kernel on ``decode``'s prepared partials (o_part / l_part: the final out
+    and lse with a leading axis when config.num_splits is 1)."""
+    batch, seqlen_q, heads_q, head_dim = q.shape
+    heads_kv = k_cache.shape[2]
+    group = heads_q // heads_kv
+    splits = config.num_splits
+    paged = block_table is not None
     has_seqlens = cache_seqlens is not None
     # Unused pointer arguments get a valid tensor of the right kind (never dereferenced).
-    seqlens_arg = cache_seqlens if has_seqlens else lse
-    table_arg = block_table if paged else lse
+    seqlens_arg = cache_seqlens if has_seqlens else l_part
+    table_arg = block_table if paged else l_part
     page_size = k_cache.shape[1] if paged else 1
     # Per-page block-table reads (see _key_offsets) when whole pages tile a key block and every
     # K/V offset is a multiple of 8 elements (the kernel asserts that alignment to the compiler).
@@ -353,6 +366,3 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         NUM_STAGES=config.num_stages,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
-    if splits > 1:
-        _merge_launch(o_part, l_part, out=out, lse=lse)
-    return out, lse

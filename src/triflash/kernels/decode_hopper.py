@@ -31,11 +31,12 @@ lands in rows [p * BOX, (p + 1) * BOX) of the tile (BOX a multiple of 8 rows: th
 every 8 rows). S = sum over halves of Q_h K_h^T; O is two [64, 64] accumulators.
 
 The key ranges (split shares, the unmasked part [lo, mid) and the masked rest [mid, hi)) come from
-decode.py's ``_program_coords`` and ``_key_ranges``, which both kernels call. TMA copies whole boxes, so a masked block also brings keys past the end of the range:
-their scores are masked to -inf, and, because 0 * NaN is NaN on the tensor cores too, the consumer
-zeroes those rows of the V tile in shared memory before P V (a cache allocated with torch.empty may
-hold NaN there). Pages past the end of the sequence are never looked up in the block table: their
-boxes read page 0 (any valid page; every key of it is masked).
+decode.py's ``_program_coords`` and ``_key_ranges``, which both kernels call. TMA copies whole
+boxes, so a masked block also brings keys past the end of the range: their scores are masked to
+-inf, and, because 0 * NaN is NaN on the tensor cores too, the consumer zeroes those rows of the V
+tile in shared memory before P V (a cache allocated with torch.empty may hold NaN there). Pages past
+the end of the sequence are never looked up in the block table: their boxes read page 0 (any valid
+page; every key of it is masked).
 
 Supported: fp16/bf16, head_dim 64 or 128, TMA-compatible caches (``supported``), contiguous or paged
 with a power-of-two page size of at least 8. Everything else takes the Triton kernel.

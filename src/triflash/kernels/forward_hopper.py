@@ -830,7 +830,6 @@ ORDERS = {"plain": PLAIN.value, "paired": PAIRED.value, "snake": SNAKE.value}
 SECTION_REUSE = 0.3
 
 
-@functools.lru_cache(maxsize=256)
 def tile_order(causal: bool, persistent: bool, block_m: int) -> str:
     """The persistent loop's tile order (``_tile_coords``): 'plain' unless causal and persistent;
     there 'paired' for 128-row tiles and 'snake' for taller ones (with ``snake_section``'s sections).
