@@ -7,7 +7,8 @@ variant first, then timing beside triflash's current forward and SDPA's cuDNN ba
 
 A variant name may carry a tile order after '@' (forward_hopper.ORDERS: plain, paired, snake);
 without one the launcher's ``tile_order`` picks. An order may end in '/N' or '/l2:MB': its heads
-per section (``split_name``).
+per section (``split_name``). A variant name ending in '+noskip' is that variant with every
+consumer warpgroup walking all of its tile's key blocks (``skip=False``; ``register_variant``).
 
 (a) Correctness. Each variant is checked in its own child process (all in parallel, each with a
     time limit), so a variant that fails to compile, crashes or deadlocks is reported and the others go
@@ -82,6 +83,17 @@ def split_name(name):
     return variant, order or None
 
 
+def register_variant(FH, variant):
+    """Make 'NAME+noskip' a variant of forward_hopper: NAME with skip=False (every consumer
+    warpgroup computes on all of its tile's key blocks, the form before run 80). Other names are
+    left alone."""
+    base, plus, flag = variant.partition("+")
+    if plus and variant not in FH.VARIANTS:
+        if flag != "noskip":
+            raise SystemExit(f"unknown variant suffix in {variant!r}: only '+noskip'")
+        FH.VARIANTS[variant] = {d: dict(c, skip=False) for d, c in FH.VARIANTS[base].items()}
+
+
 def l2_section(seqlen_k, head_dim, kv_group, itemsize, budget):
     """(batch, query head) pairs whose K and V fit in ``budget`` bytes (the query heads of one GQA
     group share theirs), rounded down to a power of two, at least 1."""
@@ -136,6 +148,7 @@ def check_variant(variant, path):
         except Exception as e:  # noqa: BLE001
             put(f"FAIL import: {type(e).__name__}: {e}")
             return
+        register_variant(FH, split_name(variant)[0])
         n_pass = n_fail = 0
         for i, (label, dtname, d, causal, b, sq, sk, hq, hkv, tr) in enumerate(correctness_cases()):
             if not applicable(FH, variant, d, dtname):
@@ -248,6 +261,8 @@ def main():
                 json.dump(results, f, indent=1)
 
     variants = a.variants or list(FH.VARIANTS)
+    for v in variants:
+        register_variant(FH, split_name(v)[0])
     log(f"GPU: {torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}  "
         f"cuDNN {torch.backends.cudnn.version()}  python {sys.version.split()[0]}")
     for v in variants:

@@ -212,6 +212,46 @@ def test_hopper_split_loops_match_one_loop(device, monkeypatch, dtype, variant, 
 
 
 @pytest.mark.skipif(not HOPPER, reason="the Gluon Hopper kernel runs on sm_90 GPUs only")
+@pytest.mark.parametrize("dtype, variant", [
+    (torch.float16, "pp3_persist_ltc"), (torch.float16, "pp3_ltc"), (torch.float16, "pp3_persist"),
+    (torch.bfloat16, "pp3_persist"), (torch.bfloat16, "pp3")], ids=lambda x: DTYPE_ID.get(x, str(x)))
+def test_hopper_skipped_blocks_match_walking_all(device, monkeypatch, dtype, variant):
+    """Causal, 192-row tiles: a warpgroup computes only on the key blocks its own rows see
+    (``_blocks_seen``) and passes the rest of its tile's blocks on (``_pass_blocks``). The blocks
+    it skips are wholly masked for its rows (above its causal diagonal) or belong to rows past the
+    end of the queries, and folding a wholly masked block changes nothing (p = 0, alpha = 1
+    exactly), so out and LSE are equal bit for bit to the form where every warpgroup walks all of
+    the tile's blocks (skip=False). Persistent (snake order) and one-tile-per-CTA variants. Shapes:
+    a last tile whose lower warpgroups have no rows (1000 = 5 x 192 + 40; 40 rows, one tile),
+    upper warpgroups one and two blocks short of the tile (tiles starting at multiples of 128 and
+    at 64 past one), Sq < Sk, Sq > Sk (rows that see no key; at 1100 against 1000 the first tile's
+    first warpgroup sees none of the tile's one block), and more tiles than SMs, so a skipping
+    warpgroup's ring slots and turns carry over to the CTA's next tile. Every output starts as NaN
+    and stays referenced."""
+    from triflash.kernels import forward_hopper
+
+    head_dim = 64
+    cfg = forward_hopper.VARIANTS[variant][head_dim]
+    monkeypatch.setitem(forward_hopper.VARIANTS, "walk_all", {head_dim: dict(cfg, skip=False)})
+    assert forward_hopper.variant_config(variant, head_dim)["skip"]
+    assert not forward_hopper.variant_config("walk_all", head_dim)["skip"]
+    results = []
+    for batch, hq, hkv, seqlen_q, seqlen_k in ((2, 4, 2, 1000, 1000), (1, 4, 1, 1100, 1300),
+                                               (2, 4, 4, 1500, 900), (2, 4, 4, 1100, 1000),
+                                               (2, 16, 4, 2100, 2300), (1, 2, 2, 40, 40)):
+        q, k, v = make_qkv(batch, seqlen_q, seqlen_k, hq, hkv, head_dim, dtype, device)
+        pair = []
+        for name in (variant, "walk_all"):
+            out = torch.full_like(q, float("nan"))
+            pair.append(forward_hopper.forward_hopper(q, k, v, 0.1, True, out=out, variant=name))
+        results.append(pair)
+        (out, lse), (ref_out, ref_lse) = pair
+        assert torch.equal(out, ref_out), (batch, hq, seqlen_q, seqlen_k)
+        assert torch.equal(lse, ref_lse), (batch, hq, seqlen_q, seqlen_k)
+        assert_matches_reference(out, lse, q, k, v, causal=True, softmax_scale=0.1)
+
+
+@pytest.mark.skipif(not HOPPER, reason="the Gluon Hopper kernel runs on sm_90 GPUs only")
 @pytest.mark.parametrize("head_dim, variant", [(64, "pp_persist"), (128, "pp_persist"), (64, "pp3_persist"),
                                                (64, "pp3_persist_ltc"), (64, "pp3_ltc"), (128, "pp")])
 def test_hopper_tile_orders_match(device, head_dim, variant):
@@ -340,8 +380,8 @@ def test_hopper_variant_chooser(monkeypatch):
     assert pick(head_dim=128, causal=False, seqlen_q=16384, seqlen_k=16384, **kw) == "pp"
     assert pick(head_dim=128, causal=True, seqlen_q=16384, seqlen_k=16384, **kw) == "pp_persist"
     assert pick(head_dim=64, causal=True, seqlen_q=1024, seqlen_k=1024, **kw) is None
-    assert pick(head_dim=64, causal=True, seqlen_q=2048, seqlen_k=2048, **kw) == "pp_persist"
-    assert pick(head_dim=64, causal=True, seqlen_q=4095, seqlen_k=4095, **kw) == "pp_persist"
+    assert pick(head_dim=64, causal=True, seqlen_q=2047, seqlen_k=2047, **kw) is None
+    assert pick(head_dim=64, causal=True, seqlen_q=2048, seqlen_k=2048, **kw) == "pp3_persist_ltc"
     assert pick(head_dim=64, causal=True, seqlen_q=4096, seqlen_k=4096, **kw) == "pp3_persist_ltc"
     # fp16 at D=64: the row sums on the tensor cores; bf16 keeps fp32 row sums (its LSE).
     assert pick(head_dim=64, causal=False, seqlen_q=512, seqlen_k=512, **kw) == "pp_persist"
@@ -353,7 +393,8 @@ def test_hopper_variant_chooser(monkeypatch):
     assert pick(head_dim=64, causal=False, seqlen_q=512, seqlen_k=512, **bf16) == "pp_persist"
     assert pick(head_dim=64, causal=False, seqlen_q=4096, seqlen_k=4096, **bf16) == "pp3_persist"
     assert pick(head_dim=64, causal=False, seqlen_q=16384, seqlen_k=16384, **bf16) == "pp3_persist"
-    assert pick(head_dim=64, causal=True, seqlen_q=4096, seqlen_k=4096, **bf16) == "pp_persist"
+    assert pick(head_dim=64, causal=True, seqlen_q=2048, seqlen_k=2048, **bf16) == "pp3_persist"
+    assert pick(head_dim=64, causal=True, seqlen_q=4096, seqlen_k=4096, **bf16) == "pp3_persist"
     assert pick(head_dim=64, causal=True, seqlen_q=8192, seqlen_k=8192, **bf16) == "pp3_persist"
     assert pick(head_dim=64, causal=True, seqlen_q=16384, seqlen_k=16384, **bf16) == "pp3_persist"
     assert pick(head_dim=80, causal=False, seqlen_q=4096, seqlen_k=4096, **kw) is None

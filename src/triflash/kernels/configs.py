@@ -190,28 +190,28 @@ def hopper_forward_candidates(head_dim: int, dtype) -> tuple[str, ...]:
 def hopper_forward_variant(*, head_dim: int, dtype, device, causal: bool, seqlen_q: int,
                            seqlen_k: int) -> str | None:
     """The Gluon Hopper kernel variant the forward takes, or None for the Triton kernel. Measured on
-    the H200 (performance-notes.md, runs 16-18, 24 and 55-57):
+    the H200 (performance-notes.md, runs 16-18, 24, 55-57 and 80-81):
 
     * head_dim 128: persistent (``pp_persist``) everywhere (+9-15% at 1k, causal +5-9% at 4k)
       except non-causal from 8k keys, where the one-tile-per-CTA launch (``pp``) was level or up to
       4% faster;
     * head_dim 64: three consumer warpgroups (192 query rows per CTA) in the split-loop schedule
       (``forward_hopper``, point 3), persistent (``pp3_persist*``), for non-causal from 1k queries
-      and for causal from 8k keys (fp16: from 4k keys), in ``forward_hopper.tile_order``'s snake
-      order, sectioned by ``snake_section`` (+10% over ``pp_persist`` at B2 H16 S8k, run 61; in
-      run 74, fp16 at 4k keys +2-5% over ``pp_persist`` at B4-8 H16-32 and level at B2 H16, bf16 at
-      4k level, and at B1 H32 S16k the sections level with the paired order taken there before);
-      below that ``pp_persist``.
+      and for causal from 2k queries, causal in ``forward_hopper.tile_order``'s snake order,
+      sectioned by ``snake_section``, each warpgroup skipping the key blocks its rows do not see
+      (``forward_hopper``, point 7); below 1k queries (non-causal) ``pp_persist``.
       fp16 takes the LTC forms (row sums on the tensor cores, ``*_ltc``: +5-10% in the one-loop
       schedule, run 24; in the split one 0.5-3% non-causal and level causal, runs
       57-58); bf16 keeps fp32 row sums (the sums of a bf16 P moved the LSE by up to 1.6e-3, and
       forward_hopper refuses bf16 for LTC variants). In run 57 the bf16 split-loop forms were
       +12-13% over the bf16 picks before from 4k and +2% at 1k; at 512 queries the 192-row tiles
-      were 12% slower than ``pp_persist`` (run 25). Causal at 2k keys ``pp_persist`` (128-row
-      tiles, paired order) is level with the sectioned snake and ahead of every other 192-row form
-      (runs 61 and 74);
+      were 12% slower than ``pp_persist`` (run 25). Causal, run 81 (with the skipping): over
+      ``pp_persist`` (128-row tiles, paired order; taken causal below 4k keys for fp16 and below 8k
+      for bf16 before) +8% at 2k fp16 (365.5 against 338.9 at B8 H16), +1% bf16, +14-15% at 3k,
+      and +8% bf16 at 4k (419.6 against 389.8);
     * head_dim 64, causal below 2k queries: the Triton kernel, 15-20% faster than the Gluon variants
-      there (315 against 258 TFLOP/s at 1k in run 16; 304 against 264-285 in run 24).
+      there (315 against 258 TFLOP/s at 1k in run 16; 304 against 264-285 in run 24), and still 8%
+      with the skipping (308.2 against 283.5 at B16 H32 S1k, run 81).
     """
     import torch
 
@@ -224,7 +224,7 @@ def hopper_forward_variant(*, head_dim: int, dtype, device, causal: bool, seqlen
     ltc = "_ltc" if dtype == torch.float16 else ""
     if not causal:
         return f"pp3_persist{ltc}" if seqlen_q >= 1024 else "pp_persist"
-    return f"pp3_persist{ltc}" if seqlen_k >= (4096 if ltc else 8192) else "pp_persist"
+    return f"pp3_persist{ltc}"
 
 
 def sm_count(device) -> int:

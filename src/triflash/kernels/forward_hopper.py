@@ -31,7 +31,8 @@ fastest kernels (FlashAttention-3) schedule by hand:
    consumer release).
 
    The producer and the consumers walk exactly the same key blocks [0, n_blocks) of each tile, so
-   every wait has its matching arrive; with n_blocks = 0 (query rows above the causal diagonal of a
+   every wait has its matching arrive (a consumer that skips a block it does not see still waits for
+   it and releases it, point 7); with n_blocks = 0 (query rows above the causal diagonal of a
    shorter key sequence) no K/V barrier is touched at all.
 
 3. *Intra-warpgroup overlap* (OVERLAP): a consumer issues the wgmma of S_j = Q K_j^T and of
@@ -89,6 +90,19 @@ fastest kernels (FlashAttention-3) schedule by hand:
    with P's rounding: at most 2^-11 relative in l for fp16 (measured up to 1.5e-4), 2^-8 for bf16
    (measured up to 1.6e-3), so LTC variants take fp16 inputs only (``forward_hopper`` refuses bf16).
 
+7. *Blocks a warpgroup does not see* (SKIP; causal launches of the 192-row variants). A tile's key
+   blocks reach the causal diagonal of its last row, but its upper warpgroups' rows end 64 or 128
+   rows earlier: with 128-key blocks the first warpgroup sees one block fewer, and half the time
+   the second does too; in the last tile of a head, warpgroups whose rows are all past the end of
+   the queries see none. Such a block is wholly masked for the warpgroup (p = 0, alpha = 1), so
+   computing it changes no bit of the result. With SKIP the warpgroup computes on its own blocks
+   (``_blocks_seen``) and for the rest only releases the ring slots and hands on its ping-pong
+   turns (``_pass_blocks``), which leaves the tensor cores and the issue slots to the warpgroups
+   that need them. Measured (run 80, D=64): +2.6-3.6% at B4 H16 S4k, +1.0-2.3% at B4 H32 S4k,
+   +0.4-0.5% at B1 H32 S16k, +8-9% at B16 H32 S1k. Tiles of 128 rows and 128-key blocks have no
+   such blocks, and the check alone cost them 0.6-3.3% (run 81, D=128), so they are compiled
+   without it, as are non-causal launches (level within noise, run 80).
+
 Numerics are those of forward.py: fp32 online-softmax state (m in raw score units, l, O), base-2
 exponentials with qk_scale = sm_scale * log2(e) folded into one FMA with the row max, masked scores
 set to -inf, rows that see no key give out = 0 and lse = -inf, LSE = m * sm_scale + ln(l) (natural
@@ -127,7 +141,9 @@ from .forward import tma_compatible
 #   pingpong: the num_wg warpgroups take turns issuing their wgmmas (round robin);
 #   consumer_warps: warps of a single consumer partition (num_wg = 1 only; 4: 64 rows, 8: 128 rows);
 #   persistent: one CTA per SM, looping over the (query block, batch, head) tiles;
-#   maxnreg: per-thread register limit of the launch (the consumers get what the producer gives up).
+#   maxnreg: per-thread register limit of the launch (the consumers get what the producer gives up);
+#   skip: causal launches skip, per warpgroup, the tile's key blocks its rows do not see (point 7;
+#   default: on where the tile is taller than a key block, in the OVERLAP schedule).
 
 # Shared memory per CTA (fp16/bf16): Q and O tiles num_wg * 64*D*2 each, plus stages * 2 * BN*D*2.
 #   D=128, BN=128, 2 warpgroups: 32 + 32 KiB + stages * 64 KiB -> 2 stages = 192 KiB;
@@ -184,6 +200,10 @@ def variant_config(variant: str, head_dim: int) -> dict:
     warps = 4 if num_wg > 1 else cfg["consumer_warps"]
     cfg["rows"] = 16 * warps                              # query rows of one consumer partition
     cfg["block_m"] = cfg["rows"] * num_wg
+    # Causal launches: a consumer warpgroup skips the tile's key blocks its rows do not see (point 7).
+    # Only taller tiles than key blocks have such blocks on the diagonal; at 128 rows of 128 keys
+    # the check alone cost 1-3% (run 81), so those variants leave it out.
+    cfg.setdefault("skip", bool(cfg["overlap"]) and cfg["block_m"] > cfg["block_n"])
     cfg["num_warps"] = warps                              # the default partition's warps
     # Warps of the launch, counted in whole warpgroups (registers are reallocated per warpgroup):
     # consumers + the producer's warpgroup. maxnreg * threads must fit the register file.
@@ -505,20 +525,67 @@ def _overlap_step(j, c, t, p, acc, l_acc, m_i, l_i, q_tile, k_smem, v_smem,
 
 
 @gluon.jit
+def _blocks_seen(row0, ROWS: gl.constexpr, seqlen_q, seqlen_k, causal_offset, n_blocks,
+                 BLOCK_N: gl.constexpr, IS_CAUSAL: gl.constexpr):
+    """How many of the tile's key blocks [0, n_blocks) a warpgroup's query rows [row0, row0 + ROWS)
+    see: up to its last row's causal diagonal (bottom-right aligned), and none when all of its rows
+    are past the end of the queries (the last tile's lower warpgroups). The tile's n_blocks reach
+    the diagonal of the tile's last row, so with 192-row tiles of 128-key blocks the upper
+    warpgroups of a causal tile see one block fewer, half the time two of them."""
+    row_end = gl.minimum(row0 + ROWS, seqlen_q)
+    n = n_blocks
+    if IS_CAUSAL:
+        n = gl.minimum(gl.cdiv(gl.minimum(gl.maximum(row_end + causal_offset, 0), seqlen_k), BLOCK_N), n_blocks)
+    if row_end <= row0:
+        n = 0
+    return n
+
+
+@gluon.jit
+def _pass_blocks(kv, turn, n_mine, n_blocks, k_ready, k_empty, v_ready, v_empty, sched,
+                 WG: gl.constexpr, NUM_WG: gl.constexpr, PINGPONG: gl.constexpr, SYNC: gl.constexpr,
+                 STAGES: gl.constexpr):
+    """A warpgroup's part in its tile's key blocks [n_mine, n_blocks), which none of its rows see
+    (``_blocks_seen``); ``kv`` and ``turn`` are the K/V tile count and the ping-pong turn at the
+    start of the tile. Every ring slot still needs this warpgroup's release, and the ping-pong token
+    still goes round every warpgroup, so it releases each block once it has landed (never before:
+    an early arrive could count towards the slot's previous use) and hands on the turns its steps
+    would have taken in the OVERLAP schedule: the tile's step 0 at ``turn`` (when it had no step of
+    its own) and block b's P V at ``turn + b + 1``. It waits for nothing a computing warpgroup would
+    not wait for by the same turn, so no wait can close a cycle."""
+    if n_blocks > 0:
+        if n_mine == 0:
+            _turn_begin(sched, turn, WG, PINGPONG)
+            _turn_end(sched, WG, NUM_WG, PINGPONG)
+    for b in range(n_mine, n_blocks):
+        c = kv + b
+        st = c % STAGES
+        ph = (c // STAGES) & 1
+        mbarrier.wait(k_ready.index(st), ph)
+        _release(k_empty.index(st), SYNC)
+        mbarrier.wait(v_ready.index(st), ph)
+        _release(v_empty.index(st), SYNC)
+        _turn_begin(sched, turn + b + 1, WG, PINGPONG)
+        _turn_end(sched, WG, NUM_WG, PINGPONG)
+
+
+@gluon.jit
 def _consumer(q_desc, o_desc, LSE, q_smem, o_smem, k_smem, v_smem,
               q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, sched,
               num_items, section, num_m_blocks, num_heads_q, kv_group_size, seqlen_q, seqlen_k, sm_scale,
               qk_scale, WG: gl.constexpr, NUM_WG: gl.constexpr, ROWS: gl.constexpr, WARPS: gl.constexpr,
               BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr,
               OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, ORDER: gl.constexpr,
-              LTC: gl.constexpr, ones_smem):
+              LTC: gl.constexpr, SKIP: gl.constexpr, ones_smem):
     """One consumer partition: for each of the CTA's tiles, ROWS query rows (from start_m + WG * ROWS)
-    against key blocks [0, n_blocks); writes O and the LSE of its rows. ``kv`` (the K/V tile count,
+    against key blocks [0, n_blocks) (SKIP: computes on the first n_mine of them, the ones its rows
+    see, and only passes the rest on); writes O and the LSE of its rows. ``kv`` (the K/V tile count,
     as in the producer) gives ring slots and phases; ``turn`` counts ping-pong turns; ``n_done``
     counts tiles (the query barrier's phase). LTC: the row sums come from P @ ones (``ones_smem``)."""
     dtype: gl.constexpr = q_desc.dtype
     SYNC: gl.constexpr = WARPS > 4
     gl.static_assert(OVERLAP > 0 or not LTC, "LTC (row sums on the tensor cores) needs the OVERLAP schedule")
+    gl.static_assert(OVERLAP > 0 or not SKIP, "SKIP passes turns in the OVERLAP schedule's order")
     # wgmma accumulator layouts: S [ROWS, BN] and O [ROWS, D]; warps stacked along the rows, so every
     # row lives in one warp (a quad of threads): row reductions need no shared memory.
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
@@ -552,10 +619,16 @@ def _consumer(q_desc, o_desc, LSE, q_smem, o_smem, k_smem, v_smem,
                 # Key blocks [0, n_full) are seen in full by every row of this warpgroup: no mask.
                 n_full, col_limit = _row_limits(row0, rows, causal_offset, seqlen_k, ROWS, BLOCK_N, IS_CAUSAL,
                                                 row_layout)
+                # Key blocks [0, n_mine) hold every key this warpgroup's rows see (SKIP; else all of
+                # the tile's n_blocks, which reach the causal diagonal of the tile's last row).
+                n_mine = n_blocks
+                if SKIP:
+                    n_mine = _blocks_seen(row0, ROWS, seqlen_q, seqlen_k, causal_offset, n_blocks, BLOCK_N,
+                                          IS_CAUSAL)
 
                 mbarrier.wait(q_bar, n_done & 1)   # always: the query's TMA must land before the tile is done
 
-                if n_blocks > 0:
+                if n_mine > 0:
                     s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
                     acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout)
                     m_i = gl.full([ROWS], float("-inf"), gl.float32, row_layout)
@@ -580,18 +653,18 @@ def _consumer(q_desc, o_desc, LSE, q_smem, o_smem, k_smem, v_smem,
                         p = gl.convert_layout(p.to(dtype), p_layout)
                         # -- steps 1 .. n-1: issue S_j and P_{j-1} V_{j-1}; softmax S_j under PV --
                         if OVERLAP >= 2:
-                            # Two loops, unmasked steps [1, n_lo) then masked ones [n_lo, n_blocks):
+                            # Two loops, unmasked steps [1, n_lo) then masked ones [n_lo, n_mine):
                             # no branch inside a step (static_range unrolls the pair).
-                            n_lo = gl.maximum(gl.minimum(n_full, n_blocks), 1)
+                            n_lo = gl.maximum(gl.minimum(n_full, n_mine), 1)
                             for masked in gl.static_range(2):
-                                for j in range(1 + (n_lo - 1) * masked, n_lo + (n_blocks - n_lo) * masked):
+                                for j in range(1 + (n_lo - 1) * masked, n_lo + (n_mine - n_lo) * masked):
                                     p, acc, l_acc, m_i, l_i = _overlap_step(
                                         j, kv + j, turn + j, p, acc, l_acc, m_i, l_i, q_tile, k_smem, v_smem,
                                         k_ready, k_empty, v_ready, v_empty, sched, ones_smem, s_zero,
                                         col_limit, cols0, qk_scale, masked == 1, WG, NUM_WG, PINGPONG, LTC,
                                         SYNC, STAGES, BLOCK_N, dtype, p_layout, pl_layout, l_layout, o_layout)
                         else:
-                            for j in range(1, n_blocks):
+                            for j in range(1, n_mine):
                                 c = kv + j
                                 st = c % STAGES
                                 pst = (c - 1) % STAGES
@@ -618,10 +691,10 @@ def _consumer(q_desc, o_desc, LSE, q_smem, o_smem, k_smem, v_smem,
                         # Every S product of the tile is done: the query tile may be refilled.
                         _release(q_empty.index(WG), SYNC)
                         # -- step n: the last P V --
-                        lc = kv + n_blocks - 1
+                        lc = kv + n_mine - 1
                         lst = lc % STAGES
                         mbarrier.wait(v_ready.index(lst), (lc // STAGES) & 1)
-                        _turn_begin(sched, turn + n_blocks, WG, PINGPONG)
+                        _turn_begin(sched, turn + n_mine, WG, PINGPONG)
                         o_tok, l_tok, p_l = _pv_issue(p, v_smem.index(lst), acc, l_acc, ones_smem, pl_layout,
                                                       LTC)
                         _turn_end(sched, WG, NUM_WG, PINGPONG)
@@ -629,10 +702,11 @@ def _consumer(q_desc, o_desc, LSE, q_smem, o_smem, k_smem, v_smem,
                         if LTC:
                             l_i = gl.convert_layout(gl.max(l_acc, 1), row_layout)
                         _release(v_empty.index(lst), SYNC)
-                        turn += n_blocks + 1
+                        if not SKIP:             # (SKIP: the counters advance below, by the whole tile)
+                            turn += n_blocks + 1
                     else:
                         # No intra-warpgroup overlap: S_j, softmax, P_j V_j, one after the other.
-                        for j in range(0, n_blocks):
+                        for j in range(0, n_mine):
                             c = kv + j
                             st = c % STAGES
                             ph = (c // STAGES) & 1
@@ -657,14 +731,25 @@ def _consumer(q_desc, o_desc, LSE, q_smem, o_smem, k_smem, v_smem,
                             acc, p = warpgroup_mma_wait(0, deps=(o_tok, p))
                             _release(v_empty.index(st), SYNC)
                         _release(q_empty.index(WG), SYNC)
-                        turn += 2 * n_blocks
-                    kv += n_blocks
+                        turn += 2 * n_blocks     # (no SKIP without OVERLAP: n_mine is n_blocks here)
+                    if not SKIP:
+                        kv += n_blocks
                 else:
-                    # No visible key block at all: every row of this warpgroup is empty.
+                    # No visible key block at all: every row of this warpgroup is empty (or past
+                    # the end of the queries).
                     _release(q_empty.index(WG), SYNC)
                     acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout)
                     m_i = gl.full([ROWS], float("-inf"), gl.float32, row_layout)
                     l_i = gl.zeros([ROWS], gl.float32, row_layout)
+                if SKIP:
+                    # The tile's key blocks [n_mine, n_blocks), which this warpgroup's rows do not
+                    # see: released as they land, their ping-pong turns handed straight on. Then
+                    # the ring and turn counters move past the whole tile, as for every warpgroup.
+                    _pass_blocks(kv, turn, n_mine, n_blocks, k_ready, k_empty, v_ready, v_empty, sched,
+                                 WG, NUM_WG, PINGPONG, SYNC, STAGES)
+                    if n_blocks > 0:
+                        turn += n_blocks + 1
+                    kv += n_blocks
 
                 # -- epilogue: out = acc / l, lse = m * sm_scale + ln(l); empty rows (l = 0): 0 and -inf --
                 lse, inv_l = _finish_rows(m_i, l_i, sm_scale, o_layout)
@@ -698,7 +783,7 @@ def _attn_fwd_hopper_kernel(
     HEAD_DIM: gl.constexpr, ROWS: gl.constexpr, NUM_WG: gl.constexpr, BLOCK_N: gl.constexpr,
     STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr,
     ORDER: gl.constexpr, PRODUCER_REGS_: gl.constexpr, CONSUMER_REGS_: gl.constexpr,
-    LTC: gl.constexpr,
+    LTC: gl.constexpr, SKIP: gl.constexpr,
 ):
     """A program takes work items pid, pid + grid, ... of num_items; an item is one tile (BLOCK_M =
     ROWS * NUM_WG query rows of one (batch, query head)) or, ORDER == PAIRED, two (``_tile_coords``). With
@@ -751,7 +836,7 @@ def _attn_fwd_hopper_kernel(
                          k_empty, v_ready, v_empty, sched, num_items, section, num_m_blocks, num_heads_q,
                          kv_group_size, seqlen_q, seqlen_k, sm_scale, qk_scale,
                          0, NUM_WG, ROWS, WARPS, BLOCK_N, HEAD_DIM, STAGES, IS_CAUSAL, OVERLAP, PINGPONG,
-                         ORDER, LTC, ones_smem)),
+                         ORDER, LTC, SKIP, ones_smem)),
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty,
                          v_ready, v_empty, num_items, section, num_m_blocks, num_heads_q, kv_group_size,
                          seqlen_q, seqlen_k, ROWS, NUM_WG, BLOCK_N, STAGES, IS_CAUSAL, ORDER)),
@@ -762,12 +847,12 @@ def _attn_fwd_hopper_kernel(
                          k_empty, v_ready, v_empty, sched, num_items, section, num_m_blocks, num_heads_q,
                          kv_group_size, seqlen_q, seqlen_k, sm_scale, qk_scale,
                          0, NUM_WG, ROWS, WARPS, BLOCK_N, HEAD_DIM, STAGES, IS_CAUSAL, OVERLAP, PINGPONG,
-                         ORDER, LTC, ones_smem)),
+                         ORDER, LTC, SKIP, ones_smem)),
             (_consumer, (q_desc, o_desc, LSE, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
                          k_empty, v_ready, v_empty, sched, num_items, section, num_m_blocks, num_heads_q,
                          kv_group_size, seqlen_q, seqlen_k, sm_scale, qk_scale,
                          1, NUM_WG, ROWS, WARPS, BLOCK_N, HEAD_DIM, STAGES, IS_CAUSAL, OVERLAP, PINGPONG,
-                         ORDER, LTC, ones_smem)),
+                         ORDER, LTC, SKIP, ones_smem)),
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty,
                          v_ready, v_empty, num_items, section, num_m_blocks, num_heads_q, kv_group_size,
                          seqlen_q, seqlen_k, ROWS, NUM_WG, BLOCK_N, STAGES, IS_CAUSAL, ORDER)),
@@ -779,17 +864,17 @@ def _attn_fwd_hopper_kernel(
                          k_empty, v_ready, v_empty, sched, num_items, section, num_m_blocks, num_heads_q,
                          kv_group_size, seqlen_q, seqlen_k, sm_scale, qk_scale,
                          0, NUM_WG, ROWS, WARPS, BLOCK_N, HEAD_DIM, STAGES, IS_CAUSAL, OVERLAP, PINGPONG,
-                         ORDER, LTC, ones_smem)),
+                         ORDER, LTC, SKIP, ones_smem)),
             (_consumer, (q_desc, o_desc, LSE, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
                          k_empty, v_ready, v_empty, sched, num_items, section, num_m_blocks, num_heads_q,
                          kv_group_size, seqlen_q, seqlen_k, sm_scale, qk_scale,
                          1, NUM_WG, ROWS, WARPS, BLOCK_N, HEAD_DIM, STAGES, IS_CAUSAL, OVERLAP, PINGPONG,
-                         ORDER, LTC, ones_smem)),
+                         ORDER, LTC, SKIP, ones_smem)),
             (_consumer, (q_desc, o_desc, LSE, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
                          k_empty, v_ready, v_empty, sched, num_items, section, num_m_blocks, num_heads_q,
                          kv_group_size, seqlen_q, seqlen_k, sm_scale, qk_scale,
                          2, NUM_WG, ROWS, WARPS, BLOCK_N, HEAD_DIM, STAGES, IS_CAUSAL, OVERLAP, PINGPONG,
-                         ORDER, LTC, ones_smem)),
+                         ORDER, LTC, SKIP, ones_smem)),
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty,
                          v_ready, v_empty, num_items, section, num_m_blocks, num_heads_q, kv_group_size,
                          seqlen_q, seqlen_k, ROWS, NUM_WG, BLOCK_N, STAGES, IS_CAUSAL, ORDER)),
@@ -965,7 +1050,7 @@ def forward_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: 
         sm_scale, sm_scale * LOG2E,
         HEAD_DIM=head_dim, ROWS=cfg["rows"], NUM_WG=cfg["num_wg"], BLOCK_N=cfg["block_n"],
         STAGES=cfg["stages"], IS_CAUSAL=causal, OVERLAP=cfg["overlap"], PINGPONG=cfg["pingpong"],
-        ORDER=ORDERS[order], LTC=cfg["ltc"],
+        ORDER=ORDERS[order], LTC=cfg["ltc"], SKIP=cfg["skip"] and causal,
         PRODUCER_REGS_=PRODUCER_REGS, CONSUMER_REGS_=cfg["consumer_regs"],
         num_warps=cfg["num_warps"], maxnreg=cfg["maxnreg"],
     )
