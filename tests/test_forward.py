@@ -193,7 +193,8 @@ def test_hopper_many_tiles_per_cta(device, monkeypatch, dtype, head_dim, variant
 def test_hopper_split_loops_match_one_loop(device, monkeypatch, dtype, variant, causal):
     """The split-loop schedule (overlap=2: unmasked steps, then masked ones, in two loops) does the same
     arithmetic in the same order as the one-loop body (overlap=True), step for step: the outputs and
-    LSEs are equal bit for bit. Shapes with tiles of no masked step, of masked steps only (causal,
+    LSEs are equal bit for bit. (Causal, the split forms also skip the key blocks a warpgroup does
+    not see, ``forward_hopper`` point 7, and the one-loop form walks them all: the same bits still.) Shapes with tiles of no masked step, of masked steps only (causal,
     the first query block) and of both, with a key tail, so an off-by-one in the loops' ranges
     (a step run twice, skipped, or masked the wrong way) changes the result."""
     from triflash.kernels import forward_hopper
@@ -223,11 +224,13 @@ def test_hopper_skipped_blocks_match_walking_all(device, monkeypatch, dtype, var
     exactly), so out and LSE are equal bit for bit to the form where every warpgroup walks all of
     the tile's blocks (skip=False). Persistent (snake order) and one-tile-per-CTA variants. Shapes:
     a last tile whose lower warpgroups have no rows (1000 = 5 x 192 + 40; 40 rows, one tile),
-    upper warpgroups one and two blocks short of the tile (tiles starting at multiples of 128 and
-    at 64 past one), Sq < Sk, Sq > Sk (rows that see no key; at 1100 against 1000 the first tile's
-    first warpgroup sees none of the tile's one block), and more tiles than SMs, so a skipping
-    warpgroup's ring slots and turns carry over to the CTA's next tile. Every output starts as NaN
-    and stays referenced."""
+    tiles with one or two warpgroups a block short (tiles starting at multiples of 128, and at 64
+    past one), Sq < Sk, Sq < Sk by one (a block count off by one key shows there), Sq > Sk (rows
+    that see no key; at 1100 against 1000 the first tile's first warpgroup sees none of the tile's
+    one block), and more tiles than SMs, so that a CTA runs its next tile after one where
+    warpgroups passed blocks, or passed all of them (B4 H16 S1000: every head's last tile). Every
+    ``out`` starts as NaN, and every result stays referenced. A wrong turn count would hang here
+    (the turn barriers check parity only), not give wrong values."""
     from triflash.kernels import forward_hopper
 
     head_dim = 64
@@ -237,8 +240,10 @@ def test_hopper_skipped_blocks_match_walking_all(device, monkeypatch, dtype, var
     assert not forward_hopper.variant_config("walk_all", head_dim)["skip"]
     results = []
     for batch, hq, hkv, seqlen_q, seqlen_k in ((2, 4, 2, 1000, 1000), (1, 4, 1, 1100, 1300),
-                                               (2, 4, 4, 1500, 900), (2, 4, 4, 1100, 1000),
-                                               (2, 16, 4, 2100, 2300), (1, 2, 2, 40, 40)):
+                                               (1, 4, 2, 1000, 1001), (2, 4, 4, 1500, 900),
+                                               (2, 4, 4, 1100, 1000), (2, 16, 4, 2100, 2300),
+                                               (4, 16, 4, 1000, 1000), (8, 16, 4, 1100, 1000),
+                                               (1, 2, 2, 40, 40)):
         q, k, v = make_qkv(batch, seqlen_q, seqlen_k, hq, hkv, head_dim, dtype, device)
         pair = []
         for name in (variant, "walk_all"):
@@ -399,6 +404,9 @@ def test_hopper_variant_chooser(monkeypatch):
     assert pick(head_dim=64, causal=True, seqlen_q=16384, seqlen_k=16384, **bf16) == "pp3_persist"
     assert pick(head_dim=80, causal=False, seqlen_q=4096, seqlen_k=4096, **kw) is None
     assert pick(head_dim=64, causal=True, seqlen_q=2048, seqlen_k=16384, **kw) == "pp3_persist_ltc"
+    # Causal from 2k queries with fewer keys: untimed, so 128-row tiles as before.
+    assert pick(head_dim=64, causal=True, seqlen_q=4096, seqlen_k=2047, **kw) == "pp_persist"
+    assert pick(head_dim=64, causal=True, seqlen_q=4096, seqlen_k=2047, **bf16) == "pp_persist"
     assert pick(head_dim=64, causal=False, seqlen_q=512, seqlen_k=16384, **kw) == "pp_persist"
     lengths = (1, 512, 1000, 1024, 2048, 8192, 16384, 65536)
     for d in configs.HOPPER_FORWARD_VARIANTS:

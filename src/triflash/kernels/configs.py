@@ -197,9 +197,10 @@ def hopper_forward_variant(*, head_dim: int, dtype, device, causal: bool, seqlen
       4% faster;
     * head_dim 64: three consumer warpgroups (192 query rows per CTA) in the split-loop schedule
       (``forward_hopper``, point 3), persistent (``pp3_persist*``), for non-causal from 1k queries
-      and for causal from 2k queries, causal in ``forward_hopper.tile_order``'s snake order,
-      sectioned by ``snake_section``, each warpgroup skipping the key blocks its rows do not see
-      (``forward_hopper``, point 7); below 1k queries (non-causal) ``pp_persist``.
+      and for causal from 2k queries and 2k keys, causal in ``forward_hopper.tile_order``'s snake
+      order, sectioned by ``snake_section``, each warpgroup skipping the key blocks its rows do not
+      see (``forward_hopper``, point 7); below that ``pp_persist`` (non-causal below 1k queries,
+      causal from 2k queries with fewer than 2k keys: untimed, as it was before).
       fp16 takes the LTC forms (row sums on the tensor cores, ``*_ltc``: +5-10% in the one-loop
       schedule, run 24; in the split one 0.5-3% non-causal and level causal, runs
       57-58); bf16 keeps fp32 row sums (the sums of a bf16 P moved the LSE by up to 1.6e-3, and
@@ -207,10 +208,11 @@ def hopper_forward_variant(*, head_dim: int, dtype, device, causal: bool, seqlen
       +12-13% over the bf16 picks before from 4k and +2% at 1k; at 512 queries the 192-row tiles
       were 12% slower than ``pp_persist`` (run 25). Causal, run 81 (with the skipping): over
       ``pp_persist`` (128-row tiles, paired order; taken causal below 4k keys for fp16 and below 8k
-      for bf16 before) +8% at 2k fp16 (365.5 against 338.9 at B8 H16), +1% bf16, +14-15% at 3k,
-      and +8% bf16 at 4k (419.6 against 389.8);
+      for bf16 before) +8% at 2k fp16 (365.5 against 338.9 at B8 H16), +14-15% at 3k, and +8%
+      bf16 at 4k (419.6 against 389.8); bf16 at 2k level (+1%, where that ``pp_persist`` carried
+      the skip check, which cost 0.6-3.3% at head dim 128: it may be up to 2% ahead there);
     * head_dim 64, causal below 2k queries: the Triton kernel, 15-20% faster than the Gluon variants
-      there (315 against 258 TFLOP/s at 1k in run 16; 304 against 264-285 in run 24), and still 8%
+      there (315 against 258 TFLOP/s at 1k in run 16; 304 against 264-285 in run 24), and still 9%
       with the skipping (308.2 against 283.5 at B16 H32 S1k, run 81).
     """
     import torch
@@ -224,7 +226,7 @@ def hopper_forward_variant(*, head_dim: int, dtype, device, causal: bool, seqlen
     ltc = "_ltc" if dtype == torch.float16 else ""
     if not causal:
         return f"pp3_persist{ltc}" if seqlen_q >= 1024 else "pp_persist"
-    return f"pp3_persist{ltc}"
+    return f"pp3_persist{ltc}" if seqlen_k >= 2048 else "pp_persist"
 
 
 def sm_count(device) -> int:

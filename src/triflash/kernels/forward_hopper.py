@@ -90,18 +90,20 @@ fastest kernels (FlashAttention-3) schedule by hand:
    with P's rounding: at most 2^-11 relative in l for fp16 (measured up to 1.5e-4), 2^-8 for bf16
    (measured up to 1.6e-3), so LTC variants take fp16 inputs only (``forward_hopper`` refuses bf16).
 
-7. *Blocks a warpgroup does not see* (SKIP; causal launches of the 192-row variants). A tile's key
-   blocks reach the causal diagonal of its last row, but its upper warpgroups' rows end 64 or 128
-   rows earlier: with 128-key blocks the first warpgroup sees one block fewer, and half the time
-   the second does too; in the last tile of a head, warpgroups whose rows are all past the end of
-   the queries see none. Such a block is wholly masked for the warpgroup (p = 0, alpha = 1), so
-   computing it changes no bit of the result. With SKIP the warpgroup computes on its own blocks
-   (``_blocks_seen``) and for the rest only releases the ring slots and hands on its ping-pong
-   turns (``_pass_blocks``), which leaves the tensor cores and the issue slots to the warpgroups
-   that need them. Measured (run 80, D=64): +2.6-3.6% at B4 H16 S4k, +1.0-2.3% at B4 H32 S4k,
-   +0.4-0.5% at B1 H32 S16k, +8-9% at B16 H32 S1k. Tiles of 128 rows and 128-key blocks have no
-   such blocks, and the check alone cost them 0.6-3.3% (run 81, D=128), so they are compiled
-   without it, as are non-causal launches (level within noise, run 80).
+7. *Blocks a warpgroup does not see* (SKIP; causal launches of the three-warpgroup split-loop
+   variants, 192 rows of 128-key blocks at head dim 64). A tile's key blocks reach the causal
+   diagonal of its last row, but its upper warpgroups' rows end 64 or 128 rows earlier: with 128-key
+   blocks the first warpgroup sees one block fewer, and half the time the second does too; in the
+   last tile of a head, warpgroups whose rows are all past the end of the queries see none. Such a
+   block is wholly masked for the warpgroup (p = 0, alpha = 1), so computing it changes no bit of
+   the result. With SKIP the warpgroup computes on its own blocks (``_blocks_seen``) and for the
+   rest only releases the ring slots and hands on its ping-pong turns (``_pass_blocks``), which
+   leaves the tensor cores and the issue slots to the warpgroups that need them. Measured (run 80,
+   D=64): +2.6-3.6% at B4 H16 S4k, +1.0-2.3% at B4 H32 S4k, +0.4-0.5% at B1 H32 S16k, +8-9% at B16
+   H32 S1k. Tiles of 128 rows and 128-key blocks have no such blocks where Sq = Sk is a multiple of
+   128 (the shapes timed), and there the check alone cost them 0.6-3.3% (run 81, D=128), so they are
+   compiled without it, as are the other untimed forms and non-causal launches (level within noise,
+   run 80).
 
 Numerics are those of forward.py: fp32 online-softmax state (m in raw score units, l, O), base-2
 exponentials with qk_scale = sm_scale * log2(e) folded into one FMA with the row max, masked scores
@@ -143,7 +145,7 @@ from .forward import tma_compatible
 #   persistent: one CTA per SM, looping over the (query block, batch, head) tiles;
 #   maxnreg: per-thread register limit of the launch (the consumers get what the producer gives up);
 #   skip: causal launches skip, per warpgroup, the tile's key blocks its rows do not see (point 7;
-#   default: on where the tile is taller than a key block, in the OVERLAP schedule).
+#   default: on for three warpgroups in the split-loop schedule, overlap=2).
 
 # Shared memory per CTA (fp16/bf16): Q and O tiles num_wg * 64*D*2 each, plus stages * 2 * BN*D*2.
 #   D=128, BN=128, 2 warpgroups: 32 + 32 KiB + stages * 64 KiB -> 2 stages = 192 KiB;
@@ -201,9 +203,10 @@ def variant_config(variant: str, head_dim: int) -> dict:
     cfg["rows"] = 16 * warps                              # query rows of one consumer partition
     cfg["block_m"] = cfg["rows"] * num_wg
     # Causal launches: a consumer warpgroup skips the tile's key blocks its rows do not see (point 7).
-    # Only taller tiles than key blocks have such blocks on the diagonal; at 128 rows of 128 keys
-    # the check alone cost 1-3% (run 81), so those variants leave it out.
-    cfg.setdefault("skip", bool(cfg["overlap"]) and cfg["block_m"] > cfg["block_n"])
+    # On for the three-warpgroup split-loop variants (192 rows of 128-key blocks: head dim 64), where
+    # it was measured and tested (runs 80-81); at 128 rows of 128 keys the check alone cost 0.6-3.3%
+    # (run 81), and the other forms are untimed with it.
+    cfg.setdefault("skip", num_wg == 3 and cfg["overlap"] == 2)
     cfg["num_warps"] = warps                              # the default partition's warps
     # Warps of the launch, counted in whole warpgroups (registers are reallocated per warpgroup):
     # consumers + the producer's warpgroup. maxnreg * threads must fit the register file.
