@@ -4,6 +4,7 @@ Without a CUDA device the suite runs every kernel through Triton's interpreter, 
 on before triton is imported: that is done here, first thing.
 """
 
+import faulthandler
 import os
 import zlib
 
@@ -31,6 +32,38 @@ def pytest_report_header(config):
 @pytest.fixture
 def device():
     return DEVICE
+
+
+# A test that runs longer than this many seconds is stopped: its process prints every thread's
+# stack and exits. So a kernel that never finishes (say, a barrier waited for that is never arrived
+# at) fails the test it is in, and the stack names the call, where it would otherwise hold the whole
+# run until an outer time limit (a GPU session's device call) and report nothing. Under xdist the
+# worker is replaced and the run goes on. 0 turns the guard off.
+TEST_TIMEOUT = float(os.environ.get("TRIFLASH_TEST_TIMEOUT", "900"))
+_GUARD_FD = []      # a copy of the process's own stderr, taken while pytest's capture is suspended
+
+
+def pytest_configure(config):
+    # The stacks must reach the terminal: while a test runs, pytest's capture has fd 2 pointing
+    # into a temporary file that nobody reads once the process has exited.
+    capman = config.pluginmanager.getplugin("capturemanager")
+    if capman is not None:
+        capman.suspend_global_capture()
+    try:
+        _GUARD_FD.append(os.dup(2))
+    finally:
+        if capman is not None:
+            capman.resume_global_capture()
+
+
+@pytest.fixture(autouse=True)
+def _hang_guard():
+    if TEST_TIMEOUT > 0:
+        faulthandler.dump_traceback_later(TEST_TIMEOUT, exit=True,
+                                          file=_GUARD_FD[0] if _GUARD_FD else 2)
+    yield
+    if TEST_TIMEOUT > 0:
+        faulthandler.cancel_dump_traceback_later()
 
 
 @pytest.fixture(autouse=True)
