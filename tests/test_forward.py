@@ -194,9 +194,10 @@ def test_hopper_split_loops_match_one_loop(device, monkeypatch, dtype, variant, 
     """The split-loop schedule (overlap=2: unmasked steps, then masked ones, in two loops) does the same
     arithmetic in the same order as the one-loop body (overlap=True), step for step: the outputs and
     LSEs are equal bit for bit. (Causal, the split forms also skip the key blocks a warpgroup does
-    not see, ``forward_hopper`` point 7, and the one-loop form walks them all: the same bits still.) Shapes with tiles of no masked step, of masked steps only (causal,
-    the first query block) and of both, with a key tail, so an off-by-one in the loops' ranges
-    (a step run twice, skipped, or masked the wrong way) changes the result."""
+    not see, ``forward_hopper`` point 7, and the one-loop form walks them all: the same bits still.)
+    Shapes with tiles of no masked step, of masked steps only (causal, the first query block) and of
+    both, with a key tail, so an off-by-one in the loops' ranges (a step run twice, skipped, or
+    masked the wrong way) changes the result."""
     from triflash.kernels import forward_hopper
 
     cfg = forward_hopper.VARIANTS[variant][64]

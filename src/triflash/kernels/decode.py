@@ -278,13 +278,11 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         return out, lse
 
     rows = group * seqlen_q
-    gluon_ok = False                      # decode_hopper.supported held when the chooser asked
-    if config is None:
+    chosen = config is None
+    if chosen:
         def gluon_suits():
-            nonlocal gluon_ok
             from . import decode_hopper   # imported here: Gluon is only needed on this path
-            gluon_ok = decode_hopper.supported(q, k_cache, v_cache, block_table)
-            return gluon_ok
+            return decode_hopper.supported(q, k_cache, v_cache, block_table)
 
         config = configs.decode_config(head_dim=head_dim, dtype=q.dtype, rows=rows, batch=batch,
                                        heads_kv=heads_kv, max_seqlen=max_seqlen,
@@ -293,7 +291,6 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                        page_size=k_cache.shape[1] if block_table is not None else None,
                                        gluon_suits=gluon_suits if q.is_cuda else None)
     splits = config.num_splits
-    num_m_blocks = configs.cdiv(rows, config.block_m)
     if splits == 1:
         o_part, l_part = out.unsqueeze(0), lse.unsqueeze(0)
     else:
@@ -308,7 +305,8 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 
     if config.kernel == "gluon":
         from . import decode_hopper       # imported here: Gluon is only needed on this path
-        if not (gluon_ok or decode_hopper.supported(q, k_cache, v_cache, block_table)):
+        # The chooser takes it only where gluon_suits() held; a config the caller gave is checked.
+        if not chosen and not decode_hopper.supported(q, k_cache, v_cache, block_table):
             raise ValueError("DecodeConfig(kernel='gluon') takes fp16/bf16 inputs on an sm_90 GPU, head_dim "
                              "64 or 128, TMA-compatible caches and (paged) a power-of-two page size of at "
                              f"least {decode_hopper.MIN_BOX}; got q {q.dtype} {tuple(q.shape)} on {q.device}, "
@@ -318,20 +316,33 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                     stages=config.num_stages, num_splits=splits)
     else:
         _launch_triton(q, k_cache, v_cache, o_part, l_part, cache_seqlens, block_table, seqlen_new,
-                       sm_scale, causal, config, num_m_blocks)
+                       sm_scale, causal, config)
     if splits > 1:
         _merge_launch(o_part, l_part, out=out, lse=lse)
     return out, lse
 
 
+def partial_and_table_strides(o_part, l_part, cache_seqlens, block_table) -> tuple[int, ...]:
+    """The stride arguments both decode kernels (this file's and decode_hopper.py's) take after the
+    query's, in their order: o_part's four and l_part's three (the split axis's stride 0 when there
+    is one split: o_part and l_part are then the final out and lse with a leading axis, whose
+    stride may not fit 32 bits), then cache_seqlens' one and block_table's two (0 where absent)."""
+    one = o_part.shape[0] == 1
+    return (0 if one else o_part.stride(0), *o_part.stride()[1:4],
+            0 if one else l_part.stride(0), *l_part.stride()[1:3],
+            cache_seqlens.stride(0) if cache_seqlens is not None else 0,
+            *(block_table.stride() if block_table is not None else (0, 0)))
+
+
 def _launch_triton(q, k_cache, v_cache, o_part, l_part, cache_seqlens, block_table, seqlen_new,
-                   sm_scale, causal, config, num_m_blocks):
+                   sm_scale, causal, config):
     """The Triton decode kernel on ``decode``'s prepared partials (o_part / l_part: the final out
     and lse with a leading axis when config.num_splits is 1)."""
     batch, seqlen_q, heads_q, head_dim = q.shape
     heads_kv = k_cache.shape[2]
     group = heads_q // heads_kv
     splits = config.num_splits
+    num_m_blocks = configs.cdiv(group * seqlen_q, config.block_m)
     paged = block_table is not None
     has_seqlens = cache_seqlens is not None
     # Unused pointer arguments get a valid tensor of the right kind (never dereferenced).
@@ -349,10 +360,7 @@ def _launch_triton(q, k_cache, v_cache, o_part, l_part, cache_seqlens, block_tab
         q.stride(0), q.stride(1), q.stride(2),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        o_part.stride(0) if splits > 1 else 0, o_part.stride(1), o_part.stride(2), o_part.stride(3),
-        l_part.stride(0) if splits > 1 else 0, l_part.stride(1), l_part.stride(2),
-        cache_seqlens.stride(0) if has_seqlens else 0,
-        block_table.stride(0) if paged else 0, block_table.stride(1) if paged else 0,
+        *partial_and_table_strides(o_part, l_part, cache_seqlens, block_table),
         heads_kv, seqlen_q, k_cache.shape[1], seqlen_new, num_m_blocks, splits,
         sm_scale, sm_scale * LOG2E,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=configs.head_dim_block(head_dim),

@@ -52,7 +52,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from .common import LOG2E, on_input_device
 from .configs import GLUON_DECODE_ROWS, cdiv, gluon_hopper_applies
-from .decode import _key_ranges, _program_coords
+from .decode import _key_ranges, _program_coords, partial_and_table_strides
 from .forward import tma_compatible
 from .forward_hopper import _descriptor, _finish_rows, _softmax, _to_operand
 
@@ -337,10 +337,7 @@ def decode_hopper(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         q, _descriptor(k_cache, box, HALF.value), _descriptor(v_cache, box, HALF.value), o_part, l_part,
         cache_seqlens if has_seqlens else l_part, block_table if paged else l_part,
         q.stride(0), q.stride(1), q.stride(2),
-        o_part.stride(0) if num_splits > 1 else 0, o_part.stride(1), o_part.stride(2), o_part.stride(3),
-        l_part.stride(0) if num_splits > 1 else 0, l_part.stride(1), l_part.stride(2),
-        cache_seqlens.stride(0) if has_seqlens else 0,
-        block_table.stride(0) if paged else 0, block_table.stride(1) if paged else 0,
+        *partial_and_table_strides(o_part, l_part, cache_seqlens, block_table),
         heads_kv, seqlen_q, k_cache.shape[1], seqlen_new, num_m_blocks, num_splits,
         sm_scale, sm_scale * LOG2E,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_N=block_n, BOX=box, PAGE_SIZE=page_size, PAGED=paged,
