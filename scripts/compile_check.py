@@ -6,7 +6,8 @@ Triton's whole pipeline and ptxas (bundled with the triton wheel). This catches 
 errors the interpreter cannot see, and reports registers, spills and shared memory per variant; with
 --sass it also counts HGMMA (Hopper tensor-core) instructions in the disassembly.
 
-    PYTHONPATH=src python scripts/compile_check.py [--sass] [--only forward|backward|decode|merge]
+    PYTHONPATH=src python scripts/compile_check.py [--sass] [--only forward|backward|varlen|decode|merge]
+        [--sass-dump DIR]
 """
 
 import argparse
@@ -29,6 +30,7 @@ from triflash.kernels import configs  # noqa: E402
 from triflash.kernels import decode as DEC  # noqa: E402
 from triflash.kernels import forward as F  # noqa: E402
 from triflash.kernels import merge as M  # noqa: E402
+from triflash.kernels.common import Varlen  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 
@@ -98,8 +100,10 @@ def signature(fn, args, kwargs):
     return sig, const, attrs, options
 
 
-def compile_calls(label, run, sass):
-    """Run ``run()`` with every kernel module's kernels replaced by recorders; compile what they record."""
+def compile_calls(label, run, sass, dump_dir=None):
+    """Run ``run()`` with every kernel module's kernels replaced by recorders; compile what they record.
+    ``dump_dir``: also write each kernel's SASS there (one file per label and kernel), for comparing
+    two versions of the source byte for byte."""
     calls = []
     saved = []
     for mod in (F, B, DEC, M):
@@ -114,6 +118,7 @@ def compile_calls(label, run, sass):
         for mod, name, obj in saved:
             setattr(mod, name, obj)
     ok = True
+    calls_seen = []
     for fn, args, kwargs in calls:
         sig, const, attrs, options = signature(fn, args, kwargs)
         try:
@@ -127,6 +132,11 @@ def compile_calls(label, run, sass):
             if sass:
                 dump = cuobjdump(k.asm['cubin'], '--dump-sass')
                 info += f" HGMMA {dump.count('HGMMA'):4d} STL {dump.count('STL'):5d}"
+            if dump_dir:
+                name = re.sub(r"[^A-Za-z0-9]+", "_", f"{label} {fn.__name__} {len(calls_seen)}")
+                calls_seen.append(name)
+                with open(os.path.join(dump_dir, name + ".sass"), "w") as f:
+                    f.write(cuobjdump(k.asm["cubin"], "--dump-sass"))
             print(f"  ok   {label:<44} {fn.__name__:<24} {info}", flush=True)
         except Exception as e:  # noqa: BLE001 - report and go on
             ok = False
@@ -160,6 +170,27 @@ def forward_cases():
                     cfg = choose_forward(d, dtype, causal, 2 * 4, sq)
                     yield f"fwd {TYPES[dtype]} D{d} {'causal' if causal else 'full'} S{sq} {cfg.tma}", \
                         (lambda q=q, k=k, v=v, cfg=cfg, causal=causal: F.forward(q, k, v, 0.1, causal, config=cfg))
+
+
+def varlen_cases():
+    """Packed sequences (flash_attn_varlen_func): the forward and backward Triton kernels with
+    VARLEN, at the tiles the H200 would pick."""
+    lengths = torch.tensor([0, 300, 17, 1000], dtype=torch.int32)
+    cu = torch.nn.functional.pad(lengths.cumsum(0, dtype=torch.int32), (1, 0))
+    vl = Varlen(cu, cu, 1000, 1000)
+    total = int(cu[-1])
+    for dtype in (torch.float16, torch.bfloat16, torch.float32):
+        for d in (64, 128, 256):
+            for causal in (False, True):
+                q, k, v = (torch.randn(total, h, d, dtype=dtype) for h in (4, 2, 2))
+                cfg = choose_forward(d, dtype, causal, 4 * 4, 1000)
+                bcfg = configs.backward_config(head_dim=d, dtype=dtype, device="cuda")
+                lse = torch.randn(4, total)
+                yield f"varlen {TYPES[dtype]} D{d} {'causal' if causal else 'full'}", \
+                    (lambda q=q, k=k, v=v, cfg=cfg, bcfg=bcfg, lse=lse, causal=causal:
+                     (F.forward(q, k, v, 0.1, causal, config=cfg, varlen=vl),
+                      B.backward(torch.randn_like(q), q, k, v, torch.randn_like(q), lse, 0.1, causal,
+                                 config=bcfg, varlen=vl)))
 
 
 def choose_forward(d, dtype, causal, bh, sq):
@@ -216,16 +247,20 @@ def merge_cases():
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--sass", action="store_true")
-    ap.add_argument("--only", choices=["forward", "backward", "decode", "merge"])
+    ap.add_argument("--only", choices=["forward", "backward", "varlen", "decode", "merge"])
+    ap.add_argument("--sass-dump", metavar="DIR", help="write every kernel's SASS into DIR")
     a = ap.parse_args()
-    groups = {"forward": forward_cases, "backward": backward_cases, "decode": decode_cases, "merge": merge_cases}
+    if a.sass_dump:
+        os.makedirs(a.sass_dump, exist_ok=True)
+    groups = {"forward": forward_cases, "backward": backward_cases, "varlen": varlen_cases,
+              "decode": decode_cases, "merge": merge_cases}
     ok = True
     for name, cases in groups.items():
         if a.only and a.only != name:
             continue
         print(f"== {name}")
         for label, run in cases():
-            ok &= compile_calls(label, run, a.sass)
+            ok &= compile_calls(label, run, a.sass, a.sass_dump)
     print("all compiled" if ok else "SOME FAILED")
     return 0 if ok else 1
 

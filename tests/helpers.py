@@ -84,3 +84,34 @@ def assert_raises_naming(exc, words, fn, *args, **kwargs):
     msg = str(info.value)
     for word in words:
         assert word in msg, f"message {msg!r} should mention {word!r}"
+
+
+def ref_grads(q, k, v, dout, causal, compute_dtype, dlse=None, scale=None):
+    """Gradients of the reference ([B, S, H, D] inputs); compute_dtype=None is PyTorch's own same-dtype
+    attention."""
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    if compute_dtype is not None:
+        leaves = [t.detach().to(compute_dtype).requires_grad_() for t in (q, k, v)]
+    from triflash.reference import flash_attn_ref
+
+    out, lse = flash_attn_ref(*leaves, causal=causal, softmax_scale=scale, compute_dtype=compute_dtype,
+                              return_lse=True)
+    loss = (out * dout.to(out.dtype)).sum()
+    if dlse is not None:
+        loss = loss + (lse * dlse.to(lse.dtype)).sum()
+    loss.backward()
+    return [t.grad for t in leaves]
+
+
+def assert_grads_3x(grads, q, k, v, dout, causal, dtype, dlse=None, scale=None):
+    """The backward's rule (test_backward.py's docstring): dQ, dK and dV each within 3x PyTorch's own
+    same-dtype error against float64, plus a floor relative to the largest reference gradient."""
+    ref = ref_grads(q, k, v, dout, causal, torch.float64, dlse, scale)
+    same = ref_grads(q, k, v, dout, causal, None, dlse, scale)
+    floor = relative(FLOOR[dtype], torch.cat([r.flatten() for r in ref]))
+    for name, g, r, s in zip(("dq", "dk", "dv"), grads, ref, same):
+        assert g is not None and g.shape == r.shape and g.dtype == dtype, name
+        assert_no_nan(name, g)
+        err, base = max_err(g, r), max_err(s, r)
+        assert err <= 3 * base + floor, (
+            f"{name}: max error {err:.3e} > 3 x PyTorch same-dtype error {base:.3e} + floor {floor:.1e}")

@@ -15,10 +15,9 @@ import itertools
 import pytest
 import torch
 from conftest import DTYPES, ON_GPU
-from helpers import DTYPE_ID, FLOOR, HEAD_DIMS, HEADS, HEADS_ID, SEQLENS, assert_no_nan, make_qkv, max_err, relative
+from helpers import DTYPE_ID, HEAD_DIMS, HEADS, HEADS_ID, SEQLENS, assert_grads_3x, assert_no_nan, make_qkv
 
 import triflash
-from triflash.reference import flash_attn_ref
 
 
 def _cases():
@@ -40,32 +39,6 @@ def _cases():
 
 def _inputs(batch, sq, sk, hq, hkv, d, dtype, device):
     return make_qkv(batch, sq, sk, hq, hkv, d, dtype, device, requires_grad=True)
-
-
-def _ref_grads(q, k, v, dout, causal, compute_dtype, dlse=None, scale=None):
-    """Gradients of the reference; compute_dtype=None is PyTorch's own same-dtype attention."""
-    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
-    if compute_dtype is not None:
-        leaves = [t.detach().to(compute_dtype).requires_grad_() for t in (q, k, v)]
-    out, lse = flash_attn_ref(*leaves, causal=causal, softmax_scale=scale, compute_dtype=compute_dtype,
-                              return_lse=True)
-    loss = (out * dout.to(out.dtype)).sum()
-    if dlse is not None:
-        loss = loss + (lse * dlse.to(lse.dtype)).sum()
-    loss.backward()
-    return [t.grad for t in leaves]
-
-
-def assert_grads_3x(grads, q, k, v, dout, causal, dtype, dlse=None, scale=None):
-    ref = _ref_grads(q, k, v, dout, causal, torch.float64, dlse, scale)
-    same = _ref_grads(q, k, v, dout, causal, None, dlse, scale)
-    floor = relative(FLOOR[dtype], torch.cat([r.flatten() for r in ref]))
-    for name, g, r, s in zip(("dq", "dk", "dv"), grads, ref, same):
-        assert g is not None and g.shape == r.shape and g.dtype == dtype, name
-        assert_no_nan(name, g)
-        err, base = max_err(g, r), max_err(s, r)
-        assert err <= 3 * base + floor, (
-            f"{name}: max error {err:.3e} > 3 x PyTorch same-dtype error {base:.3e} + floor {floor:.1e}")
 
 
 @pytest.mark.parametrize("batch,seqlen_q,seqlen_k,head_dim,causal,dtype,heads", _cases())

@@ -5,6 +5,9 @@ Two layouts, one kernel:
 * ``flash_attn_func``: FlashAttention's [batch, seqlen, heads, head_dim].
 * ``attention``: the seeds' (and SDPA's) [batch, heads, seqlen, head_dim].
 
+and packed sequences of different lengths, ``flash_attn_varlen_func`` ([total, heads, head_dim] with
+cu_seqlens offsets, FlashAttention's varlen layout), on the same Triton kernels.
+
 Both go through ``triflash.autograd``: the custom op where torch.compile, tracing or a dispatch mode
 must see one, an autograd.Function for eager autograd, and the bare implementation for an eager call
 that records no graph; all three run the same implementation, which hands [B, S, H, D] *views* (no
@@ -23,6 +26,7 @@ import torch
 
 from . import autograd as _autograd
 from .kernels import configs
+from .kernels.common import Varlen
 from .kernels.common import last_dim_contiguous as _last_dim_contiguous
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -187,4 +191,120 @@ def attention(q, k, v, causal=False, sm_scale=None, return_lse=False):
     scale = validate_qkv(q, k, v, "bhsd", "sm_scale", sm_scale, causal)
     q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
     out, lse = _autograd.forward(q, k, v, scale, causal, True)
+    return (out, lse) if return_lse else out
+
+
+# -- packed variable-length batches ------------------------------------------------------------------
+
+# flash_attn_varlen_func checks the values of cu_seqlens_q / cu_seqlens_k on the host (starts at 0,
+# non-decreasing, ends at the packed length, no sequence longer than max_seqlen): one small
+# device->host synchronisation per call. Set this to False to skip it; bad offsets are then undefined
+# behaviour, as in FlashAttention. It is always skipped under torch.compile and while a CUDA graph is
+# being captured (the values are not known there).
+CHECK_CU_SEQLENS = True
+
+_PACKED_Q_DOC = "[total_q, heads_q, head_dim] (the sequences packed along dim 0)"
+_PACKED_KV_DOC = "[total_k, heads_kv, head_dim] (the sequences packed along dim 0)"
+
+
+def _require_int(name: str, value, minimum: int = 0) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return int(value)
+
+
+def _check_cu_seqlens(name: str, values: list[int], total: int, max_name: str, max_seqlen: int) -> None:
+    """The values of one cu_seqlens tensor, read on the host."""
+    if values[0] != 0:
+        raise ValueError(f"{name}[0] must be 0 (the first sequence starts at row 0), got {values[0]}")
+    for b in range(len(values) - 1):
+        length = values[b + 1] - values[b]
+        if length < 0:
+            raise ValueError(f"{name} must be non-decreasing (sequence lengths >= 0), got {name}[{b}] = "
+                             f"{values[b]} > {name}[{b + 1}] = {values[b + 1]}")
+        if length > max_seqlen:
+            raise ValueError(f"{max_name} must be >= every sequence's length, got {max_name} = {max_seqlen} "
+                             f"and sequence {b} of length {length} ({name}[{b + 1}] - {name}[{b}])")
+    if values[-1] != total:
+        raise ValueError(f"{name}[-1] must equal the packed length ({total} rows), got {values[-1]}")
+
+
+def validate_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
+                    causal) -> tuple[float, int, int]:
+    """Check flash_attn_varlen_func's arguments before any launch; return (scale, max_seqlen_q,
+    max_seqlen_k). Raises TypeError / ValueError naming the argument, as ``validate_qkv``."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        _require_tensor(name, t)
+    _require_rank("q", q, 3, _PACKED_Q_DOC)
+    for name, t in (("k", k), ("v", v)):
+        _require_rank(name, t, 3, _PACKED_KV_DOC)
+    _require_float_dtype("q", q)
+    for name, t in (("k", k), ("v", v)):
+        _require_like_q(name, t, q)
+    _check_device("q", q)
+    _require_bool("causal", causal)
+    if tuple(v.shape) != tuple(k.shape):
+        raise ValueError(f"v must have the same shape as k {tuple(k.shape)} {_PACKED_KV_DOC}, got "
+                         f"{tuple(v.shape)}")
+    if k.shape[2] != q.shape[2]:
+        raise ValueError(f"k and v head_dim must equal q's head_dim ({q.shape[2]}), got {k.shape[2]}")
+    _check_head_dim(q.shape[2])
+    _check_heads(q.shape[1], k.shape[1])
+    for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        _require_tensor(name, cu)
+        if cu.dtype != torch.int32:
+            raise TypeError(f"{name}.dtype must be torch.int32, got {cu.dtype}")
+        _require_rank(name, cu, 1, "[batch + 1] (each sequence's first row, then the packed length)")
+        if cu.shape[0] < 1:
+            raise ValueError(f"{name} must have batch + 1 >= 1 entries, got 0")
+        _require_same_device(name, cu, q)
+    if cu_seqlens_k.shape[0] != cu_seqlens_q.shape[0]:
+        raise ValueError(f"cu_seqlens_k must have as many entries as cu_seqlens_q (batch + 1 = "
+                         f"{cu_seqlens_q.shape[0]}), got {cu_seqlens_k.shape[0]}")
+    max_seqlen_q = _require_int("max_seqlen_q", max_seqlen_q)
+    max_seqlen_k = _require_int("max_seqlen_k", max_seqlen_k)
+    scale = _check_scale(softmax_scale, "softmax_scale", q.shape[2])
+    if (CHECK_CU_SEQLENS and not torch.compiler.is_compiling()
+            and type(cu_seqlens_q) is torch.Tensor and type(cu_seqlens_k) is torch.Tensor
+            and not (q.device.type == "cuda" and torch.cuda.is_current_stream_capturing())):
+        values = torch.cat([cu_seqlens_q, cu_seqlens_k]).tolist()           # the one sync
+        entries = cu_seqlens_q.shape[0]
+        _check_cu_seqlens("cu_seqlens_q", values[:entries], q.shape[0], "max_seqlen_q", max_seqlen_q)
+        _check_cu_seqlens("cu_seqlens_k", values[entries:], k.shape[0], "max_seqlen_k", max_seqlen_k)
+    return scale, max_seqlen_q, max_seqlen_k
+
+
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                           softmax_scale=None, causal=False, return_lse=False):
+    """Attention over a batch of sequences of different lengths, packed without padding
+    (FlashAttention's varlen layout and argument names).
+
+    Args:
+        q: [total_q, heads_q, head_dim]: every sequence's queries, one after another.
+        k, v: [total_k, heads_kv, head_dim], packed the same way; dtype and device as q. GQA / MQA as
+            in ``flash_attn_func``.
+        cu_seqlens_q, cu_seqlens_k: [batch + 1] int32 on q's device: sequence b owns rows
+            cu_seqlens_q[b] .. cu_seqlens_q[b + 1] - 1 of q and cu_seqlens_k[b] ..
+            cu_seqlens_k[b + 1] - 1 of k and v. They start at 0, never decrease, and end at total_q /
+            total_k. A sequence may be empty (no queries, or no keys: its rows get out = 0).
+        max_seqlen_q, max_seqlen_k: ints at least as large as the longest sequence (they size the
+            launch; larger only costs idle programs).
+        softmax_scale, causal, return_lse: as ``flash_attn_func``. Causal is aligned bottom-right within
+            each sequence: its query i sees its key j when j <= i + seqlen_k - seqlen_q.
+
+    Returns:
+        out [total_q, heads_q, head_dim] in q's dtype; with ``return_lse``, (out, lse) where lse is
+        [heads_q, total_q] float32, natural log (-inf for a row that sees no key).
+
+    Differentiable in q, k and v, and usable under torch.compile. The offsets are checked on the host
+    (one synchronisation; see ``CHECK_CU_SEQLENS``). The Triton kernel runs every GPU (on Hopper, not
+    yet the Gluon fast path of ``flash_attn_func``).
+    """
+    scale, max_seqlen_q, max_seqlen_k = validate_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                                        max_seqlen_k, softmax_scale, causal)
+    q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
+    varlen = Varlen(cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(), max_seqlen_q, max_seqlen_k)
+    out, lse = _autograd.varlen_forward(q, k, v, varlen, scale, causal)
     return (out, lse) if return_lse else out

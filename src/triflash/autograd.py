@@ -36,6 +36,7 @@ from torch.autograd import forward_ad
 from torch.utils._python_dispatch import _get_current_dispatch_mode as _current_dispatch_mode
 
 from .kernels.backward import backward as _backward_launch
+from .kernels.common import Varlen
 from .kernels.forward import forward as _forward_launch
 
 
@@ -295,3 +296,88 @@ class _FunctorchBackward(torch.autograd.Function):
         raise NotImplementedError(
             "triflash's attention has no second derivative: a gradient of its gradient (for example "
             "torch.func.grad(torch.func.grad(f))) was asked for; expected first derivatives only")
+
+
+# -- packed variable-length batches (flash_attn_varlen_func) ------------------------------------------
+#
+# Their own pair of ops: q / out [total_q, Hq, D], k / v [total_k, Hkv, D], lse [Hq, total_q], and the
+# cu_seqlens that cut them into sequences. Eager autograd goes through the op's own autograd wrapper
+# (packed batches are long: the op's host time does not show), as do torch.compile and dispatch modes;
+# a plain eager call with no gradient goes straight to the launcher. There is no vmap rule and no
+# torch.func road: under a torch.func transform the op raises.
+
+def _varlen(cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int) -> Varlen:
+    return Varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+
+
+@torch.library.custom_op("triflash::varlen_fwd", mutates_args=())
+def varlen_fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
+               max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float,
+               causal: bool) -> tuple[Tensor, Tensor]:
+    """Forward on validated packed sequences. Returns (out [total_q, Hq, D], lse [Hq, total_q])."""
+    return _forward_launch(q, k, v, softmax_scale, causal,
+                           varlen=_varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
+
+
+@varlen_fwd.register_fake
+def _varlen_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal):
+    return (torch.empty_like(q, memory_format=torch.contiguous_format),
+            q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32))
+
+
+@torch.library.custom_op("triflash::varlen_bwd", mutates_args=())
+def varlen_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dlse: Tensor | None,
+               cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int,
+               softmax_scale: float, causal: bool, need_dq: bool,
+               need_dkdv: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """Gradients (dq, dk, dv) of packed sequences. Gradients not asked for come back empty."""
+    dq, dk, dv = _backward_launch(
+        dout, q, k, v, out, lse, softmax_scale, causal, dlse=dlse, need_dq=need_dq, need_dkdv=need_dkdv,
+        varlen=_varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
+    return (dq if need_dq else q.new_empty(0), dk if need_dkdv else k.new_empty(0),
+            dv if need_dkdv else v.new_empty(0))
+
+
+@varlen_bwd.register_fake
+def _varlen_bwd_fake(dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                     softmax_scale, causal, need_dq, need_dkdv):
+    def like(t, needed):
+        return torch.empty_like(t, memory_format=torch.contiguous_format) if needed else t.new_empty(0)
+    return like(q, need_dq), like(k, need_dkdv), like(v, need_dkdv)
+
+
+def _varlen_setup_context(ctx, inputs, output):
+    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)
+    ctx.max_seqlens = (max_seqlen_q, max_seqlen_k)
+    ctx.softmax_scale, ctx.causal = softmax_scale, causal
+    ctx.set_materialize_grads(False)        # as _save: an unused lse's gradient stays None
+
+
+def _varlen_backward(ctx, dout, dlse):
+    q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
+    need_dq = ctx.needs_input_grad[0]
+    need_dkdv = ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
+    if dout is None:                        # a loss on lse alone
+        dout = torch.zeros_like(out)
+    dq, dk, dv = varlen_bwd(dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k, *ctx.max_seqlens,
+                            ctx.softmax_scale, ctx.causal, need_dq, need_dkdv)
+    return (dq if need_dq else None, dk if ctx.needs_input_grad[1] else None,
+            dv if ctx.needs_input_grad[2] else None) + (None,) * 6
+
+
+varlen_fwd.register_autograd(_varlen_backward, setup_context=_varlen_setup_context)
+
+
+def varlen_forward(q: Tensor, k: Tensor, v: Tensor, varlen: Varlen, softmax_scale: float,
+                   causal: bool) -> tuple[Tensor, Tensor]:
+    """The packed forward through the op where autograd, torch.compile or a dispatch mode needs one,
+    else straight to the launcher."""
+    if _has_tangent(q, k, v):
+        raise NotImplementedError(_NO_JVP)
+    args = (q, k, v, *varlen, softmax_scale, causal)
+    if _needs_op(q, k, v) or (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad
+                                                           or v.requires_grad)):
+        return varlen_fwd(*args)
+    return _forward_launch(q, k, v, softmax_scale, causal, varlen=varlen)

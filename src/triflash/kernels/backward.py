@@ -37,7 +37,8 @@ import triton
 import triton.language as tl
 
 from . import configs
-from .common import LOG2E, LOG2E_K, add_rn, causal_key_range, last_dim_contiguous, mul_rn, on_input_device
+from .common import (LOG2E, LOG2E_K, Varlen, add_rn, causal_key_range, last_dim_contiguous, mul_rn,
+                     on_input_device)
 from .configs import BwdConfig
 from .forward import host_descriptors, tma_compatible
 
@@ -149,18 +150,36 @@ def _bwd_dkdv_kernel(
     stride_dkb, stride_dks, stride_dkh,
     stride_dvb, stride_dvs, stride_dvh,
     num_heads_q, num_heads_k, kv_group_size, seqlen_q, seqlen_k, num_n_blocks, stats_rows,
-    sm_scale, qk_scale,
+    sm_scale, qk_scale, CU_Q, CU_K,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr, PRECISE_P: tl.constexpr, TMA: tl.constexpr,
+    VARLEN: tl.constexpr = False,
 ):
     """TMA: Q and DO are host-built 4-D tensor descriptors instead of pointers. LSE2 and Delta are
-    [B, Hq, stats_rows] (stats_rows >= seqlen_q), as for the dQ kernel."""
+    [B, Hq, stats_rows] (stats_rows >= seqlen_q), as for the dQ kernel. VARLEN: packed sequences as
+    in the forward kernel (batch strides 0, rows from CU_Q / CU_K); LSE2 and Delta are then
+    [Hq, stats_rows = total_q]."""
+    tl.static_assert(not (VARLEN and TMA), "packed sequences take pointer loads")
     pid = tl.program_id(0)
     pid_n = pid % num_n_blocks
     pid_bh = pid // num_n_blocks
     off_b = pid_bh // num_heads_k
     off_hk = pid_bh % num_heads_k
     start_n = pid_n * BLOCK_N
+    if VARLEN:
+        # This sequence's rows: the pointers move to its first row, seqlen_q / seqlen_k become its own.
+        q_start = tl.load(CU_Q + off_b).to(tl.int64)
+        k_start = tl.load(CU_K + off_b).to(tl.int64)
+        seqlen_q = (tl.load(CU_Q + off_b + 1) - q_start).to(tl.int32)
+        seqlen_k = (tl.load(CU_K + off_b + 1) - k_start).to(tl.int32)
+        if start_n >= seqlen_k:
+            return                            # a block past this (shorter) sequence's end
+        K += k_start * stride_ks
+        V += k_start * stride_vs
+        DK += k_start * stride_dks
+        DV += k_start * stride_dvs
+        Q += q_start * stride_qs
+        DO += q_start * stride_dos
     offs_n = start_n + tl.arange(0, BLOCK_N)                               # [BN] key positions
     offs_d = tl.arange(0, BLOCK_D)
     kv_mask = (offs_n[:, None] < seqlen_k) & (offs_d[None, :] < HEAD_DIM)
@@ -188,7 +207,10 @@ def _bwd_dkdv_kernel(
     # GQA: every query head of this KV head's group contributes to its dK and dV.
     for g in range(kv_group_size):
         off_h = off_hk * kv_group_size + g
-        row0 = (off_b * num_heads_q + off_h).to(tl.int64) * stats_rows
+        if VARLEN:
+            row0 = off_h.to(tl.int64) * stats_rows + q_start
+        else:
+            row0 = (off_b * num_heads_q + off_h).to(tl.int64) * stats_rows
         if TMA:
             q_src, do_src = Q, DO
         else:
@@ -258,12 +280,15 @@ def _bwd_dq_kernel(
     stride_dob, stride_dos, stride_doh,
     stride_dqb, stride_dqs, stride_dqh,
     num_heads_q, kv_group_size, seqlen_q, seqlen_k, num_m_blocks, stats_rows,
-    sm_scale, qk_scale,
+    sm_scale, qk_scale, CU_Q, CU_K,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr, PRECISE_P: tl.constexpr, TMA: tl.constexpr,
+    VARLEN: tl.constexpr = False,
 ):
     """TMA: K and V are host-built 4-D tensor descriptors instead of pointers. LSE2 and Delta are
-    [B, Hq, stats_rows] (stats_rows >= seqlen_q: padded when the Hopper dK/dV kernel reads them)."""
+    [B, Hq, stats_rows] (stats_rows >= seqlen_q: padded when the Hopper dK/dV kernel reads them).
+    VARLEN: packed sequences, as in the dK/dV kernel."""
+    tl.static_assert(not (VARLEN and TMA), "packed sequences take pointer loads")
     pid = tl.program_id(0)
     pid_m = pid % num_m_blocks
     if IS_CAUSAL:
@@ -273,6 +298,20 @@ def _bwd_dq_kernel(
     off_h = pid_bh % num_heads_q
     off_hk = off_h // kv_group_size
     start_m = pid_m * BLOCK_M
+    if VARLEN:
+        # As in the dK/dV kernel; the stats are [Hq, total_q]: this head's row of this sequence.
+        q_start = tl.load(CU_Q + off_b).to(tl.int64)
+        k_start = tl.load(CU_K + off_b).to(tl.int64)
+        row0 = off_h.to(tl.int64) * stats_rows + q_start
+        seqlen_q = (tl.load(CU_Q + off_b + 1) - q_start).to(tl.int32)
+        seqlen_k = (tl.load(CU_K + off_b + 1) - k_start).to(tl.int32)
+        if start_m >= seqlen_q:
+            return                            # a block past this (shorter) sequence's end
+        Q += q_start * stride_qs
+        DO += q_start * stride_dos
+        DQ += q_start * stride_dqs
+        K += k_start * stride_ks
+        V += k_start * stride_vs
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     m_ok = offs_m < seqlen_q
@@ -282,7 +321,10 @@ def _bwd_dq_kernel(
                 + offs_m[:, None] * stride_qs + offs_d[None, :], mask=mask, other=0.0)      # [BM, BD]
     do = tl.load(DO + off_b.to(tl.int64) * stride_dob + off_h.to(tl.int64) * stride_doh
                  + offs_m[:, None] * stride_dos + offs_d[None, :], mask=mask, other=0.0)    # [BM, BD]
-    row = pid_bh.to(tl.int64) * stats_rows + offs_m
+    if VARLEN:
+        row = row0 + offs_m
+    else:
+        row = pid_bh.to(tl.int64) * stats_rows + offs_m
     lse2 = tl.load(LSE2 + row, mask=m_ok, other=float("inf"))
     delta = tl.load(Delta + row, mask=m_ok, other=0.0)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
@@ -338,7 +380,8 @@ def preprocess(dout, out, lse, dlse, rows_out: int, precise_p: bool):
 @on_input_device
 def backward(dout, q, k, v, out, lse, sm_scale: float, causal: bool, *, dlse=None,
              dq=None, dk=None, dv=None, need_dq=True, need_dkdv=True,
-             config: tuple[BwdConfig, BwdConfig] | None = None, hopper: str | None = None):
+             config: tuple[BwdConfig, BwdConfig] | None = None, hopper: str | None = None,
+             varlen: Varlen | None = None):
     """Gradients of attention on validated [B, S, H, D] views (last stride 1).
 
     out / lse are what the forward returned; dlse (optional, [B, Hq, Sq]) is a gradient on the LSE.
@@ -348,9 +391,9 @@ def backward(dout, q, k, v, out, lse, sm_scale: float, causal: bool, *, dlse=Non
     lets ``configs.hopper_backward_variant`` choose (no ``config`` given; an explicit ``config``
     runs the Triton kernels). A dK/dV-only variant takes dQ from the Gluon dQ kernel where its
     configuration says so (``backward_hopper.dq_on_gluon``), else from the Triton dQ kernel.
+    ``varlen``: packed sequences (see ``Varlen``): q / out / dout [total_q, Hq, D], k / v
+    [total_k, Hkv, D], lse / dlse [Hq, total_q]; the Triton kernels run them.
     """
-    batch, seqlen_q, heads_q, head_dim = q.shape
-    _, seqlen_k, heads_k, _ = k.shape
     dout = last_dim_contiguous(dout)
     if need_dq and dq is None:
         dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -362,6 +405,11 @@ def backward(dout, q, k, v, out, lse, sm_scale: float, causal: bool, *, dlse=Non
         dq = None
     if not need_dkdv:
         dk = dv = None
+    if varlen is not None:
+        _backward_varlen(dout, q, k, v, out, lse, sm_scale, causal, dlse, dq, dk, dv, config, varlen)
+        return dq, dk, dv
+    batch, seqlen_q, heads_q, head_dim = q.shape
+    _, seqlen_k, heads_k, _ = k.shape
     if seqlen_q == 0 or seqlen_k == 0 or batch == 0 or heads_q == 0:
         # No score exists, so every gradient is zero.
         for t in (dq, dk, dv):
@@ -376,11 +424,9 @@ def backward(dout, q, k, v, out, lse, sm_scale: float, causal: bool, *, dlse=Non
     if config is None:
         config = configs.backward_config(head_dim=head_dim, dtype=q.dtype, device=q.device)
     dkdv_cfg, dq_cfg = config
-    precision = "ieee" if q.dtype == torch.float32 else "tf32"
     # fp32 gradients are compared with fp32 PyTorch: recompute P without the base-2 round trip.
     precise_p = q.dtype == torch.float32
 
-    group = heads_q // heads_k
     if hopper is not None:
         from . import backward_hopper     # imported here: Gluon is only needed on this path
         if not backward_hopper.supported(q, k, v, dout, hopper):
@@ -405,29 +451,86 @@ def backward(dout, q, k, v, out, lse, sm_scale: float, causal: bool, *, dlse=Non
             backward_hopper.dq_hopper(dout, q, k, v, lse2, delta, sm_scale, causal, dq, variant=hopper)
             need_dq = False
     elif need_dkdv:
-        n_blocks = configs.cdiv(seqlen_k, dkdv_cfg.block_n)
         tma = dkdv_cfg.tma and tma_compatible(q, dout)
         Q, DO = host_descriptors(dkdv_cfg.block_m, block_d, q, dout) if tma else (q, dout)
-        _bwd_dkdv_kernel[(n_blocks * batch * heads_k,)](
-            Q, k, v, DO, lse2, delta, dk, dv,
-            *_s(q), *_s(k), *_s(v), *_s(dout), *_s(dk), *_s(dv),
-            heads_q, heads_k, group, seqlen_q, seqlen_k, n_blocks, rows_out,
-            sm_scale, sm_scale * LOG2E,
-            HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=dkdv_cfg.block_m, BLOCK_N=dkdv_cfg.block_n,
-            IS_CAUSAL=causal, DOT_PRECISION=precision, PRECISE_P=precise_p, TMA=tma,
-            num_warps=dkdv_cfg.num_warps, num_stages=dkdv_cfg.num_stages,
-        )
+        _launch_dkdv(Q, k, v, DO, lse2, delta, dk, dv, [_s(t) for t in (q, k, v, dout, dk, dv)],
+                     batch, heads_q, heads_k, head_dim, seqlen_q, seqlen_k, seqlen_k, rows_out,
+                     sm_scale, causal, dkdv_cfg, q.dtype, tma)
     if need_dq:
-        m_blocks = configs.cdiv(seqlen_q, dq_cfg.block_m)
         tma = dq_cfg.tma and tma_compatible(k, v)
         K, V = host_descriptors(dq_cfg.block_n, block_d, k, v) if tma else (k, v)
-        _bwd_dq_kernel[(m_blocks * batch * heads_q,)](
-            q, K, V, dout, lse2, delta, dq,
-            *_s(q), *_s(k), *_s(v), *_s(dout), *_s(dq),
-            heads_q, group, seqlen_q, seqlen_k, m_blocks, rows_out,
-            sm_scale, sm_scale * LOG2E,
-            HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=dq_cfg.block_m, BLOCK_N=dq_cfg.block_n,
-            IS_CAUSAL=causal, DOT_PRECISION=precision, PRECISE_P=precise_p, TMA=tma,
-            num_warps=dq_cfg.num_warps, num_stages=dq_cfg.num_stages,
-        )
+        _launch_dq(q, K, V, dout, lse2, delta, dq, [_s(t) for t in (q, k, v, dout, dq)],
+                   batch, heads_q, heads_k, head_dim, seqlen_q, seqlen_k, seqlen_q, rows_out,
+                   sm_scale, causal, dq_cfg, q.dtype, tma)
     return dq, dk, dv
+
+
+def _launch_dkdv(Q, K, V, DO, lse2, delta, dk, dv, strides, batch, heads_q, heads_k, head_dim,
+                 seqlen_q, seqlen_k, max_seqlen_k, stats_rows, sm_scale, causal, cfg, dtype, tma,
+                 varlen=None):
+    """``_bwd_dkdv_kernel`` over (batch, KV head, key block of the longest sequence); ``strides``:
+    the (batch, seq, head) strides of q, k, v, dout, dk, dv."""
+    n_blocks = configs.cdiv(max_seqlen_k, cfg.block_n)
+    _bwd_dkdv_kernel[(n_blocks * batch * heads_k,)](
+        Q, K, V, DO, lse2, delta, dk, dv, *(x for st in strides for x in st),
+        heads_q, heads_k, heads_q // heads_k, seqlen_q, seqlen_k, n_blocks, stats_rows,
+        sm_scale, sm_scale * LOG2E, *_cu(varlen),
+        HEAD_DIM=head_dim, BLOCK_D=configs.head_dim_block(head_dim), BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n, IS_CAUSAL=causal, DOT_PRECISION=_precision(dtype),
+        PRECISE_P=dtype == torch.float32, TMA=tma, VARLEN=varlen is not None,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+
+
+def _launch_dq(Q, K, V, DO, lse2, delta, dq, strides, batch, heads_q, heads_k, head_dim,
+               seqlen_q, seqlen_k, max_seqlen_q, stats_rows, sm_scale, causal, cfg, dtype, tma, varlen=None):
+    """``_bwd_dq_kernel`` over (batch, query head, query block of the longest sequence); ``strides``:
+    the (batch, seq, head) strides of q, k, v, dout, dq."""
+    m_blocks = configs.cdiv(max_seqlen_q, cfg.block_m)
+    _bwd_dq_kernel[(m_blocks * batch * heads_q,)](
+        Q, K, V, DO, lse2, delta, dq, *(x for st in strides for x in st),
+        heads_q, heads_q // heads_k, seqlen_q, seqlen_k, m_blocks, stats_rows,
+        sm_scale, sm_scale * LOG2E, *_cu(varlen),
+        HEAD_DIM=head_dim, BLOCK_D=configs.head_dim_block(head_dim), BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n, IS_CAUSAL=causal, DOT_PRECISION=_precision(dtype),
+        PRECISE_P=dtype == torch.float32, TMA=tma, VARLEN=varlen is not None,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+
+
+def _cu(varlen):
+    return (varlen.cu_seqlens_q, varlen.cu_seqlens_k) if varlen is not None else (None, None)
+
+
+def _precision(dtype):
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _backward_varlen(dout, q, k, v, out, lse, sm_scale, causal, dlse, dq, dk, dv, config, varlen: Varlen):
+    """``backward()`` on packed sequences (see ``Varlen``): q / out / dout / dq [total_q, Hq, D],
+    k / v / dk / dv [total_k, Hkv, D], lse / dlse [Hq, total_q]. Triton kernels with pointer loads,
+    the same per-block work as the padded case; dq / dk / dv are those given or None."""
+    total_q, heads_q, head_dim = q.shape
+    total_k, heads_k, _ = k.shape
+    grads = [t for t in (dq, dk, dv) if t is not None]
+    if total_q == 0 or total_k == 0 or heads_q == 0:
+        for t in grads:
+            t.zero_()                  # no score exists
+        return
+    if config is None:
+        config = configs.backward_config(head_dim=head_dim, dtype=q.dtype, device=q.device)
+    dkdv_cfg, dq_cfg = config
+    # delta and lse2 are per row: the packed rows are one batch entry of total_q rows.
+    delta, lse2 = preprocess(dout[None], out[None], lse[None], dlse[None] if dlse is not None else None,
+                             total_q, q.dtype == torch.float32)
+
+    def strides(*ts):
+        return [(0, *t.stride()[:2]) for t in ts]
+    if dk is not None:
+        _launch_dkdv(q, k, v, dout, lse2, delta, dk, dv, strides(q, k, v, dout, dk, dv),
+                     varlen.batch, heads_q, heads_k, head_dim, total_q, total_k, varlen.max_seqlen_k,
+                     total_q, sm_scale, causal, dkdv_cfg, q.dtype, False, varlen)
+    if dq is not None:
+        _launch_dq(q, k, v, dout, lse2, delta, dq, strides(q, k, v, dout, dq),
+                   varlen.batch, heads_q, heads_k, head_dim, total_q, total_k, varlen.max_seqlen_q,
+                   total_q, sm_scale, causal, dq_cfg, q.dtype, False, varlen)

@@ -2,6 +2,7 @@
 
 import functools
 import math
+from typing import NamedTuple
 
 import torch
 import triton
@@ -22,6 +23,22 @@ def on_input_device(launcher):
         with torch.cuda.device(first.device):
             return launcher(*args, **kwargs)
     return wrapped
+
+
+class Varlen(NamedTuple):
+    """A variable-length batch (FlashAttention's varlen layout): the sequences are packed one after
+    another along dim 0 of q [total_q, Hq, D] and k / v [total_k, Hkv, D]. Sequence b owns rows
+    cu_seqlens_q[b] .. cu_seqlens_q[b + 1] - 1 of q and cu_seqlens_k[b] .. cu_seqlens_k[b + 1] - 1
+    of k / v (both [B + 1] int32, from 0, non-decreasing); max_seqlen_q / max_seqlen_k bound the
+    lengths (they size the grids)."""
+    cu_seqlens_q: torch.Tensor
+    cu_seqlens_k: torch.Tensor
+    max_seqlen_q: int
+    max_seqlen_k: int
+
+    @property
+    def batch(self) -> int:
+        return self.cu_seqlens_q.shape[0] - 1
 
 
 def last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:

@@ -36,7 +36,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from . import configs
-from .common import (LOG2E, causal_key_range, finish_rows, load_kv_tile, on_input_device,
+from .common import (LOG2E, Varlen, causal_key_range, finish_rows, load_kv_tile, on_input_device,
                      online_softmax_step)
 from .configs import FwdConfig
 
@@ -97,14 +97,23 @@ def _attn_fwd_kernel(
     stride_ob, stride_os, stride_oh,
     num_heads_q, kv_group_size, seqlen_q, seqlen_k, num_m_blocks,
     sm_scale, qk_scale,                      # qk_scale = sm_scale * log2(e), rounded once on the host
+    CU_Q, CU_K,                              # VARLEN: [B + 1] int32 first row of each sequence
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_CAUSAL: tl.constexpr, TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, PRECISE: tl.constexpr,
+    VARLEN: tl.constexpr = False,
 ):
     """TMA selects how tiles move: False, pointer loads/stores (any GPU, the interpreter); True, 4-D
     [B, S, H, D] tensor descriptors built on the host (Q, K, V, O are then descriptors, not
     pointers). With descriptors, rows past seqlen and lanes past HEAD_DIM read as zeros and are never
-    written."""
+    written.
+
+    VARLEN (variable-length batches, pointers only): q/out are [total_q, Hq, D] and k/v [total_k, Hkv,
+    D] seen as one batch entry (batch strides 0); sequence b owns rows CU_Q[b] .. CU_Q[b + 1] - 1 of
+    q and CU_K[b] .. CU_K[b + 1] - 1 of k/v. seqlen_q is then total_q (the LSE is [Hq, total_q]),
+    seqlen_k is unused, and num_m_blocks covers the longest sequence: the blocks past a shorter
+    sequence's end do nothing."""
+    tl.static_assert(not (VARLEN and TMA), "packed sequences take pointer loads")
     # -- which (batch, head, query block) this program owns --
     # A 1-D grid: axis 0 allows 2^31 - 1 programs, so no B*H limit applies. Query blocks of one head
     # are neighbours (they share K/V in L2). Causal blocks run heaviest (last) block first.
@@ -122,8 +131,22 @@ def _attn_fwd_kernel(
     k_base = off_b.to(tl.int64) * stride_kb + off_hk.to(tl.int64) * stride_kh
     v_base = off_b.to(tl.int64) * stride_vb + off_hk.to(tl.int64) * stride_vh
     o_base = off_b.to(tl.int64) * stride_ob + off_h.to(tl.int64) * stride_oh
+    if VARLEN:
+        # This sequence's rows: from here on, seqlen_q / seqlen_k are its own lengths.
+        q_start = tl.load(CU_Q + off_b).to(tl.int64)
+        k_start = tl.load(CU_K + off_b).to(tl.int64)
+        lse_base = off_h.to(tl.int64) * seqlen_q + q_start             # LSE [Hq, total_q]
+        seqlen_q = (tl.load(CU_Q + off_b + 1) - q_start).to(tl.int32)
+        seqlen_k = (tl.load(CU_K + off_b + 1) - k_start).to(tl.int32)
+        q_base += q_start * stride_qs
+        o_base += q_start * stride_os
+        k_base += k_start * stride_ks
+        v_base += k_start * stride_vs
 
     start_m = pid_m * BLOCK_M
+    if VARLEN:
+        if start_m >= seqlen_q:
+            return                            # a block past this (shorter) sequence's end
     offs_m = start_m + tl.arange(0, BLOCK_M)  # [BM]
     offs_d = tl.arange(0, BLOCK_D)            # [BD]
     m_ok = offs_m < seqlen_q
@@ -156,7 +179,10 @@ def _attn_fwd_kernel(
 
     # -- epilogue: normalise; a row that saw no key gets out = 0 and lse = -inf --
     out, lse = finish_rows(acc, l_i, m_i, sm_scale)
-    lse_ptrs = LSE + pid_bh.to(tl.int64) * seqlen_q + offs_m
+    if VARLEN:
+        lse_ptrs = LSE + lse_base + offs_m
+    else:
+        lse_ptrs = LSE + pid_bh.to(tl.int64) * seqlen_q + offs_m          # LSE [B, Hq, Sq]
     tl.store(lse_ptrs, lse, mask=m_ok)
     if TMA:
         O.store([off_b, start_m, off_h, 0], out.to(O.dtype).reshape(1, BLOCK_M, 1, BLOCK_D))
@@ -218,13 +244,19 @@ def tma_compatible(*tensors: torch.Tensor) -> bool:
 
 @on_input_device
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float, causal: bool,
-            out: torch.Tensor | None = None, config: FwdConfig | None = None):
+            out: torch.Tensor | None = None, config: FwdConfig | None = None, varlen: Varlen | None = None):
     """Launch the forward kernel on validated [B, S, H, D] views (last stride 1).
 
     Returns (out [B, Sq, Hq, D] in q's dtype, lse [B, Hq, Sq] float32 natural log). ``out`` may be a
     preallocated [B, Sq, Hq, D] view with last stride 1 (the [B, H, S, D] API passes a transposed
     view so its result comes back contiguous in its own layout).
+
+    ``varlen``: q / out are [total_q, Hq, D] and k / v [total_k, Hkv, D] packed sequences (see
+    ``Varlen``); lse is then [Hq, total_q]. The Triton kernel runs them (pointer loads: a tile
+    descriptor would read across a sequence's end).
     """
+    if varlen is not None:
+        return _forward_varlen(q, k, v, sm_scale, causal, out, config, varlen)
     batch, seqlen_q, heads_q, head_dim = q.shape
     _, seqlen_k, heads_k, _ = k.shape
     if out is None:
@@ -257,20 +289,56 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float, 
     if tma:
         Q, O = host_descriptors(config.block_m, block_d, q, out)
         K, V = host_descriptors(config.block_n, block_d, k, v)
-    num_m_blocks = configs.cdiv(seqlen_q, config.block_m)
+    _launch(Q, K, V, O, lse, q.stride()[:3], k.stride()[:3], v.stride()[:3], out.stride()[:3],
+            batch, heads_q, heads_k, head_dim, seqlen_q, seqlen_k, seqlen_q, sm_scale, causal, config,
+            q.dtype, tma)
+    return out, lse
+
+
+def _launch(Q, K, V, O, lse, q_strides, k_strides, v_strides, o_strides, batch, heads_q, heads_k,
+            head_dim, seqlen_q, seqlen_k, max_seqlen_q, sm_scale, causal, config, dtype, tma, varlen=None):
+    """One launch of ``_attn_fwd_kernel``: a program per (batch, query head, query block of the
+    longest sequence)."""
+    num_m_blocks = configs.cdiv(max_seqlen_q, config.block_m)
     grid = (num_m_blocks * batch * heads_q,)
     _attn_fwd_kernel[grid](
         Q, K, V, O, lse,
-        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
+        *q_strides, *k_strides, *v_strides, *o_strides,
         heads_q, heads_q // heads_k, seqlen_q, seqlen_k, num_m_blocks,
         sm_scale, sm_scale * LOG2E,
-        HEAD_DIM=head_dim, BLOCK_D=block_d,
+        varlen.cu_seqlens_q if varlen is not None else None,
+        varlen.cu_seqlens_k if varlen is not None else None,
+        HEAD_DIM=head_dim, BLOCK_D=configs.head_dim_block(head_dim),
         BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         IS_CAUSAL=causal, TMA=tma,
         # fp32 inputs: full IEEE fp32 products (Triton's default would be tf32, ~1e-3 relative error).
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32",
         # fp32: the softmax's largest score gets p = 1 exactly (see online_softmax_step).
-        PRECISE=q.dtype == torch.float32,
+        PRECISE=dtype == torch.float32,
+        VARLEN=varlen is not None,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
+
+
+def _forward_varlen(q, k, v, sm_scale, causal, out, config, varlen: Varlen):
+    """``forward()`` on packed sequences: q / out [total_q, Hq, D], k / v [total_k, Hkv, D]."""
+    total_q, heads_q, head_dim = q.shape
+    total_k, heads_k, _ = k.shape
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty((heads_q, total_q), dtype=torch.float32, device=q.device)
+    if out.numel() == 0:
+        return out, lse
+    if total_k == 0:
+        out.zero_()                    # no key in any sequence: every row is empty
+        lse.fill_(float("-inf"))
+        return out, lse
+    if config is None:
+        config = configs.forward_config(head_dim=head_dim, dtype=q.dtype, causal=causal,
+                                        batch_heads=varlen.batch * heads_q, seqlen_q=varlen.max_seqlen_q,
+                                        device=q.device)
+    # Batch strides 0: the sequence's first row comes from cu_seqlens.
+    _launch(q, k, v, out, lse, (0, *q.stride()[:2]), (0, *k.stride()[:2]), (0, *v.stride()[:2]),
+            (0, *out.stride()[:2]), varlen.batch, heads_q, heads_k, head_dim, total_q, total_k,
+            varlen.max_seqlen_q, sm_scale, causal, config, q.dtype, False, varlen)
     return out, lse

@@ -1,0 +1,249 @@
+"""flash_attn_varlen_func: packed sequences of different lengths, forward and backward.
+
+Each sequence of the packed batch is checked against the float64 reference run on that sequence
+alone, by the suites' rules (helpers.py): the forward's 2x rule for out and lse, the backward's 3x
+rule for dQ, dK and dV. The lengths cover an empty sequence (no queries), a sequence with no keys,
+one-row sequences, tails that are no multiple of a block, and causal with more queries than keys
+(rows that see no key) and fewer.
+"""
+
+import pytest
+import torch
+from conftest import DTYPES, ON_GPU
+from helpers import DTYPE_ID, assert_grads_3x, assert_matches_reference, assert_no_nan, assert_raises_naming
+
+import triflash
+from triflash import api
+
+# (queries, keys) per sequence.
+LENGTHS = [(17, 17), (0, 9), (130, 100), (1, 1), (5, 0), (40, 71), (64, 64)]
+HEADS = [(4, 4), (4, 2), (4, 1)]
+HEADS_ID = {(4, 4): "mha", (4, 2): "gqa2", (4, 1): "mqa"}
+
+
+def _cu(lengths, device):
+    return torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32, device=device)
+
+
+def _packed(lengths, heads, head_dim, dtype, device, requires_grad=False):
+    """q [total_q, Hq, D], k, v [total_k, Hkv, D], cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k."""
+    lq, lk = zip(*lengths)
+
+    def randn(total, h):
+        return torch.randn(total, h, head_dim, dtype=dtype, device=device, requires_grad=requires_grad)
+    return (randn(sum(lq), heads[0]), randn(sum(lk), heads[1]), randn(sum(lk), heads[1]),
+            _cu(lq, device), _cu(lk, device), max(lq), max(lk))
+
+
+def _sequences(cu_q, cu_k):
+    """(slice of q's rows, slice of k's rows) of each sequence."""
+    cq, ck = cu_q.tolist(), cu_k.tolist()
+    return [(slice(cq[b], cq[b + 1]), slice(ck[b], ck[b + 1])) for b in range(len(cq) - 1)]
+
+
+def _cases():
+    dtypes = DTYPES
+    cases = []
+    for i, (causal, heads) in enumerate((c, h) for c in (False, True) for h in HEADS):
+        head_dim = (64, 40, 128)[i % 3] if ON_GPU else (32, 40)[i % 2]
+        for dtype in (dtypes if ON_GPU else [dtypes[i % len(dtypes)]]):
+            cases.append(pytest.param(causal, heads, head_dim, dtype,
+                                      id=f"{'causal' if causal else 'full'}-{HEADS_ID[heads]}-D{head_dim}-"
+                                         f"{DTYPE_ID[dtype]}"))
+    return cases
+
+
+@pytest.mark.parametrize("causal,heads,head_dim,dtype", _cases())
+def test_varlen_forward_matches_each_sequence(device, causal, heads, head_dim, dtype):
+    q, k, v, cu_q, cu_k, max_q, max_k = _packed(LENGTHS, heads, head_dim, dtype, device)
+    out, lse = triflash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, causal=causal,
+                                               return_lse=True)
+    assert out.shape == q.shape and out.dtype == dtype
+    assert lse.shape == (heads[0], q.shape[0]) and lse.dtype == torch.float32
+    for rows, keys in _sequences(cu_q, cu_k):
+        if rows.stop == rows.start:
+            continue
+        if keys.stop == keys.start:
+            # No key at all: every row is empty.
+            assert torch.equal(out[rows], torch.zeros_like(out[rows]))
+            assert torch.all(lse[:, rows] == float("-inf"))
+            continue
+        assert_matches_reference(out[rows][None], lse[:, rows][None], q[rows][None], k[keys][None],
+                                 v[keys][None], causal=causal)
+
+
+@pytest.mark.parametrize("causal,heads,head_dim,dtype", _cases())
+def test_varlen_backward_matches_each_sequence(device, causal, heads, head_dim, dtype):
+    """Gradients through out and lse (a loss on both), each sequence against its own reference; the
+    keys of a sequence with no queries and the queries of one with no keys get zero gradients."""
+    q, k, v, cu_q, cu_k, max_q, max_k = _packed(LENGTHS, heads, head_dim, dtype, device, requires_grad=True)
+    out, lse = triflash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, causal=causal,
+                                               return_lse=True)
+    dout = torch.randn_like(out)
+    dlse = torch.randn_like(lse)
+    # A row that sees no key has lse = -inf; its dlse has nothing to act on (its p are all 0).
+    torch.autograd.backward((out, lse), (dout, dlse))
+    for rows, keys in _sequences(cu_q, cu_k):
+        if rows.stop == rows.start or keys.stop == keys.start:
+            for name, g in (("dq", q.grad[rows]), ("dk", k.grad[keys]), ("dv", v.grad[keys])):
+                assert torch.equal(g, torch.zeros_like(g)), f"{name} of a sequence without scores"
+            continue
+        grads = (q.grad[rows][None], k.grad[keys][None], v.grad[keys][None])
+        assert_grads_3x(grads, q[rows][None], k[keys][None], v[keys][None], dout[rows][None], causal, dtype,
+                        dlse=dlse[:, rows][None])
+
+
+def test_varlen_reads_strided_inputs_in_place(device):
+    """q, k, v unbound from a packed [total, 3, H, D] tensor and a non-contiguous dout give the same
+    bits as contiguous copies."""
+    lengths = [(33, 33), (7, 7), (64, 64)]
+    cu = _cu([33, 7, 64], device)
+    qkv = torch.randn(104, 3, 4, 32, dtype=torch.float16, device=device, requires_grad=True)
+    q, k, v = qkv.unbind(1)
+    out = triflash.flash_attn_varlen_func(q, k, v, cu, cu, 64, 64, causal=True)
+    dout = torch.randn(104, 4, 64, dtype=torch.float16, device=device)[..., ::2]    # last stride 2
+    (dq, dk, dv) = torch.autograd.grad(out, (q, k, v), dout)
+    leaves = [t.detach().contiguous().requires_grad_() for t in (q, k, v)]
+    out2 = triflash.flash_attn_varlen_func(*leaves, cu, cu, 64, 64, causal=True)
+    grads2 = torch.autograd.grad(out2, leaves, dout.contiguous())
+    assert len(lengths) == 3
+    assert torch.equal(out, out2)
+    for g, g2 in zip((dq, dk, dv), grads2):
+        assert torch.equal(g, g2)
+
+
+def test_varlen_one_sequence_matches_flash_attn_func(device):
+    """One sequence packed is a batch of one: the same result as flash_attn_func on it (by the 2x rule:
+    on the GPU the dense call may take another kernel)."""
+    q, k, v, cu_q, cu_k, max_q, max_k = _packed([(77, 90)], (4, 2), 64, torch.float16, device)
+    out, lse = triflash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, causal=True,
+                                               return_lse=True)
+    dense, dense_lse = triflash.flash_attn_func(q[None], k[None], v[None], causal=True, return_lse=True)
+    if not ON_GPU:
+        # The interpreter runs the same Triton kernel on the same tiles: the same bits.
+        assert torch.equal(out, dense[0]) and torch.equal(lse, dense_lse[0])
+    assert_matches_reference(out[None], lse[None], q[None], k[None], v[None], causal=True)
+
+
+def test_varlen_max_seqlen_may_exceed_the_longest(device):
+    """max_seqlen_* only size the launch: larger values give the same bits."""
+    q, k, v, cu_q, cu_k, max_q, max_k = _packed([(20, 30), (9, 4)], (2, 2), 32, torch.float16, device)
+    out = triflash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k)
+    wide = triflash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q + 200, max_k + 300)
+    assert torch.equal(out, wide)
+
+
+def test_varlen_all_sequences_empty(device):
+    """No rows at all, and rows with no keys at all: shapes kept, zeros and -inf, zero gradients."""
+    q, k, v, cu_q, cu_k, _, _ = _packed([(0, 3), (0, 0)], (2, 1), 16, torch.float16, device, requires_grad=True)
+    out, lse = triflash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 0, 3, return_lse=True)
+    assert out.shape == (0, 2, 16) and lse.shape == (2, 0)
+    q, k, v, cu_q, cu_k, _, _ = _packed([(3, 0), (2, 0)], (2, 1), 16, torch.float16, device, requires_grad=True)
+    out, lse = triflash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 3, 0, return_lse=True)
+    assert torch.equal(out, torch.zeros_like(out)) and torch.all(lse == float("-inf"))
+    out.sum().backward()
+    assert torch.equal(q.grad, torch.zeros_like(q))
+    assert_no_nan("dq", q.grad)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="the interpreter runs a grid's programs one after another: only a "
+                                         "GPU can tell")
+def test_varlen_backward_is_deterministic(device):
+    q, k, v, cu_q, cu_k, max_q, max_k = _packed([(1000, 1000), (3, 500), (700, 20)], (6, 2), 64,
+                                                torch.float16, device, requires_grad=True)
+    out = triflash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, causal=True)
+    dout = torch.randn_like(out)
+    first = torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
+    for _ in range(19):
+        again = torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
+        for a, b in zip(first, again):
+            assert torch.equal(a, b)
+
+
+# -- bad input ----------------------------------------------------------------------------------------
+
+def _good(device):
+    return _packed([(5, 6), (3, 2)], (2, 1), 16, torch.float16, device)
+
+
+def test_varlen_rejects_bad_offsets(device):
+    q, k, v, cu_q, cu_k, max_q, max_k = _good(device)
+    f = triflash.flash_attn_varlen_func
+    assert_raises_naming(TypeError, ["cu_seqlens_q.dtype", "torch.int32", "torch.int64"],
+                         f, q, k, v, cu_q.long(), cu_k, max_q, max_k)
+    assert_raises_naming(ValueError, ["cu_seqlens_k", "1-D", "2-D"], f, q, k, v, cu_q, cu_k[None], max_q, max_k)
+    assert_raises_naming(ValueError, ["cu_seqlens_k", "as many entries", "3", "2"],
+                         f, q, k, v, cu_q, cu_k[:2], max_q, max_k)
+    bad = cu_q.clone()
+    bad[0] = 1
+    assert_raises_naming(ValueError, ["cu_seqlens_q[0]", "must be 0", "got 1"], f, q, k, v, bad, cu_k, max_q, max_k)
+    bad = torch.tensor([0, 6, 2], dtype=torch.int32, device=device)
+    assert_raises_naming(ValueError, ["cu_seqlens_k", "non-decreasing", "6", "2"],
+                         f, q, k, v, cu_q, bad, max_q, max_k)
+    bad = torch.tensor([0, 5, 7], dtype=torch.int32, device=device)
+    assert_raises_naming(ValueError, ["cu_seqlens_q[-1]", "8 rows", "got 7"], f, q, k, v, bad, cu_k, max_q, max_k)
+    assert_raises_naming(ValueError, ["max_seqlen_q", "length 5", "got max_seqlen_q = 4"],
+                         f, q, k, v, cu_q, cu_k, 4, max_k)
+    assert_raises_naming(TypeError, ["max_seqlen_k", "int", "float"], f, q, k, v, cu_q, cu_k, max_q, 6.0)
+    assert_raises_naming(ValueError, ["max_seqlen_k", ">= 0", "-1"], f, q, k, v, cu_q, cu_k, max_q, -1)
+
+
+def test_varlen_rejects_bad_tensors(device):
+    q, k, v, cu_q, cu_k, max_q, max_k = _good(device)
+    f = triflash.flash_attn_varlen_func
+    assert_raises_naming(ValueError, ["q", "3-D", "[total_q, heads_q, head_dim]", "4-D"],
+                         f, q[None], k, v, cu_q, cu_k, max_q, max_k)
+    assert_raises_naming(ValueError, ["v", "same shape as k"], f, q, k, v[:, :, :8], cu_q, cu_k, max_q, max_k)
+    assert_raises_naming(TypeError, ["k.dtype", "float16", "float32"], f, q, k.float(), v, cu_q, cu_k, max_q, max_k)
+    assert_raises_naming(ValueError, ["multiple", "Hq=2", "Hkv=3"],
+                         f, q, k.expand(-1, 3, -1), v.expand(-1, 3, -1), cu_q, cu_k, max_q, max_k)
+
+
+def test_varlen_offsets_check_can_be_switched_off(device, monkeypatch):
+    """CHECK_CU_SEQLENS = False skips the host read of the offsets (the shapes are still checked)."""
+    q, k, v, cu_q, cu_k, max_q, max_k = _good(device)
+    reads = []
+    real_cat = torch.cat
+    monkeypatch.setattr(torch, "cat", lambda *a, **kw: reads.append(1) or real_cat(*a, **kw))
+    triflash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k)
+    assert reads
+    reads.clear()
+    monkeypatch.setattr(api, "CHECK_CU_SEQLENS", False)
+    out = triflash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k)
+    assert not reads and out.shape == q.shape
+
+
+# -- torch.compile and the ops' registrations -----------------------------------------------------------
+
+BACKEND = "inductor" if ON_GPU else "aot_eager"
+
+
+def test_varlen_compiles_without_graph_breaks(device):
+    torch._dynamo.reset()
+    q, k, v, cu_q, cu_k, max_q, max_k = _packed([(20, 20), (9, 9), (33, 33)], (4, 2), 32, torch.float32,
+                                                device, requires_grad=True)
+
+    def step(q, k, v):
+        return (triflash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, causal=True) ** 2).mean()
+
+    compiled = torch.compile(step, backend=BACKEND, fullgraph=True)    # fullgraph: a break would raise
+    loss_c = compiled(q, k, v)
+    grads_c = torch.autograd.grad(loss_c, (q, k, v))
+    loss_e = step(q, k, v)
+    grads_e = torch.autograd.grad(loss_e, (q, k, v))
+    torch.testing.assert_close(loss_c, loss_e, rtol=1e-5, atol=1e-6)
+    for gc, ge in zip(grads_c, grads_e):
+        torch.testing.assert_close(gc, ge, rtol=1e-4, atol=1e-6)
+
+
+def test_varlen_opcheck(device):
+    import triflash.autograd  # noqa: F401  (registers torch.ops.triflash.*)
+
+    q, k, v, cu_q, cu_k, max_q, max_k = _packed([(20, 24), (3, 0), (9, 5)], (2, 1), 32, torch.float16, device,
+                                                requires_grad=True)
+    torch.library.opcheck(torch.ops.triflash.varlen_fwd.default, (q, k, v, cu_q, cu_k, max_q, max_k, 0.2, True))
+    out, lse = torch.ops.triflash.varlen_fwd(q.detach(), k.detach(), v.detach(), cu_q, cu_k, max_q, max_k, 0.2,
+                                             True)
+    torch.library.opcheck(torch.ops.triflash.varlen_bwd.default,
+                          (torch.randn_like(out), q.detach(), k.detach(), v.detach(), out, lse, None, cu_q, cu_k,
+                           max_q, max_k, 0.2, True, True, True))
