@@ -20,7 +20,7 @@ from triflash.bench.checking import (decode_reference, make_decode_case, make_de
                                      reference_forward_backward)
 from triflash.bench.decode import SdpaDecode, TriflashKVCache
 from triflash.bench.interpreter import interpreter_blocker, report_without_gpu
-from triflash.bench.providers import FlashAttn2, Naive, Provider, Sdpa
+from triflash.bench.providers import FlashAttn2, Naive, Provider, Sdpa, TriflashVarlen
 from triflash.bench.report import markdown, write_json
 from triflash.bench.runner import Result, add_speedups, run_all
 from triflash.reference import attention_ref, flash_attn_ref, naive_attention
@@ -62,9 +62,12 @@ def test_defaults_are_the_seed_workload():
     assert args.mode == "fwd" and args.dtype == "fp16"
     assert args.workloads == [W.Workload("fwd", 4, 16, 16, 4096, 4096, 64, "fp16", causal)
                               for causal in (False, True)]
-    assert args.provider_names == cli.provider_names("fwd")
+    assert args.provider_names == cli.provider_names("fwd", defaults_only=True)
     assert {"triflash", "naive", "sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "sdpa-math", "fa2", "fa3",
             "fa4", "flashinfer"} == set(args.provider_names)
+    # Opt-in: named, it runs (in table order, after triflash).
+    assert cli.parse_args(["--providers", "sdpa-cudnn,triflash-varlen,triflash"]).provider_names == [
+        "triflash", "triflash-varlen", "sdpa-cudnn"]
     assert args.out == Path("bench-out") and not args.no_plots
     assert (args.warmup, args.rep) == (25.0, 100.0)
 
@@ -252,6 +255,23 @@ def test_backward_is_checked_and_a_provider_without_one_is_unavailable(device):
     assert "no backward" in results["forward-only"].detail
     assert results["naive"].status == "ok" and results["sdpa-math"].status == "ok"
     assert "max error" in results["naive"].detail
+
+
+@pytest.mark.parametrize("mode", ["fwd", "bwd"])
+def test_triflash_varlen_provider_is_checked_and_timed(device, mode, monkeypatch):
+    """The packed path, equal lengths: passes the check (forward, and gradients in bwd), and its
+    offsets' host check is off while it runs and back on afterwards."""
+    from triflash import api
+
+    seen = []
+    provider = TriflashVarlen()
+    real_run = TriflashVarlen.run
+    monkeypatch.setattr(TriflashVarlen, "run",
+                        lambda self, *a: seen.append(api.CHECK_CU_SEQLENS) or real_run(self, *a))
+    (result,) = run_all([small(mode, causal=True, batch=2, heads_kv=1)], [provider], FakeTimer(), device,
+                        progress=lambda line: None)
+    assert result.status == "ok", result.detail
+    assert seen and not any(seen) and api.CHECK_CU_SEQLENS
 
 
 class Spy(Naive):

@@ -35,7 +35,8 @@ Without a CUDA GPU: a correctness check in Triton's interpreter instead (no timi
 EPILOG = """\
 providers (fwd/bwd/fwdbwd): {dense}
 providers (decode):         {decode}
-Providers whose package is missing are listed as unavailable, with the reason.
+Providers whose package is missing are listed as unavailable, with the reason. triflash-varlen
+(flash_attn_varlen_func on the batch packed as equal-length sequences) runs only when named.
 
 Outputs: a Markdown report on stdout (also OUT/results.md), every number in OUT/results.json, and PNG
 figures in OUT (with matplotlib: pip install 'triflash[bench]'). Progress goes to stderr.
@@ -43,8 +44,11 @@ Exit status: 0, or 1 when triflash fails its correctness check (on the GPU or in
 """
 
 
-def provider_names(mode: str) -> list[str]:
-    return [p.name for p in (decode_providers() if mode == "decode" else dense_providers())]
+def provider_names(mode: str, defaults_only: bool = False) -> list[str]:
+    """Every provider of ``mode`` in table order; ``defaults_only``: those run when --providers is not
+    given (opt-in ones, such as triflash-varlen, are left out)."""
+    return [p.name for p in (decode_providers() if mode == "decode" else dense_providers())
+            if p.default or not defaults_only]
 
 
 def _positive_int(text: str) -> int:
@@ -118,7 +122,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     except ValueError as exc:
         parser.error(str(exc))
     known = provider_names(args.mode)
-    chosen = args.providers or known
+    chosen = args.providers or provider_names(args.mode, defaults_only=True)
     unknown = [p for p in chosen if p not in known]
     if unknown:
         parser.error(f"unknown provider(s) for --mode {args.mode}: {', '.join(unknown)}; "

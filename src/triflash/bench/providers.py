@@ -9,7 +9,8 @@ Layouts:
 
 * ``bshd``   [batch, seqlen, heads, head_dim]: FlashAttention's (triflash.flash_attn_func, FA2/3/4);
 * ``bhsd``   [batch, heads, seqlen, head_dim]: PyTorch's SDPA and the seeds' naive attention;
-* ``tokens`` [batch * seqlen, heads, head_dim]: FlashInfer's ragged batch (a view of bshd).
+* ``tokens`` [batch * seqlen, heads, head_dim]: FlashInfer's ragged batch and triflash's packed
+  (varlen) one (a view of bshd).
 """
 
 from __future__ import annotations
@@ -74,6 +75,7 @@ class Provider:
     name = ""
     description = ""
     layout = "bshd"
+    default = True          # run when --providers is not given
 
     def load(self) -> None:
         """Import what the provider needs (once per run); raise ImportError or Unavailable."""
@@ -109,6 +111,39 @@ class Triflash(Provider):
         import triflash
 
         self.fn = triflash.flash_attn_func
+
+
+class TriflashVarlen(Provider):
+    """triflash.flash_attn_varlen_func on the batch packed as equal-length sequences: what the packed
+    path costs against ``triflash`` at the same shapes. The offsets' host check (one synchronisation
+    per call) is switched off around the timing, as FlashAttention has none."""
+
+    name = "triflash-varlen"
+    layout = "tokens"
+    default = False
+    description = "triflash.flash_attn_varlen_func (equal lengths, offsets check off)"
+
+    def load(self):
+        import triflash
+        from triflash import api
+
+        self.fn, self.api = triflash.flash_attn_varlen_func, api
+
+    def setup(self, wl, device):
+        self.cu_q = torch.arange(wl.batch + 1, dtype=torch.int32, device=device) * wl.seqlen_q
+        self.cu_k = torch.arange(wl.batch + 1, dtype=torch.int32, device=device) * wl.seqlen_k
+        self.max_seqlens = (wl.seqlen_q, wl.seqlen_k)
+
+    @contextlib.contextmanager
+    def context(self):
+        saved, self.api.CHECK_CU_SEQLENS = self.api.CHECK_CU_SEQLENS, False
+        try:
+            yield
+        finally:
+            self.api.CHECK_CU_SEQLENS = saved
+
+    def run(self, q, k, v, causal):
+        return self.fn(q, k, v, self.cu_q, self.cu_k, *self.max_seqlens, causal=causal)
 
 
 class Naive(Provider):
@@ -220,5 +255,5 @@ class FlashInfer(Provider):
 
 def dense_providers() -> list[Provider]:
     """Every fwd/bwd/fwdbwd provider, in the order of the tables."""
-    return [Triflash(), Naive(), *(Sdpa(b) for b in Sdpa.BACKENDS), FlashAttn2(), FlashAttn3(),
+    return [Triflash(), TriflashVarlen(), Naive(), *(Sdpa(b) for b in Sdpa.BACKENDS), FlashAttn2(), FlashAttn3(),
             FlashAttn4(), FlashInfer()]
