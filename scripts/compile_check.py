@@ -6,7 +6,7 @@ Triton's whole pipeline and ptxas (bundled with the triton wheel). This catches 
 errors the interpreter cannot see, and reports registers, spills and shared memory per variant; with
 --sass it also counts HGMMA (Hopper tensor-core) instructions in the disassembly.
 
-    PYTHONPATH=src python scripts/compile_check.py [--sass] [--only forward|backward|varlen|decode|merge]
+    PYTHONPATH=src python scripts/compile_check.py [--sass] [--only forward|backward|varlen|long|decode|merge]
         [--sass-dump DIR]
 """
 
@@ -193,6 +193,36 @@ def varlen_cases():
                                  config=bcfg, varlen=vl)))
 
 
+def long_cases():
+    """The kernels with 64-bit row offsets (LONG, taken when row * row stride can pass 2^31 - 1):
+    forced here on small tensors (the flag, not the sizes, decides the code), including a row stride
+    of 1 (one head of head_dim 1), which Triton passes as a constant."""
+    import contextlib
+    from unittest import mock
+
+    from triflash.kernels import common
+
+    @contextlib.contextmanager
+    def forced():
+        with mock.patch.object(F, "needs_int64_rows", lambda *t: True), \
+                mock.patch.object(B, "needs_int64_rows", lambda *t: True):
+            yield
+    for dtype in (torch.float16, torch.float32):
+        for d, heads in ((64, (4, 2)), (128, (4, 2)), (1, (1, 1))):
+            for causal in (False, True):
+                q, k, v = qkv(2, 300, 300, heads[0], heads[1], d, dtype)
+                cfg = configs.FwdConfig(64, 64, 4, 2, tma="none")
+                bcfg = configs.backward_config(head_dim=d, dtype=dtype, device="cpu")
+
+                def run(q=q, k=k, v=v, cfg=cfg, bcfg=bcfg, causal=causal):
+                    with forced():
+                        out, lse = F.forward(q, k, v, 0.1, causal, config=cfg)
+                        B.backward(torch.randn_like(q), q, k, v, out, torch.randn(2, q.shape[2], 300), 0.1,
+                                   causal, config=bcfg)
+                yield f"long {TYPES[dtype]} D{d} {'causal' if causal else 'full'}", run
+    assert common.needs_int64_rows(torch.empty(1, 2**19 + 1, 32, 128, device="meta"))
+
+
 def choose_forward(d, dtype, causal, bh, sq):
     return configs.forward_config(head_dim=d, dtype=dtype, causal=causal, batch_heads=bh, seqlen_q=sq,
                                   device="cuda")
@@ -247,12 +277,12 @@ def merge_cases():
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--sass", action="store_true")
-    ap.add_argument("--only", choices=["forward", "backward", "varlen", "decode", "merge"])
+    ap.add_argument("--only", choices=["forward", "backward", "varlen", "long", "decode", "merge"])
     ap.add_argument("--sass-dump", metavar="DIR", help="write every kernel's SASS into DIR")
     a = ap.parse_args()
     if a.sass_dump:
         os.makedirs(a.sass_dump, exist_ok=True)
-    groups = {"forward": forward_cases, "backward": backward_cases, "varlen": varlen_cases,
+    groups = {"forward": forward_cases, "backward": backward_cases, "varlen": varlen_cases, "long": long_cases,
               "decode": decode_cases, "merge": merge_cases}
     ok = True
     for name, cases in groups.items():

@@ -38,7 +38,7 @@ import triton.language as tl
 
 from . import configs
 from .common import (LOG2E, LOG2E_K, Varlen, add_rn, causal_key_range, last_dim_contiguous, mul_rn,
-                     on_input_device)
+                     needs_int64_rows, on_input_device, wide)
 from .configs import BwdConfig
 from .forward import host_descriptors, tma_compatible
 
@@ -50,10 +50,12 @@ def _bwd_preprocess_kernel(
     stride_dob, stride_dos, stride_doh,
     num_heads, seqlen_q, rows_out, num_m_blocks,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, HAS_DLSE: tl.constexpr,
-    PRECISE_P: tl.constexpr,
+    PRECISE_P: tl.constexpr, LONG: tl.constexpr = False,
 ):
     """Delta and LSE2 are [B, H, rows_out] with rows_out >= seqlen_q (the Hopper backward reads whole
-    tiles of them with TMA): rows from seqlen_q on get delta = 0 and lse2 = +inf."""
+    tiles of them with TMA): rows from seqlen_q on get delta = 0 and lse2 = +inf. LONG: 64-bit row
+    offsets (``common.needs_int64_rows``), as in every kernel of this file."""
+    stride_os, stride_dos = wide(stride_os, LONG), wide(stride_dos, LONG)
     pid = tl.program_id(0)
     pid_m = pid % num_m_blocks
     pid_bh = pid // num_m_blocks
@@ -153,13 +155,15 @@ def _bwd_dkdv_kernel(
     sm_scale, qk_scale, CU_Q, CU_K,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr, PRECISE_P: tl.constexpr, TMA: tl.constexpr,
-    VARLEN: tl.constexpr = False,
+    VARLEN: tl.constexpr = False, LONG: tl.constexpr = False,
 ):
     """TMA: Q and DO are host-built 4-D tensor descriptors instead of pointers. LSE2 and Delta are
     [B, Hq, stats_rows] (stats_rows >= seqlen_q), as for the dQ kernel. VARLEN: packed sequences as
     in the forward kernel (batch strides 0, rows from CU_Q / CU_K); LSE2 and Delta are then
     [Hq, stats_rows = total_q]."""
     tl.static_assert(not (VARLEN and TMA), "packed sequences take pointer loads")
+    stride_qs, stride_ks, stride_vs = wide(stride_qs, LONG), wide(stride_ks, LONG), wide(stride_vs, LONG)
+    stride_dos, stride_dks, stride_dvs = wide(stride_dos, LONG), wide(stride_dks, LONG), wide(stride_dvs, LONG)
     pid = tl.program_id(0)
     pid_n = pid % num_n_blocks
     pid_bh = pid // num_n_blocks
@@ -283,12 +287,14 @@ def _bwd_dq_kernel(
     sm_scale, qk_scale, CU_Q, CU_K,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr, PRECISE_P: tl.constexpr, TMA: tl.constexpr,
-    VARLEN: tl.constexpr = False,
+    VARLEN: tl.constexpr = False, LONG: tl.constexpr = False,
 ):
     """TMA: K and V are host-built 4-D tensor descriptors instead of pointers. LSE2 and Delta are
     [B, Hq, stats_rows] (stats_rows >= seqlen_q: padded when the Hopper dK/dV kernel reads them).
     VARLEN: packed sequences, as in the dK/dV kernel."""
     tl.static_assert(not (VARLEN and TMA), "packed sequences take pointer loads")
+    stride_qs, stride_ks, stride_vs = wide(stride_qs, LONG), wide(stride_ks, LONG), wide(stride_vs, LONG)
+    stride_dos, stride_dqs = wide(stride_dos, LONG), wide(stride_dqs, LONG)
     pid = tl.program_id(0)
     pid_m = pid % num_m_blocks
     if IS_CAUSAL:
@@ -372,7 +378,7 @@ def preprocess(dout, out, lse, dlse, rows_out: int, precise_p: bool):
         out, dout, lse.contiguous(), dlse, delta, lse2, *_s(out), *_s(dout),
         heads_q, seqlen_q, rows_out, pre_blocks,
         HEAD_DIM=head_dim, BLOCK_D=configs.head_dim_block(head_dim), BLOCK_M=pre_block,
-        HAS_DLSE=dlse is not None, PRECISE_P=precise_p,
+        HAS_DLSE=dlse is not None, PRECISE_P=precise_p, LONG=needs_int64_rows(out, dout),
     )
     return delta, lse2
 
@@ -478,6 +484,7 @@ def _launch_dkdv(Q, K, V, DO, lse2, delta, dk, dv, strides, batch, heads_q, head
         HEAD_DIM=head_dim, BLOCK_D=configs.head_dim_block(head_dim), BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n, IS_CAUSAL=causal, DOT_PRECISION=_precision(dtype),
         PRECISE_P=dtype == torch.float32, TMA=tma, VARLEN=varlen is not None,
+        LONG=needs_int64_rows(Q, K, V, DO, dk, dv),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 
@@ -494,6 +501,7 @@ def _launch_dq(Q, K, V, DO, lse2, delta, dq, strides, batch, heads_q, heads_k, h
         HEAD_DIM=head_dim, BLOCK_D=configs.head_dim_block(head_dim), BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n, IS_CAUSAL=causal, DOT_PRECISION=_precision(dtype),
         PRECISE_P=dtype == torch.float32, TMA=tma, VARLEN=varlen is not None,
+        LONG=needs_int64_rows(Q, K, V, DO, dq),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 

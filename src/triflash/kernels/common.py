@@ -41,6 +41,31 @@ class Varlen(NamedTuple):
         return self.cu_seqlens_q.shape[0] - 1
 
 
+def needs_int64_rows(*tensors: torch.Tensor) -> bool:
+    """Whether a pointer-loading kernel needs 64-bit row offsets (its ``LONG`` flag) for these
+    [..., S, H, D] tensors. The kernels form a (batch, head)'s base offset in int64, but an offset
+    inside it, row * row stride + lane, in int32: that wraps once (S - 1) * |row stride| + D passes
+    2^31 - 1 (in FlashAttention's layout, S * H * D elements: 512k rows of 32 heads x 128 lanes).
+    Arguments that are not tensors (TMA descriptors, which take coordinates) are skipped."""
+    for t in tensors:
+        if not isinstance(t, torch.Tensor):
+            continue
+        rows = t.shape[-3]
+        if rows and (rows - 1) * abs(t.stride(-3)) + t.shape[-1] > 2**31 - 1:
+            return True
+    return False
+
+
+@triton.jit
+def wide(stride, LONG: tl.constexpr):
+    """A row stride as the kernels multiply it: int64 when LONG (see ``needs_int64_rows``), so that
+    row * stride cannot wrap; else as it came (int32), so nothing changes for the usual sizes."""
+    if LONG:
+        return tl.cast(stride, tl.int64)
+    else:
+        return stride
+
+
 def last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
     """t, or a copy when its last dimension is strided: the kernels need unit stride on head_dim only
     and read every other dimension through its stride."""

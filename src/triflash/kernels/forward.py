@@ -36,8 +36,8 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from . import configs
-from .common import (LOG2E, Varlen, causal_key_range, finish_rows, load_kv_tile, on_input_device,
-                     online_softmax_step)
+from .common import (LOG2E, Varlen, causal_key_range, finish_rows, load_kv_tile, needs_int64_rows,
+                     on_input_device, online_softmax_step, wide)
 from .configs import FwdConfig
 
 
@@ -101,7 +101,7 @@ def _attn_fwd_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_CAUSAL: tl.constexpr, TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, PRECISE: tl.constexpr,
-    VARLEN: tl.constexpr = False,
+    VARLEN: tl.constexpr = False, LONG: tl.constexpr = False,
 ):
     """TMA selects how tiles move: False, pointer loads/stores (any GPU, the interpreter); True, 4-D
     [B, S, H, D] tensor descriptors built on the host (Q, K, V, O are then descriptors, not
@@ -110,10 +110,14 @@ def _attn_fwd_kernel(
 
     VARLEN (variable-length batches, pointers only): q/out are [total_q, Hq, D] and k/v [total_k, Hkv,
     D] seen as one batch entry (batch strides 0); sequence b owns rows CU_Q[b] .. CU_Q[b + 1] - 1 of
-    q and CU_K[b] .. CU_K[b + 1] - 1 of k/v. seqlen_q is then total_q (the LSE is [Hq, total_q]),
-    seqlen_k is unused, and num_m_blocks covers the longest sequence: the blocks past a shorter
-    sequence's end do nothing."""
+    q and CU_K[b] .. CU_K[b + 1] - 1 of k/v. seqlen_q / seqlen_k come in as total_q / total_k (the
+    LSE is [Hq, total_q]) and are replaced by the sequence's own lengths; num_m_blocks covers the
+    longest sequence: the blocks past a shorter sequence's end return at once.
+
+    LONG: row offsets inside a (batch, head) in int64 (``common.needs_int64_rows``)."""
     tl.static_assert(not (VARLEN and TMA), "packed sequences take pointer loads")
+    stride_qs, stride_ks = wide(stride_qs, LONG), wide(stride_ks, LONG)
+    stride_vs, stride_os = wide(stride_vs, LONG), wide(stride_os, LONG)
     # -- which (batch, head, query block) this program owns --
     # A 1-D grid: axis 0 allows 2^31 - 1 programs, so no B*H limit applies. Query blocks of one head
     # are neighbours (they share K/V in L2). Causal blocks run heaviest (last) block first.
@@ -315,7 +319,7 @@ def _launch(Q, K, V, O, lse, q_strides, k_strides, v_strides, o_strides, batch, 
         DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32",
         # fp32: the softmax's largest score gets p = 1 exactly (see online_softmax_step).
         PRECISE=dtype == torch.float32,
-        VARLEN=varlen is not None,
+        VARLEN=varlen is not None, LONG=needs_int64_rows(Q, K, V, O),
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
 
