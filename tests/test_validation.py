@@ -52,6 +52,7 @@ def _bad_inputs(device):
         ("scale-nan", (q, k, v), {"softmax_scale": float("nan")}, ValueError, ["softmax_scale", "nan"]),
         ("scale-negative", (q, k, v), {"softmax_scale": -1.0}, ValueError, ["softmax_scale", "-1.0"]),
         ("causal-type", (q, k, v), {"causal": "yes"}, TypeError, ["causal", "bool", "str"]),
+        ("return-lse-type", (q, k, v), {"return_lse": 1}, TypeError, ["return_lse", "bool", "int"]),
     ]
 
 

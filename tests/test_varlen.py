@@ -94,19 +94,18 @@ def test_varlen_backward_matches_each_sequence(device, causal, heads, head_dim, 
 
 
 def test_varlen_reads_strided_inputs_in_place(device):
-    """q, k, v unbound from a packed [total, 3, H, D] tensor and a non-contiguous dout give the same
-    bits as contiguous copies."""
-    lengths = [(33, 33), (7, 7), (64, 64)]
+    """q, k, v unbound from a packed [total, 3, H, D] tensor and a dout sliced out of a wider tensor
+    (row stride 4 x 96, read in place) give the same bits as contiguous copies."""
     cu = _cu([33, 7, 64], device)
     qkv = torch.randn(104, 3, 4, 32, dtype=torch.float16, device=device, requires_grad=True)
     q, k, v = qkv.unbind(1)
     out = triflash.flash_attn_varlen_func(q, k, v, cu, cu, 64, 64, causal=True)
-    dout = torch.randn(104, 4, 64, dtype=torch.float16, device=device)[..., ::2]    # last stride 2
+    dout = torch.randn(104, 4, 96, dtype=torch.float16, device=device)[..., 16:48]
+    assert dout.stride() == (384, 96, 1)
     (dq, dk, dv) = torch.autograd.grad(out, (q, k, v), dout)
     leaves = [t.detach().contiguous().requires_grad_() for t in (q, k, v)]
     out2 = triflash.flash_attn_varlen_func(*leaves, cu, cu, 64, 64, causal=True)
     grads2 = torch.autograd.grad(out2, leaves, dout.contiguous())
-    assert len(lengths) == 3
     assert torch.equal(out, out2)
     for g, g2 in zip((dq, dk, dv), grads2):
         assert torch.equal(g, g2)
@@ -138,12 +137,23 @@ def test_varlen_all_sequences_empty(device):
     q, k, v, cu_q, cu_k, _, _ = _packed([(0, 3), (0, 0)], (2, 1), 16, torch.float16, device, requires_grad=True)
     out, lse = triflash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 0, 3, return_lse=True)
     assert out.shape == (0, 2, 16) and lse.shape == (2, 0)
+    out.sum().backward()
+    assert torch.equal(k.grad, torch.zeros_like(k)) and torch.equal(v.grad, torch.zeros_like(v))
     q, k, v, cu_q, cu_k, _, _ = _packed([(3, 0), (2, 0)], (2, 1), 16, torch.float16, device, requires_grad=True)
     out, lse = triflash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 3, 0, return_lse=True)
     assert torch.equal(out, torch.zeros_like(out)) and torch.all(lse == float("-inf"))
     out.sum().backward()
     assert torch.equal(q.grad, torch.zeros_like(q))
     assert_no_nan("dq", q.grad)
+
+
+def test_varlen_max_seqlen_is_cut_to_the_packed_length(device):
+    """A bound far past any sequence (here 2^40, whose grid would pass CUDA's limit) is cut to the
+    packed total: the same bits as the exact bound."""
+    q, k, v, cu_q, cu_k, max_q, max_k = _packed([(20, 30), (9, 4)], (2, 2), 32, torch.float16, device)
+    out = triflash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k)
+    huge = triflash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 2**40, 2**40)
+    assert torch.equal(out, huge)
 
 
 @pytest.mark.skipif(not ON_GPU, reason="the interpreter runs a grid's programs one after another: only a "
@@ -186,6 +196,25 @@ def test_varlen_rejects_bad_offsets(device):
                          f, q, k, v, cu_q, cu_k, 4, max_k)
     assert_raises_naming(TypeError, ["max_seqlen_k", "int", "float"], f, q, k, v, cu_q, cu_k, max_q, 6.0)
     assert_raises_naming(ValueError, ["max_seqlen_k", ">= 0", "-1"], f, q, k, v, cu_q, cu_k, max_q, -1)
+    bad = torch.tensor([0, 6, 7], dtype=torch.int32, device=device)          # a sequence of 6 keys
+    assert_raises_naming(ValueError, ["max_seqlen_k", "sequence 0 of length 6", "got max_seqlen_k = 5"],
+                         f, q, k[:7], v[:7], cu_q, bad, max_q, 5)
+
+
+def test_varlen_options_are_keyword_only(device):
+    """FlashAttention 2 has dropout_p in the eighth place: a ported positional call raises instead of
+    taking it for the scale."""
+    q, k, v, cu_q, cu_k, max_q, max_k = _good(device)
+    with pytest.raises(TypeError, match="positional"):
+        triflash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, 0.1)
+    assert_raises_naming(TypeError, ["return_lse", "bool", "int"], triflash.flash_attn_varlen_func,
+                         q, k, v, cu_q, cu_k, max_q, max_k, return_lse=1)
+
+
+def test_varlen_torch_func_transforms_raise(device):
+    q, k, v, cu_q, cu_k, max_q, max_k = _good(device)
+    with pytest.raises(NotImplementedError, match="torch.func"):
+        torch.func.grad(lambda q: triflash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k).sum())(q)
 
 
 def test_varlen_rejects_bad_tensors(device):
@@ -203,14 +232,16 @@ def test_varlen_offsets_check_can_be_switched_off(device, monkeypatch):
     """CHECK_CU_SEQLENS = False skips the host read of the offsets (the shapes are still checked)."""
     q, k, v, cu_q, cu_k, max_q, max_k = _good(device)
     reads = []
-    real_cat = torch.cat
-    monkeypatch.setattr(torch, "cat", lambda *a, **kw: reads.append(1) or real_cat(*a, **kw))
+    real_check = api._check_cu_seqlens
+    monkeypatch.setattr(api, "_check_cu_seqlens", lambda *a: reads.append(1) or real_check(*a))
     triflash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k)
     assert reads
     reads.clear()
     monkeypatch.setattr(api, "CHECK_CU_SEQLENS", False)
     out = triflash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k)
     assert not reads and out.shape == q.shape
+    assert_raises_naming(ValueError, ["cu_seqlens_k", "as many entries"], triflash.flash_attn_varlen_func,
+                         q, k, v, cu_q, cu_k[:2], max_q, max_k)
 
 
 # -- torch.compile and the ops' registrations -----------------------------------------------------------
@@ -244,6 +275,8 @@ def test_varlen_opcheck(device):
     torch.library.opcheck(torch.ops.triflash.varlen_fwd.default, (q, k, v, cu_q, cu_k, max_q, max_k, 0.2, True))
     out, lse = torch.ops.triflash.varlen_fwd(q.detach(), k.detach(), v.detach(), cu_q, cu_k, max_q, max_k, 0.2,
                                              True)
-    torch.library.opcheck(torch.ops.triflash.varlen_bwd.default,
-                          (torch.randn_like(out), q.detach(), k.detach(), v.detach(), out, lse, None, cu_q, cu_k,
-                           max_q, max_k, 0.2, True, True, True))
+    dout, dlse = torch.randn_like(out), torch.randn_like(lse)
+    for dl, need_dq, need_dkdv in ((None, True, True), (dlse, True, True), (dlse, False, True), (None, True, False)):
+        torch.library.opcheck(torch.ops.triflash.varlen_bwd.default,
+                              (dout, q.detach(), k.detach(), v.detach(), out, lse, dl, cu_q, cu_k, max_q, max_k,
+                               0.2, True, need_dq, need_dkdv))

@@ -172,6 +172,7 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, return_lse=False)
         lse is [batch, heads_q, seqlen_q] float32, natural log.
     """
     scale = validate_qkv(q, k, v, "bshd", "softmax_scale", softmax_scale, causal)
+    _require_bool("return_lse", return_lse)
     q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
     out, lse = _autograd.forward(q, k, v, scale, causal, False)
     return (out, lse) if return_lse else out
@@ -189,6 +190,7 @@ def attention(q, k, v, causal=False, sm_scale=None, return_lse=False):
         (out, lse) with lse [batch, heads_q, seqlen_q] float32, natural log.
     """
     scale = validate_qkv(q, k, v, "bhsd", "sm_scale", sm_scale, causal)
+    _require_bool("return_lse", return_lse)
     q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
     out, lse = _autograd.forward(q, k, v, scale, causal, True)
     return (out, lse) if return_lse else out
@@ -215,20 +217,35 @@ def _require_int(name: str, value, minimum: int = 0) -> int:
     return int(value)
 
 
-def _check_cu_seqlens(name: str, values: list[int], total: int, max_name: str, max_seqlen: int) -> None:
-    """The values of one cu_seqlens tensor, read on the host."""
-    if values[0] != 0:
-        raise ValueError(f"{name}[0] must be 0 (the first sequence starts at row 0), got {values[0]}")
-    for b in range(len(values) - 1):
-        length = values[b + 1] - values[b]
-        if length < 0:
+def _check_cu_seqlens(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, totals: tuple[int, int],
+                      max_seqlens: tuple[int, int]) -> None:
+    """The offsets' values: each starts at 0, never decreases, ends at its packed length, and no
+    sequence is longer than its max_seqlen. A few numbers per tensor reach the host in one copy; only
+    a failed check looks further (for the message)."""
+    names = ("cu_seqlens_q", "cu_seqlens_k")
+    stats = []
+    for cu in (cu_seqlens_q, cu_seqlens_k):
+        lengths = (cu[1:] - cu[:-1]).long()
+        shortest = lengths.min() if lengths.numel() else cu.new_zeros((), dtype=torch.long)
+        longest = lengths.max() if lengths.numel() else cu.new_zeros((), dtype=torch.long)
+        stats += [cu[0].long(), cu[-1].long(), shortest, longest]
+    stats = torch.stack(stats).tolist()                                   # the one sync
+    for i, (name, cu) in enumerate(zip(names, (cu_seqlens_q, cu_seqlens_k))):
+        first, last, shortest, longest = stats[4 * i: 4 * i + 4]
+        max_name = "max_seqlen_" + name[-1]
+        if first != 0:
+            raise ValueError(f"{name}[0] must be 0 (the first sequence starts at row 0), got {first}")
+        if shortest < 0:
+            b = int(torch.argmin(cu[1:] - cu[:-1]))
             raise ValueError(f"{name} must be non-decreasing (sequence lengths >= 0), got {name}[{b}] = "
-                             f"{values[b]} > {name}[{b + 1}] = {values[b + 1]}")
-        if length > max_seqlen:
-            raise ValueError(f"{max_name} must be >= every sequence's length, got {max_name} = {max_seqlen} "
-                             f"and sequence {b} of length {length} ({name}[{b + 1}] - {name}[{b}])")
-    if values[-1] != total:
-        raise ValueError(f"{name}[-1] must equal the packed length ({total} rows), got {values[-1]}")
+                             f"{int(cu[b])} > {name}[{b + 1}] = {int(cu[b + 1])}")
+        if last != totals[i]:
+            raise ValueError(f"{name}[-1] must equal the packed length ({totals[i]} rows), got {last}")
+        if longest > max_seqlens[i]:
+            b = int(torch.argmax(cu[1:] - cu[:-1]))
+            raise ValueError(f"{max_name} must be >= every sequence's length, got {max_name} = "
+                             f"{max_seqlens[i]} and sequence {b} of length {longest} ({name}[{b + 1}] - "
+                             f"{name}[{b}])")
 
 
 def validate_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
@@ -269,14 +286,13 @@ def validate_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
     if (CHECK_CU_SEQLENS and not torch.compiler.is_compiling()
             and type(cu_seqlens_q) is torch.Tensor and type(cu_seqlens_k) is torch.Tensor
             and not (q.device.type == "cuda" and torch.cuda.is_current_stream_capturing())):
-        values = torch.cat([cu_seqlens_q, cu_seqlens_k]).tolist()           # the one sync
-        entries = cu_seqlens_q.shape[0]
-        _check_cu_seqlens("cu_seqlens_q", values[:entries], q.shape[0], "max_seqlen_q", max_seqlen_q)
-        _check_cu_seqlens("cu_seqlens_k", values[entries:], k.shape[0], "max_seqlen_k", max_seqlen_k)
-    return scale, max_seqlen_q, max_seqlen_k
+        _check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, (q.shape[0], k.shape[0]), (max_seqlen_q, max_seqlen_k))
+    # No sequence is longer than the packed total: a larger bound would only launch idle programs
+    # (or, far larger, a grid past CUDA's limit), so it is cut to the total.
+    return scale, min(max_seqlen_q, q.shape[0]), min(max_seqlen_k, k.shape[0])
 
 
-def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
                            softmax_scale=None, causal=False, return_lse=False):
     """Attention over a batch of sequences of different lengths, packed without padding
     (FlashAttention's varlen layout and argument names).
@@ -291,19 +307,25 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
             total_k. A sequence may be empty (no queries, or no keys: its rows get out = 0).
         max_seqlen_q, max_seqlen_k: ints at least as large as the longest sequence (they size the
             launch; larger only costs idle programs).
-        softmax_scale, causal, return_lse: as ``flash_attn_func``. Causal is aligned bottom-right within
-            each sequence: its query i sees its key j when j <= i + seqlen_k - seqlen_q.
+        softmax_scale, causal, return_lse: as ``flash_attn_func``, keyword only (FlashAttention 2 has
+            dropout_p in the eighth place, FlashAttention 3 seqused_q: a call ported with positional
+            arguments raises instead of taking one for the other). Causal is aligned bottom-right
+            within each sequence: its query i sees its key j when j <= i + seqlen_k - seqlen_q.
 
     Returns:
         out [total_q, heads_q, head_dim] in q's dtype; with ``return_lse``, (out, lse) where lse is
         [heads_q, total_q] float32, natural log (-inf for a row that sees no key).
 
-    Differentiable in q, k and v, and usable under torch.compile. The offsets are checked on the host
-    (one synchronisation; see ``CHECK_CU_SEQLENS``). The Triton kernel runs every GPU (on Hopper, not
+    Differentiable in q, k and v, and usable under torch.compile (not under torch.func transforms).
+    The offsets are checked on the host (one synchronisation; see ``CHECK_CU_SEQLENS``). Where that
+    check is off (by the flag, under torch.compile, in CUDA graph capture), offsets that break these
+    rules are undefined behaviour, as in FlashAttention: rows past a too-small max_seqlen are never
+    written. The Triton kernel runs every GPU (on Hopper, not
     yet the Gluon fast path of ``flash_attn_func``).
     """
     scale, max_seqlen_q, max_seqlen_k = validate_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                                         max_seqlen_k, softmax_scale, causal)
+    _require_bool("return_lse", return_lse)
     q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
     varlen = Varlen(cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(), max_seqlen_q, max_seqlen_k)
     out, lse = _autograd.varlen_forward(q, k, v, varlen, scale, causal)

@@ -306,17 +306,13 @@ class _FunctorchBackward(torch.autograd.Function):
 # a plain eager call with no gradient goes straight to the launcher. There is no vmap rule and no
 # torch.func road: under a torch.func transform the op raises.
 
-def _varlen(cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int) -> Varlen:
-    return Varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-
-
 @torch.library.custom_op("triflash::varlen_fwd", mutates_args=())
 def varlen_fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
                max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float,
                causal: bool) -> tuple[Tensor, Tensor]:
     """Forward on validated packed sequences. Returns (out [total_q, Hq, D], lse [Hq, total_q])."""
     return _forward_launch(q, k, v, softmax_scale, causal,
-                           varlen=_varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
+                           varlen=Varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
 
 
 @varlen_fwd.register_fake
@@ -333,7 +329,7 @@ def varlen_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: 
     """Gradients (dq, dk, dv) of packed sequences. Gradients not asked for come back empty."""
     dq, dk, dv = _backward_launch(
         dout, q, k, v, out, lse, softmax_scale, causal, dlse=dlse, need_dq=need_dq, need_dkdv=need_dkdv,
-        varlen=_varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
+        varlen=Varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
     return (dq if need_dq else q.new_empty(0), dk if need_dkdv else k.new_empty(0),
             dv if need_dkdv else v.new_empty(0))
 
@@ -376,6 +372,11 @@ def varlen_forward(q: Tensor, k: Tensor, v: Tensor, varlen: Varlen, softmax_scal
     else straight to the launcher."""
     if _has_tangent(q, k, v):
         raise NotImplementedError(_NO_JVP)
+    if torch._C._are_functorch_transforms_active() and not torch.compiler.is_compiling():
+        raise NotImplementedError(
+            "flash_attn_varlen_func does not support torch.func transforms (grad, vjp, vmap, ...): "
+            "expected plain tensors; torch.autograd (loss.backward(), torch.autograd.grad) works, and "
+            "flash_attn_func supports the transforms")
     args = (q, k, v, *varlen, softmax_scale, causal)
     if _needs_op(q, k, v) or (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad
                                                            or v.requires_grad)):
