@@ -493,3 +493,46 @@ def test_bad_input_leaves_cache_untouched(device):
                                 cache_seqlens=torch.tensor([3], dtype=torch.int32, device=device))
     assert torch.equal(kc, before)
     assert_no_nan("cache", kc)
+
+
+def test_append_refuses_caches_that_share_memory(device):
+    """Appending writes in place: an expanded cache (rows sharing memory), the same tensor as both
+    caches, or a cache that requires grad would silently give the wrong cache or fail inside torch;
+    each raises before anything is written."""
+    q = torch.randn(2, 1, 2, 16, dtype=torch.float16, device=device)
+    new = torch.randn(2, 1, 1, 16, dtype=torch.float16, device=device)
+    kc = torch.randn(2, 8, 1, 16, dtype=torch.float16, device=device)
+    vc = torch.randn(2, 8, 1, 16, dtype=torch.float16, device=device)
+    expanded = torch.randn(1, 8, 1, 16, dtype=torch.float16, device=device).expand(2, 8, 1, 16)
+    before = [t.clone() for t in (kc, vc, expanded)]
+    f = flash_attn_with_kvcache
+    assert_raises_naming(ValueError, ["k_cache", "share memory", "expanded"],
+                         f, q, expanded, vc, k=new, v=new, cache_seqlens=3)
+    assert_raises_naming(ValueError, ["k_cache and v_cache", "same memory"], f, q, kc, kc, k=new, v=new,
+                         cache_seqlens=3)
+    assert_raises_naming(ValueError, ["v_cache", "requires grad", "in place"],
+                         f, q, kc, vc.clone().requires_grad_(), k=new, v=new, cache_seqlens=3)
+    for t, b in zip((kc, vc, expanded), before):
+        assert torch.equal(t, b)
+    # Reading (no append) from an expanded or shared cache is fine: nothing is written.
+    out = f(q, expanded, expanded, cache_seqlens=3)
+    assert out.shape == q.shape
+
+
+def test_decode_has_no_backward_and_says_so(device):
+    q = torch.randn(1, 1, 2, 16, dtype=torch.float32, device=device, requires_grad=True)
+    kc = torch.randn(1, 8, 1, 16, dtype=torch.float32, device=device)
+    assert_raises_naming(ValueError, ["q", "requires grad", "no backward", "torch.no_grad()"],
+                         flash_attn_with_kvcache, q, kc, kc, cache_seqlens=3)
+    with torch.no_grad():
+        assert flash_attn_with_kvcache(q, kc, kc, cache_seqlens=3).shape == q.shape
+
+
+def test_numpy_ints_and_huge_lengths(device):
+    import numpy as np
+    q = torch.randn(1, 1, 2, 16, dtype=torch.float16, device=device)
+    kc = torch.randn(1, 8, 1, 16, dtype=torch.float16, device=device)
+    out = flash_attn_with_kvcache(q, kc, kc, cache_seqlens=np.int64(5), num_splits=np.int64(2))
+    assert torch.equal(out, flash_attn_with_kvcache(q, kc, kc, cache_seqlens=5, num_splits=2))
+    assert_raises_naming(ValueError, ["cache_seqlens", ">= 0", "capacity (8)", str(2**31)],
+                         flash_attn_with_kvcache, q, kc, kc, cache_seqlens=2**31)

@@ -206,3 +206,45 @@ def test_partials_on_other_devices(device, no_launch):
     lse_p = torch.randn(2, 1, 2, 3, device="meta")
     with pytest.raises(ValueError, match=r"lse_partials must be on the same device as out_partials"):
         merge_attn_states(out_p, lse_p)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=[DTYPE_ID[d] for d in DTYPES])
+@pytest.mark.parametrize("n,empty_parts,empty_rows", [CASES[1], CASES[3], CASES[4]])
+def test_merge_gradients(device, dtype, n, empty_parts, empty_rows):
+    """Gradients of out and lse with respect to both inputs, against autograd through the float64
+    reference by the 2x rule (baseline: the same formulas in float32). Empty parts and rows (whose
+    partial outputs are NaN garbage) get zero gradients, never NaN; the references' logsumexp gives
+    NaN on an all-empty row, so those rows are compared with zero instead."""
+    out_p, lse_p = random_partials(n, 2, 5, 3, 40, dtype, device, empty_parts, empty_rows)
+    out_p.requires_grad_()
+    lse_p.requires_grad_()
+    out, lse = merge_attn_states(out_p, lse_p)
+    dout, dlse = torch.randn_like(out), torch.randn_like(lse)
+    grads = torch.autograd.grad((out, lse), (out_p, lse_p), (dout, dlse))
+
+    def reference(fn, cast):
+        leaves = [t.detach().to(cast).requires_grad_() for t in (out_p, lse_p)]
+        o, l = fn(*leaves)
+        return torch.autograd.grad((o, l), leaves, (dout.to(o.dtype), dlse.to(l.dtype)))
+    ref = reference(merge_attn_states_ref, torch.float64)
+    same = reference(merge_same_dtype, torch.float32)
+    empty = torch.isneginf(torch.logsumexp(lse_p.detach().double(), 0))          # [B, H, S]
+    masks = (empty.permute(0, 2, 1)[None, ..., None], empty[None])              # out's, lse's layout
+    for name, g, r, s, m in zip(("d_out_partials", "d_lse_partials"), grads, ref, same, masks):
+        assert g.shape == r.shape and g.dtype == (dtype if name == "d_out_partials" else torch.float32)
+        assert_no_nan(name, g)
+        zero = torch.zeros((), dtype=g.dtype, device=device)
+        assert torch.equal(torch.where(m, g, zero), torch.zeros_like(g)), f"{name}: empty rows"
+        r, s = (torch.where(m, 0.0, t) for t in (r, s))
+        assert_2x_rule(name, g.float(), r, s.to(g.dtype).float(), dtype,
+                       relative_floor=True)
+
+
+def test_merge_without_grad_skips_the_autograd_node(device):
+    out_p, lse_p = random_partials(2, 1, 3, 2, 16, torch.float32, device)
+    out_p.requires_grad_()
+    with torch.no_grad():
+        out, _ = merge_attn_states(out_p, lse_p)
+    assert out.grad_fn is None and not out.requires_grad
+    out, _ = merge_attn_states(out_p, lse_p)
+    assert out.requires_grad

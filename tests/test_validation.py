@@ -4,6 +4,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 
@@ -53,6 +54,11 @@ def _bad_inputs(device):
         ("scale-negative", (q, k, v), {"softmax_scale": -1.0}, ValueError, ["softmax_scale", "-1.0"]),
         ("causal-type", (q, k, v), {"causal": "yes"}, TypeError, ["causal", "bool", "str"]),
         ("return-lse-type", (q, k, v), {"return_lse": 1}, TypeError, ["return_lse", "bool", "int"]),
+        # The kernels use the scale in float32: one that is inf or 0 there would give NaN.
+        ("causal-numpy-bool", (q, k, v), {"causal": np.bool_(True)}, TypeError, ["causal", "bool", "numpy."]),
+        ("scale-huge", (q, k, v), {"softmax_scale": 3e38}, ValueError, ["softmax_scale", "2^127", "3e+38"]),
+        ("scale-tiny", (q, k, v), {"softmax_scale": 1e-46}, ValueError, ["softmax_scale", "2^-126", "1e-46"]),
+        ("scale-beyond-float", (q, k, v), {"softmax_scale": 10**400}, ValueError, ["softmax_scale", "finite"]),
     ]
 
 

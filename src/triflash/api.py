@@ -81,9 +81,15 @@ def _require_same_device(name: str, t: torch.Tensor, q: torch.Tensor) -> None:
         raise ValueError(f"{name} must be on the same device as q ({q.device}), got {t.device}")
 
 
+def _type_name(value) -> str:
+    """The type's name, with its module when it is not a builtin (numpy.bool, not a bare "bool")."""
+    kind = type(value)
+    return kind.__name__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__name__}"
+
+
 def _require_bool(name: str, value) -> None:
     if not isinstance(value, bool):
-        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+        raise TypeError(f"{name} must be a bool, got {_type_name(value)}")
 
 
 def _check_head_dim(head_dim: int) -> None:
@@ -110,14 +116,25 @@ def _check_device(name: str, t: torch.Tensor) -> None:
     raise ValueError(f"{name} must be on a CUDA device, got device '{t.device}'")
 
 
+# The kernels take the scale, and scale * log2(e), as float32: both must be normal float32 numbers (a
+# scale that rounds to 0 or to inf there would turn every probability into 0 * inf = NaN).
+_SCALE_RANGE = (2.0**-126, 2.0**127)
+
+
 def _check_scale(softmax_scale, name: str, head_dim: int) -> float:
     if softmax_scale is None:
         return 1.0 / math.sqrt(head_dim)
     if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real):
-        raise TypeError(f"{name} must be a real number or None, got {type(softmax_scale).__name__}")
-    scale = float(softmax_scale)
+        raise TypeError(f"{name} must be a real number or None, got {_type_name(softmax_scale)}")
+    try:
+        scale = float(softmax_scale)
+    except OverflowError:
+        scale = math.inf
     if not (math.isfinite(scale) and scale > 0):
         raise ValueError(f"{name} must be a finite number > 0, got {softmax_scale!r}")
+    if not _SCALE_RANGE[0] <= scale <= _SCALE_RANGE[1]:
+        raise ValueError(f"{name} must be between 2^-126 and 2^127 (a normal float32 number, as the "
+                         f"kernels use it), got {softmax_scale!r}")
     return scale
 
 
@@ -211,7 +228,7 @@ _PACKED_KV_DOC = "[total_k, heads_kv, head_dim] (the sequences packed along dim 
 
 def _require_int(name: str, value, minimum: int = 0) -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+        raise TypeError(f"{name} must be an int, got {_type_name(value)}")
     if value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
     return int(value)

@@ -21,7 +21,7 @@ import torch
 
 from .api import (_check_device, _check_head_dim, _check_heads, _check_scale, _last_dim_contiguous,
                   _require_bool, _require_float_dtype, _require_like_q, _require_rank,
-                  _require_same_device, _require_tensor)
+                  _require_same_device, _require_tensor, _type_name)
 from .kernels.decode import decode as _decode_launch
 from .kernels.merge import merge as _merge_launch
 
@@ -71,6 +71,33 @@ def _check_lengths(cache_seqlens, block_table, seqlen_new, capacity, num_pages, 
             f"(k_cache.shape[0] pages), got block_table[{bad_at[0]}, {bad_at[1]}] = "
             f"{int(block_table[bad_at[0], bad_at[1]])} ({stats[2]} bad entries in use)")
     return stats[1]
+
+
+def _require_no_grad(name, t):
+    """Decode has no backward: refuse a tensor that autograd would expect a gradient through, rather
+    than return a result that silently carries none."""
+    if t.requires_grad and torch.is_grad_enabled():
+        raise ValueError(f"{name} requires grad, but flash_attn_with_kvcache has no backward (it is for "
+                         f"inference): expected a tensor without requires_grad; call it under "
+                         f"torch.no_grad() or torch.inference_mode(), or pass {name}.detach()")
+
+
+def _check_writable_caches(k_cache, v_cache):
+    """The append writes into the caches in place: each must be a tensor whose elements are its own
+    (no expanded or overlapping view, which would make rows share memory and the last write win),
+    not the same memory as the other, and not a leaf that requires grad."""
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.requires_grad:
+            raise ValueError(f"{name} requires grad, but appending k and v writes into it in place: "
+                             f"expected a cache without requires_grad")
+        if torch._debug_has_internal_overlap(t) == 1:
+            raise ValueError(f"{name} has elements that share memory (an expanded or overlapping view, "
+                             f"strides {t.stride()}), so appending into it would write several rows to "
+                             f"one place: expected a cache with its own memory per element")
+    if (k_cache.data_ptr() == v_cache.data_ptr() and k_cache.numel()
+            and k_cache.untyped_storage().data_ptr() == v_cache.untyped_storage().data_ptr()):
+        raise ValueError("k_cache and v_cache are the same memory, so appending v would overwrite k: "
+                         "expected two separate caches")
 
 
 def _append_kv(k_cache, v_cache, k, v, cache_seqlens, block_table):
@@ -151,9 +178,11 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
     _require_bool("causal", causal)
     _require_bool("return_lse", return_lse)
     if isinstance(num_splits, bool) or not isinstance(num_splits, numbers.Integral):
-        raise TypeError(f"num_splits must be an int, got {type(num_splits).__name__}")
+        raise TypeError(f"num_splits must be an int, got {_type_name(num_splits)}")
+    num_splits = int(num_splits)                  # numpy integers too
     if num_splits < 0:
         raise ValueError(f"num_splits must be >= 0 (0 = choose automatically), got {num_splits}")
+    _require_no_grad("q", q)
 
     batch, seqlen_q, heads_q, head_dim = q.shape
     if tuple(v_cache.shape) != tuple(k_cache.shape):
@@ -199,6 +228,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
     if cache_seqlens is not None:
         if isinstance(cache_seqlens, numbers.Integral) and not isinstance(cache_seqlens, bool):
             seqlens_from_int = int(cache_seqlens)
+            if not -2**31 <= seqlens_from_int < 2**31:        # else torch.full below fails unclearly
+                raise ValueError(f"cache_seqlens must be >= 0 and <= the cache capacity ({capacity}), "
+                                 f"got {seqlens_from_int}")
             cache_seqlens = torch.full((batch,), seqlens_from_int, dtype=torch.int32, device=q.device)
         _require_tensor("cache_seqlens", cache_seqlens)
         if cache_seqlens.dtype != torch.int32:
@@ -229,6 +261,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
             raise ValueError("cache_seqlens is required when k and v are appended (it says where "
                              "they go), got None")
         seqlen_new = k.shape[1]
+        for name, t in (("k", k), ("v", v)):
+            _require_no_grad(name, t)
 
     scale = _check_scale(softmax_scale, "softmax_scale", head_dim)
 
@@ -249,6 +283,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
                                     page_size)
 
     if k is not None:
+        _check_writable_caches(k_cache, v_cache)
         _append_kv(k_cache, v_cache, k, v, cache_seqlens, block_table)
     q = _last_dim_contiguous(q)
     out, lse = _decode_launch(q, k_cache, v_cache, cache_seqlens, block_table, seqlen_new, max_seqlen,
@@ -264,9 +299,9 @@ def merge_attn_states(out_partials, lse_partials):
         lse = log(sum_n exp(lse_n))          out = sum_n exp(lse_n - lse) * out_n
 
     Args:
-        out_partials: [N, batch, seqlen, heads, head_dim], any float dtype (FlashAttention's
-            layout for each part), or a list/tuple of N tensors [batch, seqlen, heads, head_dim]
-            (stacked).
+        out_partials: [N, batch, seqlen, heads, head_dim], float16 / bfloat16 / float32
+            (FlashAttention's layout for each part), or a list/tuple of N tensors [batch, seqlen,
+            heads, head_dim] (stacked).
         lse_partials: [N, batch, heads, seqlen] float32, natural log: what
             ``flash_attn_func(..., return_lse=True)`` returns, stacked; or a list/tuple of N tensors
             [batch, heads, seqlen]. A part that saw no key has lse = -inf: it is ignored (its out is
@@ -275,6 +310,10 @@ def merge_attn_states(out_partials, lse_partials):
     Returns:
         (out [batch, seqlen, heads, head_dim] in out_partials' dtype, lse [batch, heads, seqlen]
         float32). A row whose parts all have lse = -inf gets out = 0 and lse = -inf.
+
+    Differentiable in both inputs (for instance to train with attention computed in pieces, as ring
+    attention does): the backward is a few PyTorch operations, d out_n = w_n dout and d lse_n =
+    w_n (<dout, out_n - out> + dlse) with w_n = exp(lse_n - lse); an empty part gets zero gradients.
     """
     out_partials = _stack_parts("out_partials", out_partials, "[batch, seqlen, heads, head_dim]")
     lse_partials = _stack_parts("lse_partials", lse_partials, "[batch, heads, seqlen]")
@@ -296,7 +335,42 @@ def merge_attn_states(out_partials, lse_partials):
     if tuple(lse_partials.shape) != expected:
         raise ValueError(f"lse_partials must be [N, batch, heads, seqlen] = {expected} to match "
                          f"out_partials {tuple(out_partials.shape)}, got {tuple(lse_partials.shape)}")
+    if torch.is_grad_enabled() and (out_partials.requires_grad or lse_partials.requires_grad):
+        return _Merge.apply(out_partials, lse_partials)
     return _merge_launch(_last_dim_contiguous(out_partials), lse_partials)
+
+
+class _Merge(torch.autograd.Function):
+    """merge_attn_states with a gradient (see its docstring for the formulas)."""
+
+    @staticmethod
+    def forward(ctx, out_partials, lse_partials):
+        out, lse = _merge_launch(_last_dim_contiguous(out_partials), lse_partials)
+        ctx.save_for_backward(out_partials, lse_partials, lse)
+        ctx.set_materialize_grads(False)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        parts, lse_parts, lse = ctx.saved_tensors
+        weights = torch.exp(lse_parts - torch.where(torch.isneginf(lse), 0.0, lse))     # [N, B, H, S]
+        w = weights.permute(0, 1, 3, 2)[..., None]                                      # [N, B, S, H, 1]
+        live = w > 0                          # an empty part's out is never read, not even here
+        d_lse = torch.zeros_like(weights)
+        d_parts = None
+        if dout is not None:
+            dout = dout.float()
+            d_parts = torch.where(live, w * dout[None], 0.0).to(parts.dtype)
+            parts32 = torch.where(live, parts.float(), 0.0)
+            # out again, in float32: the returned one is rounded to the parts' dtype.
+            diff = torch.where(live, parts32 - (w * parts32).sum(0, keepdim=True), 0.0)
+            d_lse = d_lse + weights * (dout[None] * diff).sum(-1).permute(0, 1, 3, 2)
+        if dlse is not None:
+            d_lse = d_lse + weights * dlse[None]
+        if d_parts is None and ctx.needs_input_grad[0]:
+            d_parts = torch.zeros_like(parts)
+        return (d_parts if ctx.needs_input_grad[0] else None,
+                d_lse if ctx.needs_input_grad[1] else None)
 
 
 def _stack_parts(name, parts, doc):
