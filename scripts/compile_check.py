@@ -205,7 +205,8 @@ def long_cases():
     @contextlib.contextmanager
     def forced():
         with mock.patch.object(F, "needs_int64_rows", lambda *t: True), \
-                mock.patch.object(B, "needs_int64_rows", lambda *t: True):
+                mock.patch.object(B, "needs_int64_rows", lambda *t: True), \
+                mock.patch.object(DEC, "needs_int64_rows", lambda *t: True):
             yield
     for dtype in (torch.float16, torch.float32):
         for d, heads in ((64, (4, 2)), (128, (4, 2)), (1, (1, 1))):
@@ -220,6 +221,15 @@ def long_cases():
                         B.backward(torch.randn_like(q), q, k, v, out, torch.randn(2, q.shape[2], 300), 0.1,
                                    causal, config=bcfg)
                 yield f"long {TYPES[dtype]} D{d} {'causal' if causal else 'full'}", run
+        cache = torch.randn(4, 1024, 2, 128, dtype=dtype)
+        for splits in (1, 4):
+            cfg = configs.DecodeConfig(block_m=16, block_n=32, num_warps=4, num_stages=2, num_splits=splits)
+
+            def run_decode(cache=cache, cfg=cfg, dtype=dtype):
+                with forced():
+                    DEC.decode(torch.randn(4, 3, 8, 128, dtype=dtype), cache, cache,
+                               torch.full((4,), 200, dtype=torch.int32), None, 0, 200, 0.1, True, config=cfg)
+            yield f"long decode {TYPES[dtype]} splits{splits}", run_decode
     assert common.needs_int64_rows(torch.empty(1, 2**19 + 1, 32, 128, device="meta"))
 
 

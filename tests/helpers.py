@@ -115,3 +115,13 @@ def assert_grads_3x(grads, q, k, v, dout, causal, dtype, dlse=None, scale=None):
         err, base = max_err(g, r), max_err(s, r)
         assert err <= 3 * base + floor, (
             f"{name}: max error {err:.3e} > 3 x PyTorch same-dtype error {base:.3e} + floor {floor:.1e}")
+
+
+def assert_20_backward_passes_equal(out, leaves):
+    """No atomics: 20 backward passes through ``out`` give bit-identical gradients of ``leaves``."""
+    dout = torch.randn_like(out)
+    first = torch.autograd.grad(out, leaves, dout, retain_graph=True)
+    for _ in range(19):
+        again = torch.autograd.grad(out, leaves, dout, retain_graph=True)
+        for a, b in zip(first, again):
+            assert torch.equal(a, b)

@@ -15,7 +15,8 @@ import itertools
 import pytest
 import torch
 from conftest import DTYPES, ON_GPU
-from helpers import DTYPE_ID, HEAD_DIMS, HEADS, HEADS_ID, SEQLENS, assert_grads_3x, assert_no_nan, make_qkv
+from helpers import (DTYPE_ID, HEAD_DIMS, HEADS, HEADS_ID, SEQLENS, assert_20_backward_passes_equal, assert_grads_3x,
+                     assert_no_nan, make_qkv)
 
 import triflash
 
@@ -74,13 +75,7 @@ def test_backward_is_deterministic(device):
 
 
 def _assert_20_passes_equal(q, k, v, causal):
-    out = triflash.flash_attn_func(q, k, v, causal=causal)
-    dout = torch.randn_like(out)
-    first = torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
-    for _ in range(19):
-        again = torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
-        for a, b in zip(first, again):
-            assert torch.equal(a, b)
+    assert_20_backward_passes_equal(triflash.flash_attn_func(q, k, v, causal=causal), (q, k, v))
 
 
 @pytest.mark.parametrize("seqlen_q,seqlen_k", [(100, 37), (239, 1), (33, 32)])

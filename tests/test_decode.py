@@ -510,8 +510,16 @@ def test_append_refuses_caches_that_share_memory(device):
                          f, q, expanded, vc, k=new, v=new, cache_seqlens=3)
     assert_raises_naming(ValueError, ["k_cache and v_cache", "same memory"], f, q, kc, kc, k=new, v=new,
                          cache_seqlens=3)
-    assert_raises_naming(ValueError, ["v_cache", "requires grad", "in place"],
+    assert_raises_naming(ValueError, ["v_cache", "requires grad", "no backward"],
                          f, q, kc, vc.clone().requires_grad_(), k=new, v=new, cache_seqlens=3)
+    # k and v unbound from one [B, S, 2, H, D] tensor share memory but no element: accepted.
+    kv = torch.zeros(2, 8, 2, 1, 16, dtype=torch.float16, device=device)
+    f(q, kv[:, :, 0], kv[:, :, 1], k=new, v=new * 2, cache_seqlens=3)
+    assert torch.equal(kv[:, 3, 0], new[:, 0]) and torch.equal(kv[:, 3, 1], new[:, 0] * 2)
+    # Rows that overlap in an as_strided view (row stride 8 < a row's 16 lanes) are refused.
+    overlapping = torch.zeros(200, dtype=torch.float16, device=device).as_strided((2, 8, 1, 16), (64, 8, 16, 1))
+    assert_raises_naming(ValueError, ["k_cache", "share memory"], f, q, overlapping, vc, k=new, v=new,
+                         cache_seqlens=3)
     for t, b in zip((kc, vc, expanded), before):
         assert torch.equal(t, b)
     # Reading (no append) from an expanded or shared cache is fine: nothing is written.
@@ -524,6 +532,8 @@ def test_decode_has_no_backward_and_says_so(device):
     kc = torch.randn(1, 8, 1, 16, dtype=torch.float32, device=device)
     assert_raises_naming(ValueError, ["q", "requires grad", "no backward", "torch.no_grad()"],
                          flash_attn_with_kvcache, q, kc, kc, cache_seqlens=3)
+    assert_raises_naming(ValueError, ["k_cache", "requires grad", "no backward"],
+                         flash_attn_with_kvcache, q.detach(), kc.clone().requires_grad_(), kc, cache_seqlens=3)
     with torch.no_grad():
         assert flash_attn_with_kvcache(q, kc, kc, cache_seqlens=3).shape == q.shape
 

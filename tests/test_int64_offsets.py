@@ -83,6 +83,29 @@ def test_forced_int64_offsets_give_the_same_bits(device, monkeypatch, causal, va
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_forced_int64_offsets_in_decode(device, monkeypatch, num_splits):
+    """Decode's LONG form (q's and out's rows in int64) against the usual one, bit for bit."""
+    from triflash.kernels import decode as DEC
+
+    torch.manual_seed(0)
+    q = torch.randn(2, 3, 4, 64, dtype=torch.float16, device=device)
+    cache = torch.randn(2, 100, 2, 64, dtype=torch.float16, device=device)
+    lengths = torch.tensor([100, 37], dtype=torch.int32, device=device)
+    cfg = configs.DecodeConfig(block_m=16, block_n=32, num_warps=4, num_stages=2, num_splits=num_splits)
+
+    def run():
+        return DEC.decode(q, cache, cache, lengths, None, 0, 100, 0.125, True, config=cfg)
+    plain = run()
+    seen = []
+    monkeypatch.setattr(DEC, "_decode_kernel", _Spy(DEC._decode_kernel, seen))
+    monkeypatch.setattr(DEC, "needs_int64_rows", lambda *tensors: True)
+    wide = run()
+    assert seen == [True]
+    for a, b in zip(plain, wide):
+        assert torch.equal(a, b)
+
+
 # -- real sizes (GPU) ------------------------------------------------------------------------------
 
 needs_gpu = pytest.mark.skipif(not ON_GPU, reason="tensors of 4 GiB and more: GPU only")

@@ -74,6 +74,33 @@ def test_drop_in_says_what_it_does_not_compute(device, kwargs, words):
         assert word in str(info.value)
 
 
+@pytest.mark.parametrize("shape_q,shape_kv", [
+    pytest.param((2, 4, 0, 16), (2, 4, 5, 16), id="L0"),
+    pytest.param((2, 4, 0, 16), (2, 4, 0, 16), id="L0-S0"),
+    pytest.param((0, 4, 3, 16), (0, 4, 5, 16), id="N0"),
+    pytest.param((2, 1, 0, 3, 16), (2, 1, 0, 5, 16), id="5d-H0"),
+])
+def test_empty_inputs_match_sdpa(device, shape_q, shape_kv):
+    """Zero-size dimensions: the same (empty) shapes as SDPA's, through the router."""
+    q, k, v = _qkv(shape_q, shape_kv, torch.float32, device)
+    expected = F.scaled_dot_product_attention(q, k, v)
+    with sdpa_routed_to_triflash():
+        got = F.scaled_dot_product_attention(q, k, v)
+    assert got.shape == expected.shape
+
+
+def test_router_leaves_to_torch_what_triflash_refuses(device):
+    """A scale triflash's float32 kernels cannot take, or a non-bool is_causal, goes to PyTorch."""
+    q, k, v = _qkv((1, 2, 8, 16), (1, 2, 8, 16), torch.float32, device)
+    with sdpa_routed_to_triflash() as counts:
+        F.scaled_dot_product_attention(q, k, v, scale=1e-40)
+        with pytest.raises(Exception):
+            F.scaled_dot_product_attention(q, k, v, is_causal="yes")
+    assert counts == {"triflash": 0, "torch": 2}
+    with pytest.raises(NotImplementedError, match="scale"):
+        tf_sdpa(q, k, v, scale=1e39)
+
+
 class _Block(torch.nn.Module):
     """Calls SDPA through torch.nn.functional at call time, as most models do."""
 

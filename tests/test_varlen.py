@@ -10,7 +10,8 @@ one-row sequences, tails that are no multiple of a block, and causal with more q
 import pytest
 import torch
 from conftest import DTYPES, ON_GPU
-from helpers import DTYPE_ID, assert_grads_3x, assert_matches_reference, assert_no_nan, assert_raises_naming
+from helpers import (DTYPE_ID, assert_20_backward_passes_equal, assert_grads_3x, assert_matches_reference,
+                     assert_no_nan, assert_raises_naming)
 
 import triflash
 from triflash import api
@@ -162,12 +163,7 @@ def test_varlen_backward_is_deterministic(device):
     q, k, v, cu_q, cu_k, max_q, max_k = _packed([(1000, 1000), (3, 500), (700, 20)], (6, 2), 64,
                                                 torch.float16, device, requires_grad=True)
     out = triflash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, causal=True)
-    dout = torch.randn_like(out)
-    first = torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
-    for _ in range(19):
-        again = torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
-        for a, b in zip(first, again):
-            assert torch.equal(a, b)
+    assert_20_backward_passes_equal(out, (q, k, v))
 
 
 # -- bad input ----------------------------------------------------------------------------------------
@@ -190,6 +186,10 @@ def test_varlen_rejects_bad_offsets(device):
     bad = torch.tensor([0, 6, 2], dtype=torch.int32, device=device)
     assert_raises_naming(ValueError, ["cu_seqlens_k", "non-decreasing", "6", "2"],
                          f, q, k, v, cu_q, bad, max_q, max_k)
+    # A difference that wraps in int32 (-2^31 - (2^31 - 1) reads as +1 there) is still a decrease.
+    bad = torch.tensor([0, 2**31 - 1, -2**31], dtype=torch.int32, device=device)
+    assert_raises_naming(ValueError, ["cu_seqlens_q", "non-decreasing", "2147483647", "-2147483648"],
+                         f, q, k, v, bad, cu_k, 2**31 - 1, max_k)
     bad = torch.tensor([0, 5, 7], dtype=torch.int32, device=device)
     assert_raises_naming(ValueError, ["cu_seqlens_q[-1]", "8 rows", "got 7"], f, q, k, v, bad, cu_k, max_q, max_k)
     assert_raises_naming(ValueError, ["max_seqlen_q", "length 5", "got max_seqlen_q = 4"],

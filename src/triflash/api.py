@@ -138,6 +138,20 @@ def _check_scale(softmax_scale, name: str, head_dim: int) -> float:
     return scale
 
 
+def _require_qkv(q, k, v, rank: int, q_doc: str, kv_doc: str, causal) -> None:
+    """The checks every attention entry point starts with: tensors of ``rank`` dims, q's dtype one
+    triflash computes, k and v like q, a device that runs the kernels, causal a bool."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        _require_tensor(name, t)
+    for name, t, doc in (("q", q, q_doc), ("k", k, kv_doc), ("v", v, kv_doc)):
+        _require_rank(name, t, rank, doc)
+    _require_float_dtype("q", q)
+    for name, t in (("k", k), ("v", v)):
+        _require_like_q(name, t, q)
+    _check_device("q", q)
+    _require_bool("causal", causal)
+
+
 def validate_qkv(q, k, v, layout: str, scale_name: str = "softmax_scale", softmax_scale=None,
                  causal=False) -> float:
     """Check q/k/v for ``layout`` before any launch; return the softmax scale to use.
@@ -146,15 +160,7 @@ def validate_qkv(q, k, v, layout: str, scale_name: str = "softmax_scale", softma
     argument with what was expected and what was received.
     """
     dims_doc = _LAYOUTS[layout][0]
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        _require_tensor(name, t)
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        _require_rank(name, t, 4, dims_doc)
-    _require_float_dtype("q", q)
-    for name, t in (("k", k), ("v", v)):
-        _require_like_q(name, t, q)
-    _check_device("q", q)
-    _require_bool("causal", causal)
+    _require_qkv(q, k, v, 4, dims_doc, dims_doc, causal)
 
     qs, ks = _dims(q, layout), _dims(k, layout)
     if tuple(v.shape) != tuple(k.shape):
@@ -242,7 +248,8 @@ def _check_cu_seqlens(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, to
     names = ("cu_seqlens_q", "cu_seqlens_k")
     stats = []
     for cu in (cu_seqlens_q, cu_seqlens_k):
-        lengths = (cu[1:] - cu[:-1]).long()
+        cu = cu.long()                            # int32 differences could wrap
+        lengths = cu[1:] - cu[:-1]
         shortest = lengths.min() if lengths.numel() else cu.new_zeros((), dtype=torch.long)
         longest = lengths.max() if lengths.numel() else cu.new_zeros((), dtype=torch.long)
         stats += [cu[0].long(), cu[-1].long(), shortest, longest]
@@ -269,16 +276,7 @@ def validate_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
                     causal) -> tuple[float, int, int]:
     """Check flash_attn_varlen_func's arguments before any launch; return (scale, max_seqlen_q,
     max_seqlen_k). Raises TypeError / ValueError naming the argument, as ``validate_qkv``."""
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        _require_tensor(name, t)
-    _require_rank("q", q, 3, _PACKED_Q_DOC)
-    for name, t in (("k", k), ("v", v)):
-        _require_rank(name, t, 3, _PACKED_KV_DOC)
-    _require_float_dtype("q", q)
-    for name, t in (("k", k), ("v", v)):
-        _require_like_q(name, t, q)
-    _check_device("q", q)
-    _require_bool("causal", causal)
+    _require_qkv(q, k, v, 3, _PACKED_Q_DOC, _PACKED_KV_DOC, causal)
     if tuple(v.shape) != tuple(k.shape):
         raise ValueError(f"v must have the same shape as k {tuple(k.shape)} {_PACKED_KV_DOC}, got "
                          f"{tuple(v.shape)}")

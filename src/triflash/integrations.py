@@ -16,6 +16,7 @@ Many models (Hugging Face transformers' "sdpa" attention, torchtune, nanoGPT-sty
 from __future__ import annotations
 
 import contextlib
+import math
 
 import torch
 
@@ -34,6 +35,8 @@ def _unsupported(query, key, value, attn_mask, dropout_p, is_causal, scale, enab
         return "attn_mask is not supported (only None); use is_causal for a causal mask"
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or dropout_p != 0:
         return f"dropout_p must be 0.0 (triflash has no dropout), got {dropout_p!r}"
+    if not isinstance(is_causal, bool):
+        return f"is_causal must be a bool, got {type(is_causal).__name__}"
     if query.dim() < 3 or key.dim() != query.dim() or value.dim() != query.dim():
         return (f"query, key and value must have the same rank, at least 3 ([..., L, E]), got "
                 f"{query.dim()}, {key.dim()} and {value.dim()}")
@@ -60,11 +63,16 @@ def _unsupported(query, key, value, attn_mask, dropout_p, is_causal, scale, enab
                 f"{tuple(value.shape)}")
     if key.shape[-2] == 0 and query.shape[-2] > 0:
         return "no keys (S = 0): PyTorch's softmax over nothing gives NaN, triflash 0"
-    if hq != hk and not (enable_gqa and hk > 0 and hq % hk == 0):
+    if hk == 0:
+        return "key and value have no heads"
+    if hq != hk and not (enable_gqa and hq % hk == 0):
         return (f"query has {hq} heads and key/value {hk}: that needs enable_gqa=True and a multiple "
                 f"(as in SDPA)")
-    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0):
-        return f"scale must be a number > 0 or None, got {scale!r}"
+    if scale is not None:
+        try:
+            api._check_scale(scale, "scale", query.shape[-1])       # a normal float32 number > 0
+        except (TypeError, ValueError) as exc:
+            return str(exc)
     return None
 
 
@@ -89,11 +97,12 @@ def _attention(query, key, value, is_causal, scale):
     """triflash.attention on [..., H, L, E] inputs of any rank >= 3 (leading dims folded into one
     batch dimension, a view when they allow it)."""
     lead = query.shape[:-3] if query.dim() >= 4 else query.shape[:-2]
+    batch = math.prod(lead)                               # (not -1: any dimension may be 0)
 
     def as_bhsd(t):
         if t.dim() == 3:
             return t.unsqueeze(1)                          # [N, L, E] -> [N, 1, L, E]
-        return t.reshape(-1, *t.shape[-3:])
+        return t.reshape(batch, *t.shape[-3:])
     out = api.attention(as_bhsd(query), as_bhsd(key), as_bhsd(value), causal=bool(is_causal),
                         sm_scale=scale)
     return out.reshape(*lead, *out.shape[-3 if query.dim() >= 4 else -2:])

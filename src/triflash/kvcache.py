@@ -82,15 +82,28 @@ def _require_no_grad(name, t):
                          f"torch.no_grad() or torch.inference_mode(), or pass {name}.detach()")
 
 
+def _may_overlap(t) -> bool:
+    """Whether two elements of ``t`` might share memory. PyTorch's own check answers yes, no, or "too
+    hard" (any view with gaps, such as k and v unbound from one [..., 2, ...] tensor); for the last,
+    a sufficient test: sorted by stride, each dimension's stride passes everything the smaller ones
+    span (true of every view sliced or unbound from a dense tensor)."""
+    status = torch._debug_has_internal_overlap(t)
+    if status != 2:
+        return status == 1
+    span = 0
+    for stride, size in sorted((abs(st), n) for st, n in zip(t.stride(), t.shape) if n > 1):
+        if stride <= span:
+            return True
+        span += stride * (size - 1)
+    return False
+
+
 def _check_writable_caches(k_cache, v_cache):
     """The append writes into the caches in place: each must be a tensor whose elements are its own
     (no expanded or overlapping view, which would make rows share memory and the last write win),
-    not the same memory as the other, and not a leaf that requires grad."""
+    and not the same memory as the other."""
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if t.requires_grad:
-            raise ValueError(f"{name} requires grad, but appending k and v writes into it in place: "
-                             f"expected a cache without requires_grad")
-        if torch._debug_has_internal_overlap(t) == 1:
+        if _may_overlap(t):
             raise ValueError(f"{name} has elements that share memory (an expanded or overlapping view, "
                              f"strides {t.stride()}), so appending into it would write several rows to "
                              f"one place: expected a cache with its own memory per element")
@@ -182,7 +195,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
     num_splits = int(num_splits)                  # numpy integers too
     if num_splits < 0:
         raise ValueError(f"num_splits must be >= 0 (0 = choose automatically), got {num_splits}")
-    _require_no_grad("q", q)
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        _require_no_grad(name, t)
 
     batch, seqlen_q, heads_q, head_dim = q.shape
     if tuple(v_cache.shape) != tuple(k_cache.shape):

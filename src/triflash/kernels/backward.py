@@ -38,7 +38,7 @@ import triton.language as tl
 
 from . import configs
 from .common import (LOG2E, LOG2E_K, Varlen, add_rn, causal_key_range, last_dim_contiguous, mul_rn,
-                     needs_int64_rows, on_input_device, wide)
+                     needs_int64_rows, on_input_device, sequence_bounds, wide)
 from .configs import BwdConfig
 from .forward import host_descriptors, tma_compatible
 
@@ -172,10 +172,7 @@ def _bwd_dkdv_kernel(
     start_n = pid_n * BLOCK_N
     if VARLEN:
         # This sequence's rows: the pointers move to its first row, seqlen_q / seqlen_k become its own.
-        q_start = tl.load(CU_Q + off_b).to(tl.int64)
-        k_start = tl.load(CU_K + off_b).to(tl.int64)
-        seqlen_q = (tl.load(CU_Q + off_b + 1) - q_start).to(tl.int32)
-        seqlen_k = (tl.load(CU_K + off_b + 1) - k_start).to(tl.int32)
+        q_start, k_start, seqlen_q, seqlen_k = sequence_bounds(CU_Q, CU_K, off_b)
         if start_n >= seqlen_k:
             return                            # a block past this (shorter) sequence's end
         K += k_start * stride_ks
@@ -306,11 +303,8 @@ def _bwd_dq_kernel(
     start_m = pid_m * BLOCK_M
     if VARLEN:
         # As in the dK/dV kernel; the stats are [Hq, total_q]: this head's row of this sequence.
-        q_start = tl.load(CU_Q + off_b).to(tl.int64)
-        k_start = tl.load(CU_K + off_b).to(tl.int64)
+        q_start, k_start, seqlen_q, seqlen_k = sequence_bounds(CU_Q, CU_K, off_b)
         row0 = off_h.to(tl.int64) * stats_rows + q_start
-        seqlen_q = (tl.load(CU_Q + off_b + 1) - q_start).to(tl.int32)
-        seqlen_k = (tl.load(CU_K + off_b + 1) - k_start).to(tl.int32)
         if start_m >= seqlen_q:
             return                            # a block past this (shorter) sequence's end
         Q += q_start * stride_qs

@@ -57,6 +57,17 @@ def needs_int64_rows(*tensors: torch.Tensor) -> bool:
 
 
 @triton.jit
+def sequence_bounds(CU_Q, CU_K, off_b):
+    """Packed sequences (VARLEN kernels): sequence off_b's first query row and first key row (int64),
+    and its own query and key counts, from the [B + 1] offsets."""
+    q_start = tl.load(CU_Q + off_b).to(tl.int64)
+    k_start = tl.load(CU_K + off_b).to(tl.int64)
+    seqlen_q = (tl.load(CU_Q + off_b + 1) - q_start).to(tl.int32)
+    seqlen_k = (tl.load(CU_K + off_b + 1) - k_start).to(tl.int32)
+    return q_start, k_start, seqlen_q, seqlen_k
+
+
+@triton.jit
 def wide(stride, LONG: tl.constexpr):
     """A row stride as the kernels multiply it: int64 when LONG (see ``needs_int64_rows``), so that
     row * stride cannot wrap; else as it came (int32), so nothing changes for the usual sizes."""

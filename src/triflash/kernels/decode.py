@@ -45,8 +45,8 @@ import triton
 import triton.language as tl
 
 from . import configs
-from .common import (LOG2E, accumulate_pv, finish_rows, load_kv_tile, on_input_device, online_softmax_step,
-                     score_dot)
+from .common import (LOG2E, accumulate_pv, finish_rows, load_kv_tile, needs_int64_rows, on_input_device,
+                     online_softmax_step, score_dot, wide)
 from .configs import DecodeConfig
 from .merge import merge as _merge_launch
 
@@ -195,10 +195,12 @@ def _decode_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, PER_PAGE: tl.constexpr, HAS_SEQLENS: tl.constexpr,
     IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr, PRECISE: tl.constexpr,
-    NUM_STAGES: tl.constexpr,
+    NUM_STAGES: tl.constexpr, LONG: tl.constexpr = False,
 ):
     """SEQLENS: cache_seqlens [B] (the keys attended are cache_seqlens[b] + seqlen_new); without it
-    every sequence has seqlen_k keys. BLOCK_TABLE: [B, max_pages] int32 when PAGED."""
+    every sequence has seqlen_k keys. BLOCK_TABLE: [B, max_pages] int32 when PAGED. LONG: q's and
+    out's row offsets in int64 (``common.needs_int64_rows``; the cache's are always)."""
+    stride_qs, stride_os, stride_lh = wide(stride_qs, LONG), wide(stride_os, LONG), wide(stride_lh, LONG)
     # -- which (batch, kv head, split, M block) this program owns --
     pid_m, split, off_hk, off_b, seqlen = _program_coords(
         SEQLENS, stride_sl, heads_kv, seqlen_k, seqlen_new, num_m_blocks, num_splits, HAS_SEQLENS)
@@ -371,6 +373,6 @@ def _launch_triton(q, k_cache, v_cache, o_part, l_part, cache_seqlens, block_tab
         # fp32: the forward's precise form (p = 1 for a row's largest score, p @ v summed block by
         # block, an IEEE division at the end).
         PRECISE=q.dtype == torch.float32,
-        NUM_STAGES=config.num_stages,
+        NUM_STAGES=config.num_stages, LONG=needs_int64_rows(q, o_part),
         num_warps=config.num_warps, num_stages=config.num_stages,
     )

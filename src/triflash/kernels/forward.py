@@ -37,7 +37,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from . import configs
 from .common import (LOG2E, Varlen, causal_key_range, finish_rows, load_kv_tile, needs_int64_rows,
-                     on_input_device, online_softmax_step, wide)
+                     on_input_device, online_softmax_step, sequence_bounds, wide)
 from .configs import FwdConfig
 
 
@@ -137,11 +137,9 @@ def _attn_fwd_kernel(
     o_base = off_b.to(tl.int64) * stride_ob + off_h.to(tl.int64) * stride_oh
     if VARLEN:
         # This sequence's rows: from here on, seqlen_q / seqlen_k are its own lengths.
-        q_start = tl.load(CU_Q + off_b).to(tl.int64)
-        k_start = tl.load(CU_K + off_b).to(tl.int64)
-        lse_base = off_h.to(tl.int64) * seqlen_q + q_start             # LSE [Hq, total_q]
-        seqlen_q = (tl.load(CU_Q + off_b + 1) - q_start).to(tl.int32)
-        seqlen_k = (tl.load(CU_K + off_b + 1) - k_start).to(tl.int32)
+        total_q = seqlen_q
+        q_start, k_start, seqlen_q, seqlen_k = sequence_bounds(CU_Q, CU_K, off_b)
+        lse_base = off_h.to(tl.int64) * total_q + q_start              # LSE [Hq, total_q]
         q_base += q_start * stride_qs
         o_base += q_start * stride_os
         k_base += k_start * stride_ks
