@@ -1,15 +1,16 @@
 #!/usr/bin/env bash
 # The GPU checks that code landed without a GPU still owes (see docs/performance-notes.md, "Sixteenth
-# session"), in two parts that each fit one device call (10 minutes):
+# session"), in three parts that each fit one device call (10 minutes):
 #
 #   bash scripts/gpu_pending_checks.sh fwd   # forward suites, causal and empty rows, packed sequences,
 #                                            # and (one test at a time) the 4 GiB offset tests
 #   bash scripts/gpu_pending_checks.sh bwd   # the backward suite
+#   bash scripts/gpu_pending_checks.sh rest  # decode, merge, SDPA routing, compile, validation, layouts
 #
 # Logs go to $OUT (the device tool's folder that comes back), a short summary to stdout. The hang
 # guard (tests/conftest.py) ends a test that runs past TRIFLASH_TEST_TIMEOUT seconds.
 set -u
-part=${1:?usage: gpu_pending_checks.sh fwd|bwd}
+part=${1:?usage: gpu_pending_checks.sh fwd|bwd|rest}
 OUT=${OUT:-/tmp/gpu_pending_checks}
 mkdir -p "$OUT"
 export PYTHONPATH=src TRIFLASH_TEST_TIMEOUT=${TRIFLASH_TEST_TIMEOUT:-240}
@@ -35,8 +36,14 @@ fwd)
 bwd)
     run bwd -n 16 tests/test_backward.py
     ;;
+rest)
+    # test_decode*.py ran with -n 8 before (16 workers crowded its long-context cases).
+    run decode -n 8 tests/test_decode.py tests/test_decode_hopper.py
+    run rest -n 16 tests/test_merge.py tests/test_integrations.py tests/test_compile.py tests/test_validation.py \
+        tests/test_layouts.py tests/test_devices.py tests/test_readme.py
+    ;;
 *)
-    echo "unknown part $part (fwd or bwd)" >&2
+    echo "unknown part $part (fwd, bwd or rest)" >&2
     exit 2
     ;;
 esac
