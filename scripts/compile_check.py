@@ -6,7 +6,7 @@ Triton's whole pipeline and ptxas (bundled with the triton wheel). This catches 
 errors the interpreter cannot see, and reports registers, spills and shared memory per variant; with
 --sass it also counts HGMMA (Hopper tensor-core) instructions in the disassembly.
 
-    PYTHONPATH=src python scripts/compile_check.py [--sass] [--only forward|backward|varlen|long|decode|merge]
+    PYTHONPATH=src python scripts/compile_check.py [--sass] [--only forward|backward|varlen|window|long|decode|merge]
         [--sass-dump DIR]
 """
 
@@ -193,6 +193,23 @@ def varlen_cases():
                                  config=bcfg, varlen=vl)))
 
 
+def window_cases():
+    """Local windows (window_size): the forward's and backward's three-range loops, on the tiles and
+    tile movement (TMA descriptors on Hopper) the choosers pick."""
+    for dtype in (torch.float16, torch.bfloat16, torch.float32):
+        for d in (64, 128):
+            for causal, window in ((True, (256, 0)), (False, (100, 37)), (False, (-1, 5))):
+                q, k, v = qkv(2, 300, 300, 4, 2, d, dtype)
+                cfg = choose_forward(d, dtype, causal, 2 * 4, 4096)
+                bcfg = configs.backward_config(head_dim=d, dtype=dtype, device="cuda")
+
+                def run(q=q, k=k, v=v, cfg=cfg, bcfg=bcfg, causal=causal, window=window):
+                    out, lse = F.forward(q, k, v, 0.1, causal, config=cfg, window=window)
+                    B.backward(torch.randn_like(q), q, k, v, out, torch.randn(2, 4, 300), 0.1, causal,
+                               config=bcfg, window=window)
+                yield f"window{window} {TYPES[dtype]} D{d} {'causal' if causal else 'full'}", run
+
+
 def long_cases():
     """The kernels with 64-bit row offsets (LONG, taken when row * row stride can pass 2^31 - 1):
     forced here on small tensors (the flag, not the sizes, decides the code), including a row stride
@@ -287,12 +304,13 @@ def merge_cases():
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--sass", action="store_true")
-    ap.add_argument("--only", choices=["forward", "backward", "varlen", "long", "decode", "merge"])
+    ap.add_argument("--only", choices=["forward", "backward", "varlen", "window", "long", "decode", "merge"])
     ap.add_argument("--sass-dump", metavar="DIR", help="write every kernel's SASS into DIR")
     a = ap.parse_args()
     if a.sass_dump:
         os.makedirs(a.sass_dump, exist_ok=True)
-    groups = {"forward": forward_cases, "backward": backward_cases, "varlen": varlen_cases, "long": long_cases,
+    groups = {"forward": forward_cases, "backward": backward_cases, "varlen": varlen_cases, "window": window_cases,
+              "long": long_cases,
               "decode": decode_cases, "merge": merge_cases}
     ok = True
     for name, cases in groups.items():

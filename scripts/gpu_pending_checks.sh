@@ -2,7 +2,7 @@
 # The GPU checks that code landed without a GPU still owes (see docs/performance-notes.md, "Sixteenth
 # session"), in three parts that each fit one device call (10 minutes):
 #
-#   bash scripts/gpu_pending_checks.sh fwd   # forward suites, causal and empty rows, packed sequences,
+#   bash scripts/gpu_pending_checks.sh fwd   # forward suites, causal and empty rows, packed sequences, windows,
 #                                            # and (one test at a time) the 4 GiB offset tests
 #   bash scripts/gpu_pending_checks.sh bwd   # the backward suite
 #   bash scripts/gpu_pending_checks.sh rest  # decode, merge, SDPA routing, compile, validation, layouts
@@ -29,7 +29,7 @@ run() {   # run NAME PYTEST-ARGS...: one pytest run, its log in $OUT/NAME.log, i
 
 case $part in
 fwd)
-    run fwd -n 16 tests/test_forward.py tests/test_causal_and_empty.py tests/test_varlen.py
+    run fwd -n 16 tests/test_forward.py tests/test_causal_and_empty.py tests/test_varlen.py tests/test_window.py
     # 4-5 GiB tensors and float64 references (up to ~60 GiB): one test at a time.
     run int64 -n 1 tests/test_int64_offsets.py tests/test_long_sequences.py
     ;;

@@ -63,11 +63,11 @@ def make_qkv(batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, dtype, devi
     return randn(seqlen_q, heads_q), randn(seqlen_k, heads_kv), randn(seqlen_k, heads_kv)
 
 
-def assert_matches_reference(out, lse, q, k, v, causal=False, softmax_scale=None):
+def assert_matches_reference(out, lse, q, k, v, causal=False, softmax_scale=None, window_size=(-1, -1)):
     """The forward's out and lse ([B, S, H, D] inputs) against the float64 reference, by the 2x rule."""
     from triflash.reference import flash_attn_ref
 
-    kwargs = dict(causal=causal, softmax_scale=softmax_scale, return_lse=True)
+    kwargs = dict(causal=causal, softmax_scale=softmax_scale, return_lse=True, window_size=window_size)
     ref, ref_lse = flash_attn_ref(q, k, v, **kwargs)
     same, same_lse = flash_attn_ref(q, k, v, compute_dtype=None, **kwargs)
     assert_2x_rule("out", out, ref, same, q.dtype)
@@ -86,7 +86,7 @@ def assert_raises_naming(exc, words, fn, *args, **kwargs):
         assert word in msg, f"message {msg!r} should mention {word!r}"
 
 
-def ref_grads(q, k, v, dout, causal, compute_dtype, dlse=None, scale=None):
+def ref_grads(q, k, v, dout, causal, compute_dtype, dlse=None, scale=None, window_size=(-1, -1)):
     """Gradients of the reference ([B, S, H, D] inputs); compute_dtype=None is PyTorch's own same-dtype
     attention."""
     leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
@@ -95,7 +95,7 @@ def ref_grads(q, k, v, dout, causal, compute_dtype, dlse=None, scale=None):
     from triflash.reference import flash_attn_ref
 
     out, lse = flash_attn_ref(*leaves, causal=causal, softmax_scale=scale, compute_dtype=compute_dtype,
-                              return_lse=True)
+                              return_lse=True, window_size=window_size)
     loss = (out * dout.to(out.dtype)).sum()
     if dlse is not None:
         loss = loss + (lse * dlse.to(lse.dtype)).sum()
@@ -103,11 +103,11 @@ def ref_grads(q, k, v, dout, causal, compute_dtype, dlse=None, scale=None):
     return [t.grad for t in leaves]
 
 
-def assert_grads_3x(grads, q, k, v, dout, causal, dtype, dlse=None, scale=None):
+def assert_grads_3x(grads, q, k, v, dout, causal, dtype, dlse=None, scale=None, window_size=(-1, -1)):
     """The backward's rule (test_backward.py's docstring): dQ, dK and dV each within 3x PyTorch's own
     same-dtype error against float64, plus a floor relative to the largest reference gradient."""
-    ref = ref_grads(q, k, v, dout, causal, torch.float64, dlse, scale)
-    same = ref_grads(q, k, v, dout, causal, None, dlse, scale)
+    ref = ref_grads(q, k, v, dout, causal, torch.float64, dlse, scale, window_size)
+    same = ref_grads(q, k, v, dout, causal, None, dlse, scale, window_size)
     floor = relative(FLOOR[dtype], torch.cat([r.flatten() for r in ref]))
     for name, g, r, s in zip(("dq", "dk", "dv"), grads, ref, same):
         assert g is not None and g.shape == r.shape and g.dtype == dtype, name

@@ -152,6 +152,22 @@ def _require_qkv(q, k, v, rank: int, q_doc: str, kv_doc: str, causal) -> None:
     _require_bool("causal", causal)
 
 
+def _check_window(window_size, causal: bool) -> tuple[int, int]:
+    """window_size as (left, right) ints >= -1 (-1: no bound on that side). With causal the right
+    bound is 0: a right of -1 or 0 is accepted, any other raises (it would contradict causal)."""
+    if (not isinstance(window_size, (tuple, list)) or len(window_size) != 2
+            or any(isinstance(w, bool) or not isinstance(w, numbers.Integral) for w in window_size)):
+        raise TypeError(f"window_size must be a pair of ints (left, right), -1 for no bound, got "
+                        f"{window_size!r}")
+    left, right = (int(w) for w in window_size)
+    if left < -1 or right < -1:
+        raise ValueError(f"window_size entries must be >= -1 (-1: no bound on that side), got {window_size!r}")
+    if causal and right > 0:
+        raise ValueError(f"window_size[1] must be -1 or 0 with causal=True (causal sees no later key), got "
+                         f"{right}")
+    return left, right
+
+
 def validate_qkv(q, k, v, layout: str, scale_name: str = "softmax_scale", softmax_scale=None,
                  causal=False) -> float:
     """Check q/k/v for ``layout`` before any launch; return the softmax scale to use.
@@ -177,7 +193,7 @@ def validate_qkv(q, k, v, layout: str, scale_name: str = "softmax_scale", softma
 
 
 
-def flash_attn_func(q, k, v, softmax_scale=None, causal=False, return_lse=False):
+def flash_attn_func(q, k, v, softmax_scale=None, causal=False, return_lse=False, *, window_size=(-1, -1)):
     """Attention in FlashAttention's layout.
 
     Args:
@@ -189,6 +205,10 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, return_lse=False)
         causal: mask keys after the query, aligned bottom-right: query i sees key j when
             j <= i + seqlen_k - seqlen_q. A query that sees no key gets out = 0 and lse = -inf.
         return_lse: also return the log-sum-exp of the scaled scores.
+        window_size: (left, right), a local ("sliding") window, as in FlashAttention: query i sees
+            key j when i + off - left <= j <= i + off + right, off = seqlen_k - seqlen_q; -1 leaves
+            that side unbounded. With ``causal`` the right bound is 0 (a right of -1 or 0 is
+            accepted). Windows run on the portable Triton kernels on every GPU.
 
     Returns:
         out [batch, seqlen_q, heads_q, head_dim] in q's dtype; with ``return_lse``, (out, lse) where
@@ -196,17 +216,19 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, return_lse=False)
     """
     scale = validate_qkv(q, k, v, "bshd", "softmax_scale", softmax_scale, causal)
     _require_bool("return_lse", return_lse)
+    window = _check_window(window_size, causal)
     q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
-    out, lse = _autograd.forward(q, k, v, scale, causal, False)
+    out, lse = _autograd.forward(q, k, v, scale, causal, False, *window)
     return (out, lse) if return_lse else out
 
 
-def attention(q, k, v, causal=False, sm_scale=None, return_lse=False):
+def attention(q, k, v, causal=False, sm_scale=None, return_lse=False, *, window_size=(-1, -1)):
     """Attention in the seeds' (and SDPA's) layout.
 
     Args:
         q: [batch, heads_q, seqlen_q, head_dim]; k, v: [batch, heads_kv, seqlen_k, head_dim].
-        causal, sm_scale, return_lse: as ``flash_attn_func``'s causal, softmax_scale, return_lse.
+        causal, sm_scale, return_lse, window_size: as ``flash_attn_func``'s causal, softmax_scale,
+            return_lse, window_size.
 
     Returns:
         out [batch, heads_q, seqlen_q, head_dim] (contiguous) in q's dtype; with ``return_lse``,
@@ -214,8 +236,9 @@ def attention(q, k, v, causal=False, sm_scale=None, return_lse=False):
     """
     scale = validate_qkv(q, k, v, "bhsd", "sm_scale", sm_scale, causal)
     _require_bool("return_lse", return_lse)
+    window = _check_window(window_size, causal)
     q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
-    out, lse = _autograd.forward(q, k, v, scale, causal, True)
+    out, lse = _autograd.forward(q, k, v, scale, causal, True, *window)
     return (out, lse) if return_lse else out
 
 
@@ -308,7 +331,7 @@ def validate_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
 
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
-                           softmax_scale=None, causal=False, return_lse=False):
+                           softmax_scale=None, causal=False, window_size=(-1, -1), return_lse=False):
     """Attention over a batch of sequences of different lengths, packed without padding
     (FlashAttention's varlen layout and argument names).
 
@@ -322,7 +345,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
             total_k. A sequence may be empty (no queries, or no keys: its rows get out = 0).
         max_seqlen_q, max_seqlen_k: ints at least as large as the longest sequence (they size the
             launch; larger only costs idle programs).
-        softmax_scale, causal, return_lse: as ``flash_attn_func``, keyword only (FlashAttention 2 has
+        softmax_scale, causal, window_size, return_lse: as ``flash_attn_func`` (the window applies
+            within each sequence), keyword only (FlashAttention 2 has
             dropout_p in the eighth place, FlashAttention 3 seqused_q: a call ported with positional
             arguments raises instead of taking one for the other). Causal is aligned bottom-right
             within each sequence: its query i sees its key j when j <= i + seqlen_k - seqlen_q.
@@ -341,7 +365,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     scale, max_seqlen_q, max_seqlen_k = validate_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                                         max_seqlen_k, softmax_scale, causal)
     _require_bool("return_lse", return_lse)
+    window = _check_window(window_size, causal)
     q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
     varlen = Varlen(cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(), max_seqlen_q, max_seqlen_k)
-    out, lse = _autograd.varlen_forward(q, k, v, varlen, scale, causal)
+    out, lse = _autograd.varlen_forward(q, k, v, varlen, scale, causal, window)
     return (out, lse) if return_lse else out

@@ -44,24 +44,25 @@ def _bshd(t: Tensor, bhsd: bool) -> Tensor:
     return t.transpose(1, 2) if bhsd else t
 
 
-def forward_impl(q: Tensor, k: Tensor, v: Tensor, softmax_scale: float, causal: bool,
-                 bhsd: bool) -> tuple[Tensor, Tensor]:
-    """Forward on validated inputs. Returns (out in q's layout, lse [B, Hq, Sq] float32)."""
+def forward_impl(q: Tensor, k: Tensor, v: Tensor, softmax_scale: float, causal: bool, bhsd: bool,
+                 window_left: int = -1, window_right: int = -1) -> tuple[Tensor, Tensor]:
+    """Forward on validated inputs. Returns (out in q's layout, lse [B, Hq, Sq] float32).
+    window_left / window_right: a local window's bounds (-1: none on that side)."""
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     _, lse = _forward_launch(_bshd(q, bhsd), _bshd(k, bhsd), _bshd(v, bhsd), softmax_scale, causal,
-                             out=_bshd(out, bhsd))
+                             out=_bshd(out, bhsd), window=(window_left, window_right))
     return out, lse
 
 
 @torch.library.custom_op("triflash::attn_fwd", mutates_args=())
-def attn_fwd(q: Tensor, k: Tensor, v: Tensor, softmax_scale: float, causal: bool,
-             bhsd: bool) -> tuple[Tensor, Tensor]:
+def attn_fwd(q: Tensor, k: Tensor, v: Tensor, softmax_scale: float, causal: bool, bhsd: bool,
+             window_left: int = -1, window_right: int = -1) -> tuple[Tensor, Tensor]:
     """Forward on validated inputs. Returns (out in q's layout, lse [B, Hq, Sq] float32)."""
-    return forward_impl(q, k, v, softmax_scale, causal, bhsd)
+    return forward_impl(q, k, v, softmax_scale, causal, bhsd, window_left, window_right)
 
 
-def forward(q: Tensor, k: Tensor, v: Tensor, softmax_scale: float, causal: bool,
-            bhsd: bool) -> tuple[Tensor, Tensor]:
+def forward(q: Tensor, k: Tensor, v: Tensor, softmax_scale: float, causal: bool, bhsd: bool,
+            window_left: int = -1, window_right: int = -1) -> tuple[Tensor, Tensor]:
     """The forward through the custom op, through ``_EagerAttention`` or ``_FunctorchAttention``, or
     straight to the launcher.
 
@@ -76,11 +77,11 @@ def forward(q: Tensor, k: Tensor, v: Tensor, softmax_scale: float, causal: bool,
         # tensors is not visible from inside a vmap (a batched tensor over a grad-tracking one says
         # requires_grad=False), and the op's own autograd wrapper raises under every grad transform.
         if torch._C._are_functorch_transforms_active() and not torch.compiler.is_compiling():
-            return _FunctorchAttention.apply(q, k, v, softmax_scale, causal, bhsd)
-        return attn_fwd(q, k, v, softmax_scale, causal, bhsd)
+            return _FunctorchAttention.apply(q, k, v, softmax_scale, causal, bhsd, window_left, window_right)
+        return attn_fwd(q, k, v, softmax_scale, causal, bhsd, window_left, window_right)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        return _EagerAttention.apply(q, k, v, softmax_scale, causal, bhsd)
-    return forward_impl(q, k, v, softmax_scale, causal, bhsd)
+        return _EagerAttention.apply(q, k, v, softmax_scale, causal, bhsd, window_left, window_right)
+    return forward_impl(q, k, v, softmax_scale, causal, bhsd, window_left, window_right)
 
 
 _NO_JVP = ("triflash has no forward-mode derivative (jvp): q, k or v carries a tangent (a dual tensor "
@@ -109,7 +110,7 @@ def _needs_op(q: Tensor, k: Tensor, v: Tensor) -> bool:
 
 
 @attn_fwd.register_fake
-def _attn_fwd_fake(q, k, v, softmax_scale, causal, bhsd):
+def _attn_fwd_fake(q, k, v, softmax_scale, causal, bhsd, window_left=-1, window_right=-1):
     batch, heads, seqlen = (q.shape[0], q.shape[1], q.shape[2]) if bhsd else (q.shape[0], q.shape[2], q.shape[1])
     return torch.empty_like(q, memory_format=torch.contiguous_format), \
         q.new_empty((batch, heads, seqlen), dtype=torch.float32)
@@ -132,12 +133,12 @@ def _unfold(t: Tensor, size: int) -> Tensor:
     return t.reshape(size, t.shape[0] // size, *t.shape[1:])
 
 
-def _attn_fwd_vmap(info, in_dims, q, k, v, softmax_scale, causal, bhsd):
+def _attn_fwd_vmap(info, in_dims, q, k, v, softmax_scale, causal, bhsd, window_left=-1, window_right=-1):
     """torch.func.vmap: one launch over every vmapped sample (folded into the batch), not PyTorch's
     fallback of one call per sample."""
     n = info.batch_size
     out, lse = attn_fwd(_fold(q, in_dims[0], n), _fold(k, in_dims[1], n), _fold(v, in_dims[2], n),
-                        softmax_scale, causal, bhsd)
+                        softmax_scale, causal, bhsd, window_left, window_right)
     return (_unfold(out, n), _unfold(lse, n)), (0, 0)
 
 
@@ -146,7 +147,7 @@ attn_fwd.register_vmap(_attn_fwd_vmap)
 
 def backward_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                   dlse: Tensor | None, softmax_scale: float, causal: bool, bhsd: bool, need_dq: bool,
-                  need_dkdv: bool) -> tuple[Tensor, Tensor, Tensor]:
+                  need_dkdv: bool, window_left: int = -1, window_right: int = -1) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients (dq, dk, dv) in the inputs' layouts. Gradients not asked for come back empty (0 elements)."""
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device) if need_dq else q.new_empty(0)
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device) if need_dkdv else k.new_empty(0)
@@ -157,31 +158,33 @@ def backward_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, ls
         dq=_bshd(dq, bhsd) if need_dq else None,
         dk=_bshd(dk, bhsd) if need_dkdv else None,
         dv=_bshd(dv, bhsd) if need_dkdv else None,
-        need_dq=need_dq, need_dkdv=need_dkdv)
+        need_dq=need_dq, need_dkdv=need_dkdv, window=(window_left, window_right))
     return dq, dk, dv
 
 
 @torch.library.custom_op("triflash::attn_bwd", mutates_args=())
 def attn_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
              dlse: Tensor | None, softmax_scale: float, causal: bool, bhsd: bool, need_dq: bool,
-             need_dkdv: bool) -> tuple[Tensor, Tensor, Tensor]:
+             need_dkdv: bool, window_left: int = -1, window_right: int = -1) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients (dq, dk, dv) in the inputs' layouts. Gradients not asked for come back empty (0 elements)."""
-    return backward_impl(dout, q, k, v, out, lse, dlse, softmax_scale, causal, bhsd, need_dq, need_dkdv)
+    return backward_impl(dout, q, k, v, out, lse, dlse, softmax_scale, causal, bhsd, need_dq, need_dkdv,
+                         window_left, window_right)
 
 
 @attn_bwd.register_fake
-def _attn_bwd_fake(dout, q, k, v, out, lse, dlse, softmax_scale, causal, bhsd, need_dq, need_dkdv):
+def _attn_bwd_fake(dout, q, k, v, out, lse, dlse, softmax_scale, causal, bhsd, need_dq, need_dkdv,
+                   window_left=-1, window_right=-1):
     def like(t, needed):
         return torch.empty_like(t, memory_format=torch.contiguous_format) if needed else t.new_empty(0)
     return like(q, need_dq), like(k, need_dkdv), like(v, need_dkdv)
 
 
 def _attn_bwd_vmap(info, in_dims, dout, q, k, v, out, lse, dlse, softmax_scale, causal, bhsd, need_dq,
-                   need_dkdv):
+                   need_dkdv, window_left=-1, window_right=-1):
     """torch.func.vmap of the backward (vmap over grad: per-sample gradients), in one launch."""
     n = info.batch_size
     args = [_fold(t, d, n) for t, d in zip((dout, q, k, v, out, lse, dlse), in_dims)]
-    grads = attn_bwd(*args, softmax_scale, causal, bhsd, need_dq, need_dkdv)
+    grads = attn_bwd(*args, softmax_scale, causal, bhsd, need_dq, need_dkdv, window_left, window_right)
     needed = (need_dq, need_dkdv, need_dkdv)       # gradients not asked for are empty, not batched
     return (tuple(_unfold(g, n) if need else g for g, need in zip(grads, needed)),
             tuple(0 if need else None for need in needed))
@@ -191,14 +194,15 @@ attn_bwd.register_vmap(_attn_bwd_vmap)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, softmax_scale, causal, bhsd = inputs
+    q, k, v, softmax_scale, causal, bhsd, *window = inputs
     out, lse = output
-    _save(ctx, q, k, v, out, lse, softmax_scale, causal, bhsd)
+    _save(ctx, q, k, v, out, lse, softmax_scale, causal, bhsd, *window)
 
 
-def _save(ctx, q, k, v, out, lse, softmax_scale, causal, bhsd):
+def _save(ctx, q, k, v, out, lse, softmax_scale, causal, bhsd, window_left=-1, window_right=-1):
     ctx.save_for_backward(q, k, v, out, lse)
     ctx.softmax_scale, ctx.causal, ctx.bhsd = softmax_scale, causal, bhsd
+    ctx.window = (window_left, window_right)
     # An unused output's gradient arrives as None instead of a tensor of zeros: the usual loss never
     # touches lse, and its dlse would otherwise be read (as zeros) by every backward.
     ctx.set_materialize_grads(False)
@@ -218,11 +222,10 @@ def _gradients(ctx, dout, dlse, backward_fn=None):
     if dout is None:                       # a loss on lse alone
         dout = torch.zeros_like(out)
     dq, dk, dv = backward_fn(dout, q, k, v, out, lse, dlse, ctx.softmax_scale, ctx.causal, ctx.bhsd,
-                             need_dq, need_dkdv)
+                             need_dq, need_dkdv, *ctx.window)
     return (dq if need_dq else None,
             dk if ctx.needs_input_grad[1] else None,
-            dv if ctx.needs_input_grad[2] else None,
-            None, None, None)
+            dv if ctx.needs_input_grad[2] else None) + (None,) * (len(ctx.needs_input_grad) - 3)
 
 
 def _backward(ctx, dout, dlse):
@@ -238,9 +241,9 @@ class _EagerAttention(torch.autograd.Function):
     on every call."""
 
     @staticmethod
-    def forward(ctx, q, k, v, softmax_scale, causal, bhsd):
-        out, lse = forward_impl(q, k, v, softmax_scale, causal, bhsd)
-        _save(ctx, q, k, v, out, lse, softmax_scale, causal, bhsd)
+    def forward(ctx, q, k, v, softmax_scale, causal, bhsd, window_left=-1, window_right=-1):
+        out, lse = forward_impl(q, k, v, softmax_scale, causal, bhsd, window_left, window_right)
+        _save(ctx, q, k, v, out, lse, softmax_scale, causal, bhsd, window_left, window_right)
         return out, lse
 
     @staticmethod
@@ -260,8 +263,8 @@ class _FunctorchAttention(torch.autograd.Function):
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(q, k, v, softmax_scale, causal, bhsd):
-        return attn_fwd(q, k, v, softmax_scale, causal, bhsd)
+    def forward(q, k, v, softmax_scale, causal, bhsd, window_left=-1, window_right=-1):
+        return attn_fwd(q, k, v, softmax_scale, causal, bhsd, window_left, window_right)
 
     setup_context = staticmethod(_setup_context)
 
@@ -284,8 +287,10 @@ class _FunctorchBackward(torch.autograd.Function):
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(dout, q, k, v, out, lse, dlse, softmax_scale, causal, bhsd, need_dq, need_dkdv):
-        return attn_bwd(dout, q, k, v, out, lse, dlse, softmax_scale, causal, bhsd, need_dq, need_dkdv)
+    def forward(dout, q, k, v, out, lse, dlse, softmax_scale, causal, bhsd, need_dq, need_dkdv,
+                window_left=-1, window_right=-1):
+        return attn_bwd(dout, q, k, v, out, lse, dlse, softmax_scale, causal, bhsd, need_dq, need_dkdv,
+                        window_left, window_right)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -308,15 +313,17 @@ class _FunctorchBackward(torch.autograd.Function):
 
 @torch.library.custom_op("triflash::varlen_fwd", mutates_args=())
 def varlen_fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
-               max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float,
-               causal: bool) -> tuple[Tensor, Tensor]:
+               max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float, causal: bool,
+               window_left: int = -1, window_right: int = -1) -> tuple[Tensor, Tensor]:
     """Forward on validated packed sequences. Returns (out [total_q, Hq, D], lse [Hq, total_q])."""
     return _forward_launch(q, k, v, softmax_scale, causal,
-                           varlen=Varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
+                           varlen=Varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k),
+                           window=(window_left, window_right))
 
 
 @varlen_fwd.register_fake
-def _varlen_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal):
+def _varlen_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
+                     window_left=-1, window_right=-1):
     return (torch.empty_like(q, memory_format=torch.contiguous_format),
             q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32))
 
@@ -324,29 +331,31 @@ def _varlen_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
 @torch.library.custom_op("triflash::varlen_bwd", mutates_args=())
 def varlen_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dlse: Tensor | None,
                cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int,
-               softmax_scale: float, causal: bool, need_dq: bool,
-               need_dkdv: bool) -> tuple[Tensor, Tensor, Tensor]:
+               softmax_scale: float, causal: bool, need_dq: bool, need_dkdv: bool,
+               window_left: int = -1, window_right: int = -1) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients (dq, dk, dv) of packed sequences. Gradients not asked for come back empty."""
     dq, dk, dv = _backward_launch(
         dout, q, k, v, out, lse, softmax_scale, causal, dlse=dlse, need_dq=need_dq, need_dkdv=need_dkdv,
-        varlen=Varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
+        varlen=Varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k),
+        window=(window_left, window_right))
     return (dq if need_dq else q.new_empty(0), dk if need_dkdv else k.new_empty(0),
             dv if need_dkdv else v.new_empty(0))
 
 
 @varlen_bwd.register_fake
 def _varlen_bwd_fake(dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                     softmax_scale, causal, need_dq, need_dkdv):
+                     softmax_scale, causal, need_dq, need_dkdv, window_left=-1, window_right=-1):
     def like(t, needed):
         return torch.empty_like(t, memory_format=torch.contiguous_format) if needed else t.new_empty(0)
     return like(q, need_dq), like(k, need_dkdv), like(v, need_dkdv)
 
 
 def _varlen_setup_context(ctx, inputs, output):
-    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal = inputs
+    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, *window = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)
     ctx.max_seqlens = (max_seqlen_q, max_seqlen_k)
+    ctx.window = tuple(window) or (-1, -1)
     ctx.softmax_scale, ctx.causal = softmax_scale, causal
     ctx.set_materialize_grads(False)        # as _save: an unused lse's gradient stays None
 
@@ -358,16 +367,16 @@ def _varlen_backward(ctx, dout, dlse):
     if dout is None:                        # a loss on lse alone
         dout = torch.zeros_like(out)
     dq, dk, dv = varlen_bwd(dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k, *ctx.max_seqlens,
-                            ctx.softmax_scale, ctx.causal, need_dq, need_dkdv)
+                            ctx.softmax_scale, ctx.causal, need_dq, need_dkdv, *ctx.window)
     return (dq if need_dq else None, dk if ctx.needs_input_grad[1] else None,
-            dv if ctx.needs_input_grad[2] else None) + (None,) * 6
+            dv if ctx.needs_input_grad[2] else None) + (None,) * (len(ctx.needs_input_grad) - 3)
 
 
 varlen_fwd.register_autograd(_varlen_backward, setup_context=_varlen_setup_context)
 
 
 def varlen_forward(q: Tensor, k: Tensor, v: Tensor, varlen: Varlen, softmax_scale: float,
-                   causal: bool) -> tuple[Tensor, Tensor]:
+                   causal: bool, window: tuple[int, int] = (-1, -1)) -> tuple[Tensor, Tensor]:
     """The packed forward through the op where autograd, torch.compile or a dispatch mode needs one,
     else straight to the launcher."""
     if _has_tangent(q, k, v):
@@ -377,8 +386,8 @@ def varlen_forward(q: Tensor, k: Tensor, v: Tensor, varlen: Varlen, softmax_scal
             "flash_attn_varlen_func does not support torch.func transforms (grad, vjp, vmap, ...): "
             "expected plain tensors; torch.autograd (loss.backward(), torch.autograd.grad) works, and "
             "flash_attn_func supports the transforms")
-    args = (q, k, v, *varlen, softmax_scale, causal)
+    args = (q, k, v, *varlen, softmax_scale, causal, *window)
     if _needs_op(q, k, v) or (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad
                                                            or v.requires_grad)):
         return varlen_fwd(*args)
-    return _forward_launch(q, k, v, softmax_scale, causal, varlen=varlen)
+    return _forward_launch(q, k, v, softmax_scale, causal, varlen=varlen, window=window)

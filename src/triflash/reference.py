@@ -32,17 +32,28 @@ def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
     return torch.matmul(probs, v)
 
 
-def causal_visible(seqlen_q: int, seqlen_k: int, device=None) -> torch.Tensor:
-    """[Sq, Sk] bool: query i sees key j when j <= i + (Sk - Sq) (bottom-right alignment)."""
+def causal_visible(seqlen_q: int, seqlen_k: int, device=None, window_size=(-1, -1),
+                   causal: bool = True) -> torch.Tensor:
+    """[Sq, Sk] bool: query i sees key j when j <= i + (Sk - Sq) (bottom-right alignment). With a
+    ``window_size`` (left, right), also when i + off - left <= j <= i + off + right (-1: that side
+    unbounded); ``causal=False`` drops the causal bound, keeping the window's."""
     i = torch.arange(seqlen_q, device=device)[:, None]
     j = torch.arange(seqlen_k, device=device)[None, :]
-    return j <= i + (seqlen_k - seqlen_q)
+    off = seqlen_k - seqlen_q
+    visible = j <= i + off if causal else torch.ones(seqlen_q, seqlen_k, dtype=torch.bool, device=device)
+    left, right = window_size
+    if left >= 0:
+        visible = visible & (j >= i + off - left)
+    if right >= 0:
+        visible = visible & (j <= i + off + right)
+    return visible
 
 
 def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
                   sm_scale: float | None = None, compute_dtype: torch.dtype | None = torch.float64,
-                  return_lse: bool = False, max_scores: int = 2**28):
-    """Reference attention on [B, H, S, D] with GQA, bottom-right causal and empty rows.
+                  return_lse: bool = False, max_scores: int = 2**28, window_size=(-1, -1)):
+    """Reference attention on [B, H, S, D] with GQA, bottom-right causal, a local window
+    (``window_size``, see ``causal_visible``) and empty rows.
 
     compute_dtype=None computes like PyTorch attention in the input dtype: matmuls in that dtype,
     softmax in float32 (the seeds' naive recipe). Returns out in ``compute_dtype`` (or q's dtype), and
@@ -67,8 +78,8 @@ def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
         qc = q[:, :, r0:r0 + rows].to(mm_dtype)
         scores = torch.matmul(qc, kc.transpose(-1, -2)).to(soft_dtype) * sm_scale   # [B, H, rows, Sk]
         visible = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device)
-        if causal:
-            visible = causal_visible(seqlen_q, seqlen_k, device=q.device)[r0:r0 + rows]
+        if causal or tuple(window_size) != (-1, -1):
+            visible = causal_visible(seqlen_q, seqlen_k, q.device, window_size, causal)[r0:r0 + rows]
         # Rows that see no key: softmax over a row of zeros, then multiplied by 0. The result is
         # out = 0, lse = -inf, and (unlike a softmax over -inf) gradients of 0 instead of NaN.
         empty = ~visible.any(dim=-1)                                                   # [rows]
@@ -86,10 +97,10 @@ def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
 
 
 def flash_attn_ref(q, k, v, causal=False, softmax_scale=None, compute_dtype=torch.float64,
-                   return_lse=False):
+                   return_lse=False, window_size=(-1, -1)):
     """``attention_ref`` for FlashAttention's layout: q [B, Sq, Hq, D], k/v [B, Sk, Hkv, D]."""
     res = attention_ref(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal, softmax_scale,
-                        compute_dtype, return_lse)
+                        compute_dtype, return_lse, window_size=window_size)
     if return_lse:
         return res[0].transpose(1, 2), res[1]
     return res.transpose(1, 2)

@@ -38,7 +38,8 @@ import triton.language as tl
 
 from . import configs
 from .common import (LOG2E, LOG2E_K, Varlen, add_rn, causal_key_range, last_dim_contiguous, mul_rn,
-                     needs_int64_rows, on_input_device, sequence_bounds, wide)
+                     needs_int64_rows, on_input_device, sequence_bounds, wide, window_bounds, window_key_range,
+                     window_visible)
 from .configs import BwdConfig
 from .forward import host_descriptors, tma_compatible
 
@@ -106,7 +107,10 @@ def _dkdv_inner(
     offs_n, offs_d, lo, hi, seqlen_q, causal_offset, sm_scale, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
     MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr, PRECISE_P: tl.constexpr, TMA: tl.constexpr,
+    window_left=0, window_right=0, HAS_LEFT: tl.constexpr = False, HAS_RIGHT: tl.constexpr = False,
 ):
+    """Fold query blocks [lo, hi) into this key block's dK, dV. MASKED: the causal mask, or with
+    HAS_LEFT / HAS_RIGHT a local window's."""
     d_ok = offs_d < HEAD_DIM
     for start_m in range(lo, hi, BLOCK_M):
         start_m = tl.multiple_of(start_m, BLOCK_M)
@@ -127,7 +131,11 @@ def _dkdv_inner(
         s_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)       # [BN, BM] = (Q K^T)^T
         p_t = _recompute_p(s_t, lse2[None, :], sm_scale, qk_scale, PRECISE_P)   # [BN, BM]
         if MASKED:
-            p_t = tl.where(offs_n[:, None] <= offs_m[None, :] + causal_offset, p_t, 0.0)
+            if HAS_LEFT or HAS_RIGHT:
+                p_t = tl.where(window_visible(offs_m[None, :], offs_n[:, None], causal_offset, window_left,
+                                              window_right, HAS_LEFT, HAS_RIGHT), p_t, 0.0)
+            else:
+                p_t = tl.where(offs_n[:, None] <= offs_m[None, :] + causal_offset, p_t, 0.0)
         # fp32 (PRECISE_P): each block's sum on its own, then added (add_rn): short rounding chains.
         if PRECISE_P:
             dv = add_rn(dv, tl.dot(p_t, do, input_precision=DOT_PRECISION))
@@ -142,6 +150,33 @@ def _dkdv_inner(
     return dk, dv
 
 
+@triton.jit
+def window_query_range(start_n, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M: tl.constexpr,
+                       BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
+    """The key block [start_n, start_n + BLOCK_N)'s query rows under a local window (the transpose of
+    ``common.window_key_range``; row i sees key j when i + off - left <= j <= i + off + right).
+    Returns (lo, mid_lo, mid_hi, hi): rows [lo, mid_lo) and [mid_hi, hi) need the mask, the whole
+    BLOCK_M blocks [mid_lo, mid_hi) see every key of the block."""
+    off = seqlen_k - seqlen_q
+    q_end = tl.cdiv(seqlen_q, BLOCK_M) * BLOCK_M
+    last_key = start_n + BLOCK_N - 1
+    if HAS_RIGHT:                   # row i sees key j from i >= j - off - right on
+        lo = tl.minimum(tl.maximum(start_n - off - window_right, 0), q_end) // BLOCK_M * BLOCK_M
+        mid_lo = tl.cdiv(tl.minimum(tl.maximum(last_key - off - window_right, 0), q_end), BLOCK_M) * BLOCK_M
+    else:
+        lo = 0
+        mid_lo = 0
+    if HAS_LEFT:                    # ... up to i <= j - off + left
+        hi = tl.minimum(tl.maximum(last_key - off + window_left + 1, 0), q_end)
+        mid_hi = tl.minimum(tl.maximum(start_n - off + window_left + 1, 0), q_end) // BLOCK_M * BLOCK_M
+    else:
+        hi = q_end
+        mid_hi = q_end
+    mid_lo = tl.maximum(mid_lo, lo)
+    mid_hi = tl.maximum(mid_hi, mid_lo)
+    return lo, mid_lo, mid_hi, hi
+
+
 @triton.jit(do_not_specialize=["seqlen_q", "seqlen_k", "num_n_blocks", "stats_rows"])
 def _bwd_dkdv_kernel(
     Q, K, V, DO, LSE2, Delta, DK, DV,
@@ -152,12 +187,14 @@ def _bwd_dkdv_kernel(
     stride_dkb, stride_dks, stride_dkh,
     stride_dvb, stride_dvs, stride_dvh,
     num_heads_q, num_heads_k, kv_group_size, seqlen_q, seqlen_k, num_n_blocks, stats_rows,
-    sm_scale, qk_scale, CU_Q, CU_K,
+    sm_scale, qk_scale, CU_Q, CU_K, window_left, window_right,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr, PRECISE_P: tl.constexpr, TMA: tl.constexpr,
     VARLEN: tl.constexpr = False, LONG: tl.constexpr = False,
+    HAS_LEFT: tl.constexpr = False, HAS_RIGHT: tl.constexpr = False,
 ):
-    """TMA: Q and DO are host-built 4-D tensor descriptors instead of pointers. LSE2 and Delta are
+    """TMA: Q and DO are host-built 4-D tensor descriptors instead of pointers. HAS_LEFT / HAS_RIGHT:
+    a local window, as in the forward kernel (``window_query_range``). LSE2 and Delta are
     [B, Hq, stats_rows] (stats_rows >= seqlen_q), as for the dQ kernel. VARLEN: packed sequences as
     in the forward kernel (batch strides 0, rows from CU_Q / CU_K); LSE2 and Delta are then
     [Hq, stats_rows = total_q]."""
@@ -195,7 +232,10 @@ def _bwd_dkdv_kernel(
     # Query rows that see this key block. Row i sees key j when j <= i + causal_offset.
     causal_offset = seqlen_k - seqlen_q
     q_blocks_end = tl.cdiv(seqlen_q, BLOCK_M) * BLOCK_M
-    if IS_CAUSAL:
+    if HAS_LEFT or HAS_RIGHT:
+        lo, mid_lo, mid_hi, hi = window_query_range(start_n, seqlen_q, seqlen_k, window_left, window_right,
+                                                    BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+    elif IS_CAUSAL:
         # The block's first key is seen from row start_n - causal_offset on; rows from
         # start_n + BLOCK_N - 1 - causal_offset on see every key of the block (no mask needed).
         lo = (tl.maximum(start_n - causal_offset, 0) // BLOCK_M) * BLOCK_M
@@ -217,14 +257,29 @@ def _bwd_dkdv_kernel(
         else:
             q_src = Q + off_b.to(tl.int64) * stride_qb + off_h.to(tl.int64) * stride_qh
             do_src = DO + off_b.to(tl.int64) * stride_dob + off_h.to(tl.int64) * stride_doh
-        dk, dv = _dkdv_inner(dk, dv, k, v, q_src, do_src, LSE2 + row0, Delta + row0,
-                             stride_qs, stride_dos, off_b, off_h, offs_n, offs_d, lo, full_from, seqlen_q,
-                             causal_offset, sm_scale, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_M, IS_CAUSAL,
-                             DOT_PRECISION, PRECISE_P, TMA)
-        dk, dv = _dkdv_inner(dk, dv, k, v, q_src, do_src, LSE2 + row0, Delta + row0,
-                             stride_qs, stride_dos, off_b, off_h, offs_n, offs_d, full_from, q_blocks_end,
-                             seqlen_q, causal_offset, sm_scale, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_M, False,
-                             DOT_PRECISION, PRECISE_P, TMA)
+        if HAS_LEFT or HAS_RIGHT:
+            # A local window: masked rows at its edges, whole blocks between.
+            dk, dv = _dkdv_inner(dk, dv, k, v, q_src, do_src, LSE2 + row0, Delta + row0,
+                                 stride_qs, stride_dos, off_b, off_h, offs_n, offs_d, lo, mid_lo, seqlen_q,
+                                 causal_offset, sm_scale, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_M, True,
+                                 DOT_PRECISION, PRECISE_P, TMA, window_left, window_right, HAS_LEFT, HAS_RIGHT)
+            dk, dv = _dkdv_inner(dk, dv, k, v, q_src, do_src, LSE2 + row0, Delta + row0,
+                                 stride_qs, stride_dos, off_b, off_h, offs_n, offs_d, mid_lo, mid_hi, seqlen_q,
+                                 causal_offset, sm_scale, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_M, False,
+                                 DOT_PRECISION, PRECISE_P, TMA)
+            dk, dv = _dkdv_inner(dk, dv, k, v, q_src, do_src, LSE2 + row0, Delta + row0,
+                                 stride_qs, stride_dos, off_b, off_h, offs_n, offs_d, mid_hi, hi, seqlen_q,
+                                 causal_offset, sm_scale, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_M, True,
+                                 DOT_PRECISION, PRECISE_P, TMA, window_left, window_right, HAS_LEFT, HAS_RIGHT)
+        else:
+            dk, dv = _dkdv_inner(dk, dv, k, v, q_src, do_src, LSE2 + row0, Delta + row0,
+                                 stride_qs, stride_dos, off_b, off_h, offs_n, offs_d, lo, full_from, seqlen_q,
+                                 causal_offset, sm_scale, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_M, IS_CAUSAL,
+                                 DOT_PRECISION, PRECISE_P, TMA)
+            dk, dv = _dkdv_inner(dk, dv, k, v, q_src, do_src, LSE2 + row0, Delta + row0,
+                                 stride_qs, stride_dos, off_b, off_h, offs_n, offs_d, full_from, q_blocks_end,
+                                 seqlen_q, causal_offset, sm_scale, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_M, False,
+                                 DOT_PRECISION, PRECISE_P, TMA)
 
     dk *= sm_scale
     tl.store(DK + off_b.to(tl.int64) * stride_dkb + off_hk.to(tl.int64) * stride_dkh
@@ -241,6 +296,7 @@ def _dq_inner(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr, PRECISE_P: tl.constexpr,
     TMA: tl.constexpr,
+    window_left=0, window_right=0, HAS_LEFT: tl.constexpr = False, HAS_RIGHT: tl.constexpr = False,
 ):
     offs_n = tl.arange(0, BLOCK_N)
     d_ok = offs_d < HEAD_DIM
@@ -260,7 +316,10 @@ def _dq_inner(
         p = _recompute_p(s, lse2[:, None], sm_scale, qk_scale, PRECISE_P)  # [BM, BN]
         if MASKED:
             visible = cols[None, :] < seqlen_k
-            if IS_CAUSAL:
+            if HAS_LEFT or HAS_RIGHT:
+                visible = visible & window_visible(offs_m[:, None], cols[None, :], causal_offset, window_left,
+                                                   window_right, HAS_LEFT, HAS_RIGHT)
+            elif IS_CAUSAL:
                 visible = visible & (cols[None, :] <= offs_m[:, None] + causal_offset)
             p = tl.where(visible, p, 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)        # [BM, BN]
@@ -281,12 +340,14 @@ def _bwd_dq_kernel(
     stride_dob, stride_dos, stride_doh,
     stride_dqb, stride_dqs, stride_dqh,
     num_heads_q, kv_group_size, seqlen_q, seqlen_k, num_m_blocks, stats_rows,
-    sm_scale, qk_scale, CU_Q, CU_K,
+    sm_scale, qk_scale, CU_Q, CU_K, window_left, window_right,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr, PRECISE_P: tl.constexpr, TMA: tl.constexpr,
     VARLEN: tl.constexpr = False, LONG: tl.constexpr = False,
+    HAS_LEFT: tl.constexpr = False, HAS_RIGHT: tl.constexpr = False,
 ):
-    """TMA: K and V are host-built 4-D tensor descriptors instead of pointers. LSE2 and Delta are
+    """TMA: K and V are host-built 4-D tensor descriptors instead of pointers. HAS_LEFT / HAS_RIGHT:
+    a local window, with the forward's key ranges. LSE2 and Delta are
     [B, Hq, stats_rows] (stats_rows >= seqlen_q: padded when the Hopper dK/dV kernel reads them).
     VARLEN: packed sequences, as in the dK/dV kernel."""
     tl.static_assert(not (VARLEN and TMA), "packed sequences take pointer loads")
@@ -337,12 +398,27 @@ def _bwd_dq_kernel(
     else:
         k_src = K + off_b.to(tl.int64) * stride_kb + off_hk.to(tl.int64) * stride_kh
         v_src = V + off_b.to(tl.int64) * stride_vb + off_hk.to(tl.int64) * stride_vh
-    dq = _dq_inner(dq, q, do, lse2, delta, k_src, v_src, stride_ks, stride_vs, off_b, off_hk, offs_m, offs_d,
-                   0, off_band_end, seqlen_k, causal_offset, sm_scale, qk_scale,
-                   HEAD_DIM, BLOCK_D, BLOCK_N, False, IS_CAUSAL, DOT_PRECISION, PRECISE_P, TMA)
-    dq = _dq_inner(dq, q, do, lse2, delta, k_src, v_src, stride_ks, stride_vs, off_b, off_hk, offs_m, offs_d,
-                   off_band_end, hi, seqlen_k, causal_offset, sm_scale, qk_scale,
-                   HEAD_DIM, BLOCK_D, BLOCK_N, True, IS_CAUSAL, DOT_PRECISION, PRECISE_P, TMA)
+    if HAS_LEFT or HAS_RIGHT:
+        lo, mid_lo, mid_hi, hi = window_key_range(start_m, seqlen_q, seqlen_k, window_left, window_right,
+                                                  BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+        dq = _dq_inner(dq, q, do, lse2, delta, k_src, v_src, stride_ks, stride_vs, off_b, off_hk, offs_m,
+                       offs_d, lo, mid_lo, seqlen_k, causal_offset, sm_scale, qk_scale,
+                       HEAD_DIM, BLOCK_D, BLOCK_N, True, IS_CAUSAL, DOT_PRECISION, PRECISE_P, TMA,
+                       window_left, window_right, HAS_LEFT, HAS_RIGHT)
+        dq = _dq_inner(dq, q, do, lse2, delta, k_src, v_src, stride_ks, stride_vs, off_b, off_hk, offs_m,
+                       offs_d, mid_lo, mid_hi, seqlen_k, causal_offset, sm_scale, qk_scale,
+                       HEAD_DIM, BLOCK_D, BLOCK_N, False, IS_CAUSAL, DOT_PRECISION, PRECISE_P, TMA)
+        dq = _dq_inner(dq, q, do, lse2, delta, k_src, v_src, stride_ks, stride_vs, off_b, off_hk, offs_m,
+                       offs_d, mid_hi, hi, seqlen_k, causal_offset, sm_scale, qk_scale,
+                       HEAD_DIM, BLOCK_D, BLOCK_N, True, IS_CAUSAL, DOT_PRECISION, PRECISE_P, TMA,
+                       window_left, window_right, HAS_LEFT, HAS_RIGHT)
+    else:
+        dq = _dq_inner(dq, q, do, lse2, delta, k_src, v_src, stride_ks, stride_vs, off_b, off_hk, offs_m,
+                       offs_d, 0, off_band_end, seqlen_k, causal_offset, sm_scale, qk_scale,
+                       HEAD_DIM, BLOCK_D, BLOCK_N, False, IS_CAUSAL, DOT_PRECISION, PRECISE_P, TMA)
+        dq = _dq_inner(dq, q, do, lse2, delta, k_src, v_src, stride_ks, stride_vs, off_b, off_hk, offs_m,
+                       offs_d, off_band_end, hi, seqlen_k, causal_offset, sm_scale, qk_scale,
+                       HEAD_DIM, BLOCK_D, BLOCK_N, True, IS_CAUSAL, DOT_PRECISION, PRECISE_P, TMA)
     dq *= sm_scale
     tl.store(DQ + off_b.to(tl.int64) * stride_dqb + off_h.to(tl.int64) * stride_dqh
              + offs_m[:, None] * stride_dqs + offs_d[None, :], dq.to(DQ.dtype.element_ty), mask=mask)
@@ -381,7 +457,7 @@ def preprocess(dout, out, lse, dlse, rows_out: int, precise_p: bool):
 def backward(dout, q, k, v, out, lse, sm_scale: float, causal: bool, *, dlse=None,
              dq=None, dk=None, dv=None, need_dq=True, need_dkdv=True,
              config: tuple[BwdConfig, BwdConfig] | None = None, hopper: str | None = None,
-             varlen: Varlen | None = None):
+             varlen: Varlen | None = None, window: tuple[int, int] | None = None):
     """Gradients of attention on validated [B, S, H, D] views (last stride 1).
 
     out / lse are what the forward returned; dlse (optional, [B, Hq, Sq]) is a gradient on the LSE.
@@ -392,8 +468,10 @@ def backward(dout, q, k, v, out, lse, sm_scale: float, causal: bool, *, dlse=Non
     runs the Triton kernels). A dK/dV-only variant takes dQ from the Gluon dQ kernel where its
     configuration says so (``backward_hopper.dq_on_gluon``), else from the Triton dQ kernel.
     ``varlen``: packed sequences (see ``Varlen``): q / out / dout [total_q, Hq, D], k / v
-    [total_k, Hkv, D], lse / dlse [Hq, total_q]; the Triton kernels run them.
+    [total_k, Hkv, D], lse / dlse [Hq, total_q]; the Triton kernels run them. ``window``: a local
+    window (left, right) as the forward's; the Triton kernels run it.
     """
+    window = window_bounds(window, causal)
     dout = last_dim_contiguous(dout)
     if need_dq and dq is None:
         dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -406,7 +484,7 @@ def backward(dout, q, k, v, out, lse, sm_scale: float, causal: bool, *, dlse=Non
     if not need_dkdv:
         dk = dv = None
     if varlen is not None:
-        _backward_varlen(dout, q, k, v, out, lse, sm_scale, causal, dlse, dq, dk, dv, config, varlen)
+        _backward_varlen(dout, q, k, v, out, lse, sm_scale, causal, dlse, dq, dk, dv, config, varlen, window)
         return dq, dk, dv
     batch, seqlen_q, heads_q, head_dim = q.shape
     _, seqlen_k, heads_k, _ = k.shape
@@ -418,7 +496,7 @@ def backward(dout, q, k, v, out, lse, sm_scale: float, causal: bool, *, dlse=Non
         return dq, dk, dv
 
     block_d = configs.head_dim_block(head_dim)
-    if hopper is None and config is None:
+    if hopper is None and config is None and window is None:
         hopper = configs.hopper_backward_variant(head_dim=head_dim, dtype=q.dtype, device=q.device,
                                                  causal=causal, seqlen_q=seqlen_q, seqlen_k=seqlen_k)
     if config is None:
@@ -455,49 +533,54 @@ def backward(dout, q, k, v, out, lse, sm_scale: float, causal: bool, *, dlse=Non
         Q, DO = host_descriptors(dkdv_cfg.block_m, block_d, q, dout) if tma else (q, dout)
         _launch_dkdv(Q, k, v, DO, lse2, delta, dk, dv, [_s(t) for t in (q, k, v, dout, dk, dv)],
                      batch, heads_q, heads_k, head_dim, seqlen_q, seqlen_k, seqlen_k, rows_out,
-                     sm_scale, causal, dkdv_cfg, q.dtype, tma)
+                     sm_scale, causal, dkdv_cfg, q.dtype, tma, window=window)
     if need_dq:
         tma = dq_cfg.tma and tma_compatible(k, v)
         K, V = host_descriptors(dq_cfg.block_n, block_d, k, v) if tma else (k, v)
         _launch_dq(q, K, V, dout, lse2, delta, dq, [_s(t) for t in (q, k, v, dout, dq)],
                    batch, heads_q, heads_k, head_dim, seqlen_q, seqlen_k, seqlen_q, rows_out,
-                   sm_scale, causal, dq_cfg, q.dtype, tma)
+                   sm_scale, causal, dq_cfg, q.dtype, tma, window=window)
     return dq, dk, dv
 
 
 def _launch_dkdv(Q, K, V, DO, lse2, delta, dk, dv, strides, batch, heads_q, heads_k, head_dim,
                  seqlen_q, seqlen_k, max_seqlen_k, stats_rows, sm_scale, causal, cfg, dtype, tma,
-                 varlen=None):
+                 varlen=None, window=None):
     """``_bwd_dkdv_kernel`` over (batch, KV head, key block of the longest sequence); ``strides``:
     the (batch, seq, head) strides of q, k, v, dout, dk, dv."""
     n_blocks = configs.cdiv(max_seqlen_k, cfg.block_n)
     _bwd_dkdv_kernel[(n_blocks * batch * heads_k,)](
         Q, K, V, DO, lse2, delta, dk, dv, *(x for st in strides for x in st),
         heads_q, heads_k, heads_q // heads_k, seqlen_q, seqlen_k, n_blocks, stats_rows,
-        sm_scale, sm_scale * LOG2E, *_cu(varlen),
+        sm_scale, sm_scale * LOG2E, *_cu(varlen), *(window or (0, 0)),
         HEAD_DIM=head_dim, BLOCK_D=configs.head_dim_block(head_dim), BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n, IS_CAUSAL=causal, DOT_PRECISION=_precision(dtype),
         PRECISE_P=dtype == torch.float32, TMA=tma, VARLEN=varlen is not None,
-        LONG=needs_int64_rows(Q, K, V, DO, dk, dv),
+        LONG=needs_int64_rows(Q, K, V, DO, dk, dv), **_window_flags(window),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 
 
 def _launch_dq(Q, K, V, DO, lse2, delta, dq, strides, batch, heads_q, heads_k, head_dim,
-               seqlen_q, seqlen_k, max_seqlen_q, stats_rows, sm_scale, causal, cfg, dtype, tma, varlen=None):
+               seqlen_q, seqlen_k, max_seqlen_q, stats_rows, sm_scale, causal, cfg, dtype, tma, varlen=None,
+               window=None):
     """``_bwd_dq_kernel`` over (batch, query head, query block of the longest sequence); ``strides``:
     the (batch, seq, head) strides of q, k, v, dout, dq."""
     m_blocks = configs.cdiv(max_seqlen_q, cfg.block_m)
     _bwd_dq_kernel[(m_blocks * batch * heads_q,)](
         Q, K, V, DO, lse2, delta, dq, *(x for st in strides for x in st),
         heads_q, heads_q // heads_k, seqlen_q, seqlen_k, m_blocks, stats_rows,
-        sm_scale, sm_scale * LOG2E, *_cu(varlen),
+        sm_scale, sm_scale * LOG2E, *_cu(varlen), *(window or (0, 0)),
         HEAD_DIM=head_dim, BLOCK_D=configs.head_dim_block(head_dim), BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n, IS_CAUSAL=causal, DOT_PRECISION=_precision(dtype),
         PRECISE_P=dtype == torch.float32, TMA=tma, VARLEN=varlen is not None,
-        LONG=needs_int64_rows(Q, K, V, DO, dq),
+        LONG=needs_int64_rows(Q, K, V, DO, dq), **_window_flags(window),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
+
+
+def _window_flags(window):
+    return dict(HAS_LEFT=window is not None and window[0] >= 0, HAS_RIGHT=window is not None and window[1] >= 0)
 
 
 def _cu(varlen):
@@ -508,7 +591,8 @@ def _precision(dtype):
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-def _backward_varlen(dout, q, k, v, out, lse, sm_scale, causal, dlse, dq, dk, dv, config, varlen: Varlen):
+def _backward_varlen(dout, q, k, v, out, lse, sm_scale, causal, dlse, dq, dk, dv, config, varlen: Varlen,
+                     window):
     """``backward()`` on packed sequences (see ``Varlen``): q / out / dout / dq [total_q, Hq, D],
     k / v / dk / dv [total_k, Hkv, D], lse / dlse [Hq, total_q]. Triton kernels with pointer loads,
     the same per-block work as the padded case; dq / dk / dv are those given or None."""
@@ -531,8 +615,8 @@ def _backward_varlen(dout, q, k, v, out, lse, sm_scale, causal, dlse, dq, dk, dv
     if dk is not None:
         _launch_dkdv(q, k, v, dout, lse2, delta, dk, dv, strides(q, k, v, dout, dk, dv),
                      varlen.batch, heads_q, heads_k, head_dim, total_q, total_k, varlen.max_seqlen_k,
-                     total_q, sm_scale, causal, dkdv_cfg, q.dtype, False, varlen)
+                     total_q, sm_scale, causal, dkdv_cfg, q.dtype, False, varlen, window)
     if dq is not None:
         _launch_dq(q, k, v, dout, lse2, delta, dq, strides(q, k, v, dout, dq),
                    varlen.batch, heads_q, heads_k, head_dim, total_q, total_k, varlen.max_seqlen_q,
-                   total_q, sm_scale, causal, dq_cfg, q.dtype, False, varlen)
+                   total_q, sm_scale, causal, dq_cfg, q.dtype, False, varlen, window)

@@ -215,6 +215,66 @@ def causal_key_range(start_m, seqlen_q, seqlen_k, BLOCK_M: tl.constexpr, BLOCK_N
     return off_band_end, hi
 
 
+def window_bounds(window, causal: bool) -> tuple[int, int] | None:
+    """A validated window_size (left, right) (-1: no bound on that side) as the kernels take it:
+    causal folded in (its right bound is 0), and None where the plain causal / non-causal kernels
+    already compute it (no left bound, and no right bound other than causal's)."""
+    left, right = window if window is not None else (-1, -1)
+    if causal:
+        right = 0
+    if left < 0 and (right < 0 or causal):
+        return None
+    return left, right
+
+
+@triton.jit
+def window_key_range(start_m, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M: tl.constexpr,
+                     BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
+    """Key ranges of the query block [start_m, start_m + BLOCK_M) under a local (sliding) window:
+    row i sees key j when i + off - window_left <= j (HAS_LEFT) and j <= i + off + window_right
+    (HAS_RIGHT), off = seqlen_k - seqlen_q (bottom-right aligned; causal is window_right = 0).
+
+    Returns (lo, mid_lo, mid_hi, hi): keys [lo, mid_lo) and [mid_hi, hi) need the element mask, and
+    [mid_lo, mid_hi) are whole BLOCK_N blocks every row of the block sees. Nothing outside [lo, hi)
+    is visible to any row. lo, mid_lo and mid_hi are multiples of BLOCK_N."""
+    off = seqlen_k - seqlen_q
+    first = start_m + off                                   # the first row's diagonal key
+    last = start_m + BLOCK_M - 1 + off                      # the last row's
+    full_end = (seqlen_k // BLOCK_N) * BLOCK_N
+    if HAS_RIGHT:
+        hi = tl.minimum(tl.maximum(last + window_right + 1, 0), seqlen_k)
+        mid_hi = tl.minimum(tl.maximum(first + window_right + 1, 0) // BLOCK_N * BLOCK_N, full_end)
+    else:
+        hi = seqlen_k
+        mid_hi = full_end
+    if HAS_LEFT:
+        lo = tl.minimum(tl.maximum(first - window_left, 0), seqlen_k) // BLOCK_N * BLOCK_N
+        mid_lo = tl.cdiv(tl.minimum(tl.maximum(last - window_left, 0), seqlen_k), BLOCK_N) * BLOCK_N
+    else:
+        lo = 0
+        mid_lo = 0
+    mid_lo = tl.maximum(mid_lo, lo)
+    mid_hi = tl.maximum(mid_hi, mid_lo)                     # no whole block seen by every row
+    return lo, mid_lo, mid_hi, hi
+
+
+@triton.jit
+def window_visible(rows, cols, off, window_left, window_right, HAS_LEFT: tl.constexpr,
+                   HAS_RIGHT: tl.constexpr):
+    """The mask of a local window (``window_key_range``'s rule) for query rows against key cols,
+    given already broadcast to the tile's orientation ([BM, 1] and [1, BN], or transposed)."""
+    visible = None
+    if HAS_RIGHT:
+        visible = cols <= rows + (off + window_right)
+    if HAS_LEFT:
+        left_ok = cols >= rows + (off - window_left)
+        if HAS_RIGHT:
+            visible = visible & left_ok
+        else:
+            visible = left_ok
+    return visible
+
+
 @triton.jit
 def online_softmax_step(qk, visible, m_i, l_i, acc, qk_scale, MASKED: tl.constexpr,
                         PRECISE: tl.constexpr):

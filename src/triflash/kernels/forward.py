@@ -37,7 +37,8 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from . import configs
 from .common import (LOG2E, Varlen, causal_key_range, finish_rows, load_kv_tile, needs_int64_rows,
-                     on_input_device, online_softmax_step, sequence_bounds, wide)
+                     on_input_device, online_softmax_step, sequence_bounds, wide, window_bounds,
+                     window_key_range, window_visible)
 from .configs import FwdConfig
 
 
@@ -51,8 +52,10 @@ def _fwd_inner(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, TMA: tl.constexpr,
     DOT_PRECISION: tl.constexpr, PRECISE: tl.constexpr,
+    window_left=0, window_right=0, HAS_LEFT: tl.constexpr = False, HAS_RIGHT: tl.constexpr = False,
 ):
-    """Fold key blocks [lo, hi) into the online-softmax state. MASKED selects the on-band version."""
+    """Fold key blocks [lo, hi) into the online-softmax state. MASKED selects the on-band version;
+    HAS_LEFT / HAS_RIGHT: its mask is a local window's (common.window_visible) instead of causal's."""
     offs_n = tl.arange(0, BLOCK_N)
     d_ok = offs_d < HEAD_DIM                                           # [BD]
     for start_n in range(lo, hi, BLOCK_N):
@@ -73,7 +76,10 @@ def _fwd_inner(
         visible = None
         if MASKED:
             visible = cols[None, :] < seqlen_k                         # [1, BN]
-            if IS_CAUSAL:
+            if HAS_LEFT or HAS_RIGHT:
+                visible = visible & window_visible(offs_m[:, None], cols[None, :], causal_offset,
+                                                   window_left, window_right, HAS_LEFT, HAS_RIGHT)  # [BM, BN]
+            elif IS_CAUSAL:
                 visible = visible & (cols[None, :] <= offs_m[:, None] + causal_offset)  # [BM, BN]
         p, m_new, l_i, acc = online_softmax_step(qk, visible, m_i, l_i, acc, qk_scale, MASKED, PRECISE)
         # -- V tile [BN, BD] --
@@ -98,10 +104,12 @@ def _attn_fwd_kernel(
     num_heads_q, kv_group_size, seqlen_q, seqlen_k, num_m_blocks,
     sm_scale, qk_scale,                      # qk_scale = sm_scale * log2(e), rounded once on the host
     CU_Q, CU_K,                              # VARLEN: [B + 1] int32 first row of each sequence
+    window_left, window_right,               # HAS_LEFT / HAS_RIGHT: a local window's bounds
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_CAUSAL: tl.constexpr, TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, PRECISE: tl.constexpr,
     VARLEN: tl.constexpr = False, LONG: tl.constexpr = False,
+    HAS_LEFT: tl.constexpr = False, HAS_RIGHT: tl.constexpr = False,
 ):
     """TMA selects how tiles move: False, pointer loads/stores (any GPU, the interpreter); True, 4-D
     [B, S, H, D] tensor descriptors built on the host (Q, K, V, O are then descriptors, not
@@ -114,7 +122,12 @@ def _attn_fwd_kernel(
     LSE is [Hq, total_q]) and are replaced by the sequence's own lengths; num_m_blocks covers the
     longest sequence: the blocks past a shorter sequence's end return at once.
 
-    LONG: row offsets inside a (batch, head) in int64 (``common.needs_int64_rows``)."""
+    LONG: row offsets inside a (batch, head) in int64 (``common.needs_int64_rows``).
+
+    HAS_LEFT / HAS_RIGHT (a local, "sliding" window; IS_CAUSAL is then ignored, causal being
+    window_right = 0): row i sees key j when i + off - window_left <= j <= i + off + window_right,
+    off = seqlen_k - seqlen_q. The keys split in three ranges (``common.window_key_range``): masked
+    blocks at the window's left edge, whole blocks every row sees, masked blocks at its right edge."""
     tl.static_assert(not (VARLEN and TMA), "packed sequences take pointer loads")
     stride_qs, stride_ks = wide(stride_qs, LONG), wide(stride_ks, LONG)
     stride_vs, stride_os = wide(stride_vs, LONG), wide(stride_os, LONG)
@@ -168,16 +181,34 @@ def _attn_fwd_kernel(
 
     # -- key range of this query block: unmasked off-band blocks, then masked on-band blocks --
     causal_offset = seqlen_k - seqlen_q
-    off_band_end, hi = causal_key_range(start_m, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, IS_CAUSAL)
-
-    acc, l_i, m_i = _fwd_inner(
-        acc, l_i, m_i, q, K, V, off_b, off_hk, stride_ks, stride_vs,
-        offs_m, offs_d, 0, off_band_end, seqlen_k, causal_offset, qk_scale,
-        HEAD_DIM, BLOCK_D, BLOCK_N, False, IS_CAUSAL, TMA, DOT_PRECISION, PRECISE)
-    acc, l_i, m_i = _fwd_inner(
-        acc, l_i, m_i, q, K, V, off_b, off_hk, stride_ks, stride_vs,
-        offs_m, offs_d, off_band_end, hi, seqlen_k, causal_offset, qk_scale,
-        HEAD_DIM, BLOCK_D, BLOCK_N, True, IS_CAUSAL, TMA, DOT_PRECISION, PRECISE)
+    if HAS_LEFT or HAS_RIGHT:
+        # A local window: masked left edge, whole blocks, masked right edge.
+        lo, mid_lo, mid_hi, hi = window_key_range(start_m, seqlen_q, seqlen_k, window_left, window_right,
+                                                  BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+        acc, l_i, m_i = _fwd_inner(
+            acc, l_i, m_i, q, K, V, off_b, off_hk, stride_ks, stride_vs,
+            offs_m, offs_d, lo, mid_lo, seqlen_k, causal_offset, qk_scale,
+            HEAD_DIM, BLOCK_D, BLOCK_N, True, IS_CAUSAL, TMA, DOT_PRECISION, PRECISE,
+            window_left, window_right, HAS_LEFT, HAS_RIGHT)
+        acc, l_i, m_i = _fwd_inner(
+            acc, l_i, m_i, q, K, V, off_b, off_hk, stride_ks, stride_vs,
+            offs_m, offs_d, mid_lo, mid_hi, seqlen_k, causal_offset, qk_scale,
+            HEAD_DIM, BLOCK_D, BLOCK_N, False, IS_CAUSAL, TMA, DOT_PRECISION, PRECISE)
+        acc, l_i, m_i = _fwd_inner(
+            acc, l_i, m_i, q, K, V, off_b, off_hk, stride_ks, stride_vs,
+            offs_m, offs_d, mid_hi, hi, seqlen_k, causal_offset, qk_scale,
+            HEAD_DIM, BLOCK_D, BLOCK_N, True, IS_CAUSAL, TMA, DOT_PRECISION, PRECISE,
+            window_left, window_right, HAS_LEFT, HAS_RIGHT)
+    else:
+        off_band_end, hi = causal_key_range(start_m, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, IS_CAUSAL)
+        acc, l_i, m_i = _fwd_inner(
+            acc, l_i, m_i, q, K, V, off_b, off_hk, stride_ks, stride_vs,
+            offs_m, offs_d, 0, off_band_end, seqlen_k, causal_offset, qk_scale,
+            HEAD_DIM, BLOCK_D, BLOCK_N, False, IS_CAUSAL, TMA, DOT_PRECISION, PRECISE)
+        acc, l_i, m_i = _fwd_inner(
+            acc, l_i, m_i, q, K, V, off_b, off_hk, stride_ks, stride_vs,
+            offs_m, offs_d, off_band_end, hi, seqlen_k, causal_offset, qk_scale,
+            HEAD_DIM, BLOCK_D, BLOCK_N, True, IS_CAUSAL, TMA, DOT_PRECISION, PRECISE)
 
     # -- epilogue: normalise; a row that saw no key gets out = 0 and lse = -inf --
     out, lse = finish_rows(acc, l_i, m_i, sm_scale)
@@ -246,7 +277,8 @@ def tma_compatible(*tensors: torch.Tensor) -> bool:
 
 @on_input_device
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float, causal: bool,
-            out: torch.Tensor | None = None, config: FwdConfig | None = None, varlen: Varlen | None = None):
+            out: torch.Tensor | None = None, config: FwdConfig | None = None, varlen: Varlen | None = None,
+            window: tuple[int, int] | None = None):
     """Launch the forward kernel on validated [B, S, H, D] views (last stride 1).
 
     Returns (out [B, Sq, Hq, D] in q's dtype, lse [B, Hq, Sq] float32 natural log). ``out`` may be a
@@ -256,9 +288,13 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float, 
     ``varlen``: q / out are [total_q, Hq, D] and k / v [total_k, Hkv, D] packed sequences (see
     ``Varlen``); lse is then [Hq, total_q]. The Triton kernel runs them (pointer loads: a tile
     descriptor would read across a sequence's end).
+
+    ``window``: a local window (left, right), -1 for no bound on that side (``common.window_bounds``
+    folds causal in); the Triton kernel runs it.
     """
+    window = window_bounds(window, causal)
     if varlen is not None:
-        return _forward_varlen(q, k, v, sm_scale, causal, out, config, varlen)
+        return _forward_varlen(q, k, v, sm_scale, causal, out, config, varlen, window)
     batch, seqlen_q, heads_q, head_dim = q.shape
     _, seqlen_k, heads_k, _ = k.shape
     if out is None:
@@ -271,7 +307,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float, 
             lse.fill_(float("-inf"))
         return out, lse
 
-    if config is None:
+    if config is None and window is None:
         variant = configs.hopper_forward_variant(head_dim=head_dim, dtype=q.dtype, device=q.device,
                                                  causal=causal, seqlen_q=seqlen_q, seqlen_k=seqlen_k)
         if variant is not None:
@@ -293,12 +329,13 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float, 
         K, V = host_descriptors(config.block_n, block_d, k, v)
     _launch(Q, K, V, O, lse, q.stride()[:3], k.stride()[:3], v.stride()[:3], out.stride()[:3],
             batch, heads_q, heads_k, head_dim, seqlen_q, seqlen_k, seqlen_q, sm_scale, causal, config,
-            q.dtype, tma)
+            q.dtype, tma, window=window)
     return out, lse
 
 
 def _launch(Q, K, V, O, lse, q_strides, k_strides, v_strides, o_strides, batch, heads_q, heads_k,
-            head_dim, seqlen_q, seqlen_k, max_seqlen_q, sm_scale, causal, config, dtype, tma, varlen=None):
+            head_dim, seqlen_q, seqlen_k, max_seqlen_q, sm_scale, causal, config, dtype, tma, varlen=None,
+            window=None):
     """One launch of ``_attn_fwd_kernel``: a program per (batch, query head, query block of the
     longest sequence)."""
     num_m_blocks = configs.cdiv(max_seqlen_q, config.block_m)
@@ -310,6 +347,7 @@ def _launch(Q, K, V, O, lse, q_strides, k_strides, v_strides, o_strides, batch, 
         sm_scale, sm_scale * LOG2E,
         varlen.cu_seqlens_q if varlen is not None else None,
         varlen.cu_seqlens_k if varlen is not None else None,
+        *(window or (0, 0)),
         HEAD_DIM=head_dim, BLOCK_D=configs.head_dim_block(head_dim),
         BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         IS_CAUSAL=causal, TMA=tma,
@@ -318,11 +356,12 @@ def _launch(Q, K, V, O, lse, q_strides, k_strides, v_strides, o_strides, batch, 
         # fp32: the softmax's largest score gets p = 1 exactly (see online_softmax_step).
         PRECISE=dtype == torch.float32,
         VARLEN=varlen is not None, LONG=needs_int64_rows(Q, K, V, O),
+        HAS_LEFT=window is not None and window[0] >= 0, HAS_RIGHT=window is not None and window[1] >= 0,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
 
 
-def _forward_varlen(q, k, v, sm_scale, causal, out, config, varlen: Varlen):
+def _forward_varlen(q, k, v, sm_scale, causal, out, config, varlen: Varlen, window):
     """``forward()`` on packed sequences: q / out [total_q, Hq, D], k / v [total_k, Hkv, D]."""
     total_q, heads_q, head_dim = q.shape
     total_k, heads_k, _ = k.shape
@@ -342,5 +381,5 @@ def _forward_varlen(q, k, v, sm_scale, causal, out, config, varlen: Varlen):
     # Batch strides 0: the sequence's first row comes from cu_seqlens.
     _launch(q, k, v, out, lse, (0, *q.stride()[:2]), (0, *k.stride()[:2]), (0, *v.stride()[:2]),
             (0, *out.stride()[:2]), varlen.batch, heads_q, heads_k, head_dim, total_q, total_k,
-            varlen.max_seqlen_q, sm_scale, causal, config, q.dtype, False, varlen)
+            varlen.max_seqlen_q, sm_scale, causal, config, q.dtype, False, varlen, window)
     return out, lse
