@@ -62,11 +62,11 @@ def make_cache(batch, capacity, heads_kv, head_dim, dtype, device, page_size, sp
 
 
 def check_against_references(out, lse, q, k_cache, v_cache, cache_seqlens, block_table, causal,
-                             dtype, k=None, v=None, softmax_scale=None):
+                             dtype, k=None, v=None, softmax_scale=None, window_size=(-1, -1)):
     """out/lse vs the float64 reference (2x rule). k_cache/v_cache are the caches *before* the call
     (the reference appends k/v itself)."""
     kwargs = dict(k=k, v=v, cache_seqlens=cache_seqlens, block_table=block_table,
-                  softmax_scale=softmax_scale, causal=causal, return_lse=True)
+                  softmax_scale=softmax_scale, causal=causal, return_lse=True, window_size=window_size)
     ref, ref_lse = kvcache_ref(q, k_cache, v_cache, **kwargs)
     same, same_lse = kvcache_ref(q, k_cache, v_cache, compute_dtype=None, **kwargs)
     assert out.shape == q.shape and out.dtype == q.dtype
@@ -546,3 +546,29 @@ def test_numpy_ints_and_huge_lengths(device):
     assert torch.equal(out, flash_attn_with_kvcache(q, kc, kc, cache_seqlens=5, num_splits=2))
     assert_raises_naming(ValueError, ["cache_seqlens", ">= 0", "capacity (8)", str(2**31)],
                          flash_attn_with_kvcache, q, kc, kc, cache_seqlens=2**31)
+
+
+@pytest.mark.parametrize("page_size", [None, 5, 16], ids=_page_id)
+@pytest.mark.parametrize("splits", [1, 3, 0], ids=["splits1", "splits3", "auto"])
+@pytest.mark.parametrize("window,seqlen_q,causal", [
+    pytest.param((16, -1), 1, False, id="left16-Sq1"),
+    pytest.param((0, 0), 4, False, id="diagonal-Sq4"),
+    pytest.param((40, 0), 4, True, id="left40-causal-Sq4"),
+    pytest.param((30, 3), 4, False, id="left30-right3-Sq4"),
+    pytest.param((-1, 2), 4, False, id="right2-Sq4"),
+])
+def test_decode_with_a_window(device, page_size, splits, window, seqlen_q, causal):
+    """Local windows in flash_attn_with_kvcache (lengths 0, 1, 17 and 130 keys, an append of Sq new
+    keys), against the reference with the same window."""
+    dtype = torch.float16
+    lengths_list = [0, 1, 17, 130]
+    lengths = torch.tensor(lengths_list, dtype=torch.int32, device=device)
+    k_cache, v_cache, block_table = make_cache(4, 140, 2, 32, dtype, device, page_size)
+    q, k, v = make_qkv(4, seqlen_q, seqlen_q, 8, 2, 32, dtype, device)
+    k_before, v_before = k_cache.clone(), v_cache.clone()
+    out, lse = flash_attn_with_kvcache(q, k_cache, v_cache, k=k, v=v, cache_seqlens=lengths,
+                                       block_table=block_table, causal=causal, num_splits=splits,
+                                       return_lse=True, window_size=window)
+    check_against_references(out, lse, q, k_before, v_before, lengths, block_table, causal, dtype,
+                             k=k, v=v, window_size=window)
+

@@ -84,6 +84,33 @@ def test_window_backward_is_deterministic(device):
     assert_20_backward_passes_equal(triflash.flash_attn_func(q, k, v, causal=True, window_size=(256, 0)), (q, k, v))
 
 
+def test_huge_windows_are_unbounded(device):
+    """Bounds far past the sequences (here near int32's limit, where the kernels' sums of bounds and
+    positions would wrap) behave as unbounded: the same bits as the window cut to the lengths."""
+    q, k, v = make_qkv(1, 30, 50, 2, 1, 32, torch.float16, device)
+    for huge, cut in (((2**31 - 1, -1), (80, -1)), ((-1, 2**31 - 1), (-1, 80)), ((2**31 - 2, 2**31 - 2), (80, 80))):
+        out, lse = triflash.flash_attn_func(q, k, v, window_size=huge, return_lse=True)
+        assert torch.equal(out, triflash.flash_attn_func(q, k, v, window_size=cut))
+        assert_matches_reference(out, lse, q, k, v)                  # every key, as with no window
+    assert torch.equal(triflash.flash_attn_func(q, k, v, causal=True, window_size=(2**31 - 1, 0)),
+                       triflash.flash_attn_func(q, k, v, causal=True))
+
+
+def test_a_gluon_variant_given_with_a_window_is_not_taken(device):
+    """backward(..., hopper=variant) with a window runs the Triton kernels (the Gluon ones have no
+    windows): the same bits as without the variant."""
+    from triflash.kernels.backward import backward
+    from triflash.kernels.forward import forward
+
+    q, k, v = make_qkv(1, 40, 40, 2, 1, 64, torch.float16, device)
+    out, lse = forward(q, k, v, 0.125, True, window=(8, 0))
+    dout = torch.randn_like(out)
+    plain = backward(dout, q, k, v, out, lse, 0.125, True, window=(8, 0))
+    forced = backward(dout, q, k, v, out, lse, 0.125, True, window=(8, 0), hopper="dkdv")
+    for a, b in zip(plain, forced):
+        assert torch.equal(a, b)
+
+
 def test_window_size_is_checked(device):
     q, k, v = make_qkv(1, 8, 8, 2, 1, 16, torch.float16, device)
     f = triflash.flash_attn_func

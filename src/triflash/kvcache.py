@@ -21,7 +21,7 @@ import torch
 
 from .api import (_check_device, _check_head_dim, _check_heads, _check_scale, _last_dim_contiguous,
                   _require_bool, _require_float_dtype, _require_like_q, _require_rank,
-                  _require_same_device, _require_tensor, _type_name)
+                  _require_same_device, _require_tensor, _type_name, _check_window)
 from .kernels.decode import decode as _decode_launch
 from .kernels.merge import merge as _merge_launch
 
@@ -133,7 +133,8 @@ def _append_kv(k_cache, v_cache, k, v, cache_seqlens, block_table):
 
 
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, block_table=None,
-                            softmax_scale=None, causal=False, num_splits=0, return_lse=False):
+                            softmax_scale=None, causal=False, num_splits=0, return_lse=False, *,
+                            window_size=(-1, -1)):
     """Attention of a few new query positions per sequence against a KV cache (decode).
 
     Args:
@@ -165,6 +166,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
             split (no merge pass); n > 1 = n, or fewer when n would leave some splits without keys
             (splits share the longest sequence's key blocks evenly, in whole blocks).
         return_lse: also return the log-sum-exp of the scaled scores.
+        window_size: (left, right), a local window per sequence, as in ``flash_attn_func`` (query
+            i sees key j when i + L_b - seqlen_q - left <= j <= i + L_b - seqlen_q + right; -1: no
+            bound). Keys outside every row's window are not read.
 
     Returns:
         out [batch, seqlen_q, heads_q, head_dim] in q's dtype; with ``return_lse``, (out, lse), lse
@@ -279,6 +283,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
             _require_no_grad(name, t)
 
     scale = _check_scale(softmax_scale, "softmax_scale", head_dim)
+    window = _check_window(window_size, causal)
 
     # -- values: lengths within the capacity, pages in range (one device->host sync) --
     if cache_seqlens is None:
@@ -301,7 +306,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
         _append_kv(k_cache, v_cache, k, v, cache_seqlens, block_table)
     q = _last_dim_contiguous(q)
     out, lse = _decode_launch(q, k_cache, v_cache, cache_seqlens, block_table, seqlen_new, max_seqlen,
-                              scale, causal, num_splits)
+                              scale, causal, num_splits, window=window)
     return (out, lse) if return_lse else out
 
 

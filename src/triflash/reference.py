@@ -125,7 +125,8 @@ def gather_kv_cache(cache: torch.Tensor, seqlen: int, batch_index: int,
 
 
 def kvcache_ref(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, block_table=None,
-                softmax_scale=None, causal=False, compute_dtype=torch.float64, return_lse=False):
+                softmax_scale=None, causal=False, compute_dtype=torch.float64, return_lse=False,
+                window_size=(-1, -1)):
     """``flash_attn_with_kvcache``'s semantics in plain PyTorch, built on ``attention_ref``.
 
     The caches are not modified: appended k/v (if given) are concatenated after each sequence's
@@ -149,7 +150,7 @@ def kvcache_ref(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, block_t
             vb = torch.cat([vb, v[b]], dim=0)
         out, lse = flash_attn_ref(q[b:b + 1], kb[None], vb[None], causal=causal,
                                   softmax_scale=softmax_scale, compute_dtype=compute_dtype,
-                                  return_lse=True)
+                                  return_lse=True, window_size=window_size)
         outs.append(out)
         lses.append(lse)
     out = torch.cat(outs, dim=0)

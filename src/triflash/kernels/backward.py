@@ -471,7 +471,10 @@ def backward(dout, q, k, v, out, lse, sm_scale: float, causal: bool, *, dlse=Non
     [total_k, Hkv, D], lse / dlse [Hq, total_q]; the Triton kernels run them. ``window``: a local
     window (left, right) as the forward's; the Triton kernels run it.
     """
-    window = window_bounds(window, causal)
+    span = (varlen.max_seqlen_q + varlen.max_seqlen_k) if varlen is not None else (q.shape[1] + k.shape[1])
+    window = window_bounds(window, causal, span)
+    if window is not None:
+        hopper = None                     # the Gluon kernels have no windows
     dout = last_dim_contiguous(dout)
     if need_dq and dq is None:
         dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)

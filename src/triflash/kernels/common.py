@@ -215,11 +215,14 @@ def causal_key_range(start_m, seqlen_q, seqlen_k, BLOCK_M: tl.constexpr, BLOCK_N
     return off_band_end, hi
 
 
-def window_bounds(window, causal: bool) -> tuple[int, int] | None:
+def window_bounds(window, causal: bool, span: int) -> tuple[int, int] | None:
     """A validated window_size (left, right) (-1: no bound on that side) as the kernels take it:
-    causal folded in (its right bound is 0), and None where the plain causal / non-causal kernels
-    already compute it (no left bound, and no right bound other than causal's)."""
+    causal folded in (its right bound is 0), each bound cut to ``span`` (the query plus key count,
+    or its largest over packed sequences: a bound that large already reaches every key, and the
+    kernels' int32 sums of bounds and positions then cannot wrap), and None where the plain causal /
+    non-causal kernels already compute it (no left bound, and no right bound other than causal's)."""
     left, right = window if window is not None else (-1, -1)
+    left, right = min(left, span), min(right, span)
     if causal:
         right = 0
     if left < 0 and (right < 0 or causal):

@@ -46,7 +46,7 @@ import triton.language as tl
 
 from . import configs
 from .common import (LOG2E, accumulate_pv, finish_rows, load_kv_tile, needs_int64_rows, on_input_device,
-                     online_softmax_step, score_dot, wide)
+                     online_softmax_step, score_dot, wide, window_bounds, window_visible)
 from .configs import DecodeConfig
 from .merge import merge as _merge_launch
 
@@ -106,9 +106,11 @@ def _decode_inner(
     PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, PER_PAGE: tl.constexpr,
     MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
     PRECISE: tl.constexpr, NUM_STAGES: tl.constexpr,
+    window_left=0, window_right=0, HAS_LEFT: tl.constexpr = False, HAS_RIGHT: tl.constexpr = False,
 ):
     """Fold key blocks [lo, hi) into the online-softmax state. MASKED: keys at or past ``hi`` and
-    (causal) keys after a row's diagonal are hidden; otherwise every key of every block is seen."""
+    (causal) keys after a row's diagonal are hidden, or with HAS_LEFT / HAS_RIGHT the keys outside
+    a row's local window; otherwise every key of every block is seen."""
     offs_n = tl.arange(0, BLOCK_N)
     d_ok = offs_d < HEAD_DIM                                           # [BD]
     for start_n in tl.range(lo, hi, BLOCK_N, num_stages=NUM_STAGES):
@@ -125,7 +127,10 @@ def _decode_inner(
         visible = None
         if MASKED:
             visible = n_ok[None, :]                                    # [1, BN]
-            if IS_CAUSAL:
+            if HAS_LEFT or HAS_RIGHT:
+                visible = visible & window_visible(offs_i[:, None], cols[None, :], causal_offset,
+                                                   window_left, window_right, HAS_LEFT, HAS_RIGHT)
+            elif IS_CAUSAL:
                 visible = visible & (cols[None, :] <= offs_i[:, None] + causal_offset)   # [BM, BN]
         p, m_new, l_i, acc = online_softmax_step(qk, visible, m_i, l_i, acc, qk_scale, MASKED, PRECISE)
         # -- V tile [BN, BD] --
@@ -178,6 +183,27 @@ def _key_ranges(seqlen, split, num_splits, seqlen_q, BLOCK_N: tl.constexpr, IS_C
     return lo, mid, hi, causal_offset
 
 
+@triton.jit
+def _window_ranges(seqlen, split, num_splits, seqlen_q, window_left, window_right, BLOCK_N: tl.constexpr,
+                   HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
+    """``_key_ranges`` under a local window: the keys some row's window holds, [first row's left edge,
+    last row's right edge], cut into the splits' equal shares of whole blocks; all of it is walked
+    masked (a decode step's rows are few). Returns (lo, hi, causal_offset)."""
+    causal_offset = seqlen - seqlen_q
+    if HAS_LEFT:
+        start = tl.maximum(causal_offset - window_left, 0) // BLOCK_N * BLOCK_N
+    else:
+        start = 0
+    if HAS_RIGHT:
+        end = tl.minimum(tl.maximum(seqlen_q - 1 + causal_offset + window_right + 1, 0), seqlen)
+    else:
+        end = seqlen
+    blocks_per_split = tl.cdiv(tl.cdiv(tl.maximum(end - start, 0), BLOCK_N), num_splits)
+    lo = start + split * blocks_per_split * BLOCK_N
+    hi = tl.minimum(lo + blocks_per_split * BLOCK_N, end)      # below lo: an empty split
+    return lo, hi, causal_offset
+
+
 # Lengths and counts that change from one decode step to the next are not specialised (== 1, % 16):
 # a generation loop would otherwise recompile as its lengths and split counts grow.
 @triton.jit(do_not_specialize=["seqlen_k", "seqlen_new", "num_m_blocks", "num_splits"])
@@ -191,15 +217,18 @@ def _decode_kernel(
     stride_sl, stride_btb, stride_btp,
     heads_kv, seqlen_q, seqlen_k, seqlen_new, num_m_blocks, num_splits,
     sm_scale, qk_scale,                      # qk_scale = sm_scale * log2(e), rounded once on the host
+    window_left, window_right,               # HAS_LEFT / HAS_RIGHT: a local window's bounds
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, PER_PAGE: tl.constexpr, HAS_SEQLENS: tl.constexpr,
     IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr, PRECISE: tl.constexpr,
     NUM_STAGES: tl.constexpr, LONG: tl.constexpr = False,
+    HAS_LEFT: tl.constexpr = False, HAS_RIGHT: tl.constexpr = False,
 ):
     """SEQLENS: cache_seqlens [B] (the keys attended are cache_seqlens[b] + seqlen_new); without it
     every sequence has seqlen_k keys. BLOCK_TABLE: [B, max_pages] int32 when PAGED. LONG: q's and
-    out's row offsets in int64 (``common.needs_int64_rows``; the cache's are always)."""
+    out's row offsets in int64 (``common.needs_int64_rows``; the cache's are always). HAS_LEFT /
+    HAS_RIGHT: a local window (``_window_ranges``; IS_CAUSAL is then its right bound of 0)."""
     stride_qs, stride_os, stride_lh = wide(stride_qs, LONG), wide(stride_os, LONG), wide(stride_lh, LONG)
     # -- which (batch, kv head, split, M block) this program owns --
     pid_m, split, off_hk, off_b, seqlen = _program_coords(
@@ -227,21 +256,32 @@ def _decode_kernel(
         k_base += off_b.to(tl.int64) * stride_kb
         v_base += off_b.to(tl.int64) * stride_vb
 
-    lo, mid, hi, causal_offset = _key_ranges(seqlen, split, num_splits, seqlen_q, BLOCK_N, IS_CAUSAL)
+    if HAS_LEFT or HAS_RIGHT:
+        lo, hi, causal_offset = _window_ranges(seqlen, split, num_splits, seqlen_q, window_left,
+                                               window_right, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+    else:
+        lo, mid, hi, causal_offset = _key_ranges(seqlen, split, num_splits, seqlen_q, BLOCK_N, IS_CAUSAL)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    acc, l_i, m_i = _decode_inner(
-        acc, l_i, m_i, q, K, V, BT, k_base, v_base, stride_kb, stride_ks, stride_vb, stride_vs,
-        stride_btp, offs_i, offs_d, lo, mid, causal_offset, qk_scale,
-        HEAD_DIM, BLOCK_D, BLOCK_N, PAGED, PAGE_SIZE, PER_PAGE, False, IS_CAUSAL, DOT_PRECISION,
-        PRECISE, NUM_STAGES)
-    acc, l_i, m_i = _decode_inner(
-        acc, l_i, m_i, q, K, V, BT, k_base, v_base, stride_kb, stride_ks, stride_vb, stride_vs,
-        stride_btp, offs_i, offs_d, mid, hi, causal_offset, qk_scale,
-        HEAD_DIM, BLOCK_D, BLOCK_N, PAGED, PAGE_SIZE, PER_PAGE, True, IS_CAUSAL, DOT_PRECISION,
-        PRECISE, 1)
+    if HAS_LEFT or HAS_RIGHT:
+        acc, l_i, m_i = _decode_inner(
+            acc, l_i, m_i, q, K, V, BT, k_base, v_base, stride_kb, stride_ks, stride_vb, stride_vs,
+            stride_btp, offs_i, offs_d, lo, hi, causal_offset, qk_scale,
+            HEAD_DIM, BLOCK_D, BLOCK_N, PAGED, PAGE_SIZE, PER_PAGE, True, IS_CAUSAL, DOT_PRECISION,
+            PRECISE, NUM_STAGES, window_left, window_right, HAS_LEFT, HAS_RIGHT)
+    else:
+        acc, l_i, m_i = _decode_inner(
+            acc, l_i, m_i, q, K, V, BT, k_base, v_base, stride_kb, stride_ks, stride_vb, stride_vs,
+            stride_btp, offs_i, offs_d, lo, mid, causal_offset, qk_scale,
+            HEAD_DIM, BLOCK_D, BLOCK_N, PAGED, PAGE_SIZE, PER_PAGE, False, IS_CAUSAL, DOT_PRECISION,
+            PRECISE, NUM_STAGES)
+        acc, l_i, m_i = _decode_inner(
+            acc, l_i, m_i, q, K, V, BT, k_base, v_base, stride_kb, stride_ks, stride_vb, stride_vs,
+            stride_btp, offs_i, offs_d, mid, hi, causal_offset, qk_scale,
+            HEAD_DIM, BLOCK_D, BLOCK_N, PAGED, PAGE_SIZE, PER_PAGE, True, IS_CAUSAL, DOT_PRECISION,
+            PRECISE, 1)
 
     # -- epilogue: normalise; no visible key (empty split, L = 0, causal rows) -> out 0, lse -inf --
     # fp32 split-KV partials keep their LSE in float64 (the launcher says why).
@@ -262,7 +302,7 @@ def _decode_kernel(
 def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
            cache_seqlens: torch.Tensor | None, block_table: torch.Tensor | None, seqlen_new: int,
            max_seqlen: int, sm_scale: float, causal: bool, num_splits: int = 0,
-           config: DecodeConfig | None = None):
+           config: DecodeConfig | None = None, window: tuple[int, int] | None = None):
     """Launch decode attention on validated inputs (last stride 1 everywhere, the cache already
     appended to). Returns (out [B, Sq, Hq, D] in q's dtype, lse [B, Hq, Sq] float32 natural log).
 
@@ -270,7 +310,10 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     block_table [B, max_pages] int32; cache_seqlens [B] int32 or None (every sequence S_max long).
     Sequence b attends to cache_seqlens[b] + seqlen_new keys. ``max_seqlen`` bounds that number (the
     split heuristic uses it). ``num_splits`` 0 = choose; ``config`` overrides the chooser entirely.
+    ``window``: a local window (left, right), -1 for no bound on a side (``common.window_bounds``);
+    this file's kernel runs it, and the split count follows the keys a window holds.
     """
+    window = window_bounds(window, causal, q.shape[1] + max_seqlen)
     batch, seqlen_q, heads_q, head_dim = q.shape
     heads_kv = k_cache.shape[2]
     group = heads_q // heads_kv
@@ -284,8 +327,11 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     if chosen:
         def gluon_suits():
             from . import decode_hopper   # imported here: Gluon is only needed on this path
-            return decode_hopper.supported(q, k_cache, v_cache, block_table)
+            return window is None and decode_hopper.supported(q, k_cache, v_cache, block_table)
 
+        if window is not None and window[0] >= 0:
+            # The keys some row's window holds: at most left + seqlen_q (+ right) of them.
+            max_seqlen = min(max_seqlen, window[0] + seqlen_q + max(window[1], 0))
         config = configs.decode_config(head_dim=head_dim, dtype=q.dtype, rows=rows, batch=batch,
                                        heads_kv=heads_kv, max_seqlen=max_seqlen,
                                        num_splits=num_splits, paged=block_table is not None,
@@ -308,17 +354,17 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     if config.kernel == "gluon":
         from . import decode_hopper       # imported here: Gluon is only needed on this path
         # The chooser takes it only where gluon_suits() held; a config the caller gave is checked.
-        if not chosen and not decode_hopper.supported(q, k_cache, v_cache, block_table):
+        if not chosen and (window is not None or not decode_hopper.supported(q, k_cache, v_cache, block_table)):
             raise ValueError("DecodeConfig(kernel='gluon') takes fp16/bf16 inputs on an sm_90 GPU, head_dim "
                              "64 or 128, TMA-compatible caches and (paged) a power-of-two page size of at "
-                             f"least {decode_hopper.MIN_BOX}; got q {q.dtype} {tuple(q.shape)} on {q.device}, "
+                             f"least {decode_hopper.MIN_BOX}, and no window; got q {q.dtype} {tuple(q.shape)} on {q.device}, "
                              f"k_cache {tuple(k_cache.shape)} strides {k_cache.stride()}")
         decode_hopper.decode_hopper(q, k_cache, v_cache, o_part, l_part, cache_seqlens, block_table,
                                     seqlen_new, sm_scale, causal, block_n=config.block_n,
                                     stages=config.num_stages, num_splits=splits)
     else:
         _launch_triton(q, k_cache, v_cache, o_part, l_part, cache_seqlens, block_table, seqlen_new,
-                       sm_scale, causal, config)
+                       sm_scale, causal, config, window)
     if splits > 1:
         _merge_launch(o_part, l_part, out=out, lse=lse)
     return out, lse
@@ -337,7 +383,7 @@ def partial_and_table_strides(o_part, l_part, cache_seqlens, block_table) -> tup
 
 
 def _launch_triton(q, k_cache, v_cache, o_part, l_part, cache_seqlens, block_table, seqlen_new,
-                   sm_scale, causal, config):
+                   sm_scale, causal, config, window=None):
     """The Triton decode kernel on ``decode``'s prepared partials (o_part / l_part: the final out
     and lse with a leading axis when config.num_splits is 1)."""
     batch, seqlen_q, heads_q, head_dim = q.shape
@@ -364,7 +410,7 @@ def _launch_triton(q, k_cache, v_cache, o_part, l_part, cache_seqlens, block_tab
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         *partial_and_table_strides(o_part, l_part, cache_seqlens, block_table),
         heads_kv, seqlen_q, k_cache.shape[1], seqlen_new, num_m_blocks, splits,
-        sm_scale, sm_scale * LOG2E,
+        sm_scale, sm_scale * LOG2E, *(window or (0, 0)),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=configs.head_dim_block(head_dim),
         BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         PAGED=paged, PAGE_SIZE=page_size, PER_PAGE=per_page, HAS_SEQLENS=has_seqlens,
@@ -374,5 +420,6 @@ def _launch_triton(q, k_cache, v_cache, o_part, l_part, cache_seqlens, block_tab
         # block, an IEEE division at the end).
         PRECISE=q.dtype == torch.float32,
         NUM_STAGES=config.num_stages, LONG=needs_int64_rows(q, o_part),
+        HAS_LEFT=window is not None and window[0] >= 0, HAS_RIGHT=window is not None and window[1] >= 0,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
