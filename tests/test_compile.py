@@ -81,6 +81,18 @@ def test_opcheck_forward(device, bhsd):
     torch.library.opcheck(torch.ops.triflash.attn_fwd.default, (q, k, v, 32 ** -0.5, True, bhsd))
 
 
+def test_opcheck_with_a_window(device):
+    """The ops' window arguments (window_left, window_right) through the registrations."""
+    q = torch.randn(1, 20, 2, 32, device=device, dtype=torch.float16, requires_grad=True)
+    k = torch.randn(1, 24, 1, 32, device=device, dtype=torch.float16, requires_grad=True)
+    v = torch.randn(1, 24, 1, 32, device=device, dtype=torch.float16, requires_grad=True)
+    torch.library.opcheck(torch.ops.triflash.attn_fwd.default, (q, k, v, 0.2, False, False, 5, 3))
+    out, lse = torch.ops.triflash.attn_fwd(q.detach(), k.detach(), v.detach(), 0.2, True, False, 7, 0)
+    torch.library.opcheck(torch.ops.triflash.attn_bwd.default,
+                          (torch.randn_like(out), q.detach(), k.detach(), v.detach(), out, lse, None, 0.2, True,
+                           False, True, True, 7, 0))
+
+
 def test_opcheck_backward(device):
     q = torch.randn(1, 20, 2, 32, device=device, dtype=torch.float16)
     k = torch.randn(1, 24, 2, 32, device=device, dtype=torch.float16)
