@@ -41,11 +41,18 @@ def test_window_forward_and_backward(device, seqlen_q, seqlen_k, window, causal,
 
 
 def test_unbounded_window_is_the_plain_kernel(device):
-    """(-1, -1) and, with causal, (-1, 0) are the plain calls: the same bits."""
-    q, k, v = make_qkv(1, 70, 90, 2, 1, 32, torch.float16, device)
+    """(-1, -1), and (-1, 0) with or without causal (both are causal attention), are the plain calls:
+    the same bits, forward and backward."""
+    q, k, v = make_qkv(1, 70, 90, 2, 1, 32, torch.float16, device, requires_grad=True)
     assert torch.equal(triflash.flash_attn_func(q, k, v, window_size=(-1, -1)), triflash.flash_attn_func(q, k, v))
-    assert torch.equal(triflash.flash_attn_func(q, k, v, causal=True, window_size=(-1, 0)),
-                       triflash.flash_attn_func(q, k, v, causal=True))
+    causal = triflash.flash_attn_func(q, k, v, causal=True)
+    dout = torch.randn_like(causal)
+    grads = torch.autograd.grad(causal, (q, k, v), dout)
+    for kwargs in (dict(causal=True, window_size=(-1, 0)), dict(window_size=(-1, 0))):
+        out = triflash.flash_attn_func(q, k, v, **kwargs)
+        assert torch.equal(out, causal)
+        for g, g2 in zip(grads, torch.autograd.grad(out, (q, k, v), dout)):
+            assert torch.equal(g, g2)
 
 
 def test_window_in_the_seeds_layout(device):

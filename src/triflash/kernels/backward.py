@@ -472,7 +472,7 @@ def backward(dout, q, k, v, out, lse, sm_scale: float, causal: bool, *, dlse=Non
     window (left, right) as the forward's; the Triton kernels run it.
     """
     span = (varlen.max_seqlen_q + varlen.max_seqlen_k) if varlen is not None else (q.shape[1] + k.shape[1])
-    window = window_bounds(window, causal, span)
+    causal, window = window_bounds(window, causal, span)
     if window is not None:
         hopper = None                     # the Gluon kernels have no windows
     dout = last_dim_contiguous(dout)

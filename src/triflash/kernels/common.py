@@ -215,19 +215,20 @@ def causal_key_range(start_m, seqlen_q, seqlen_k, BLOCK_M: tl.constexpr, BLOCK_N
     return off_band_end, hi
 
 
-def window_bounds(window, causal: bool, span: int) -> tuple[int, int] | None:
-    """A validated window_size (left, right) (-1: no bound on that side) as the kernels take it:
-    causal folded in (its right bound is 0), each bound cut to ``span`` (the query plus key count,
-    or its largest over packed sequences: a bound that large already reaches every key, and the
-    kernels' int32 sums of bounds and positions then cannot wrap), and None where the plain causal /
-    non-causal kernels already compute it (no left bound, and no right bound other than causal's)."""
+def window_bounds(window, causal: bool, span: int) -> tuple[bool, tuple[int, int] | None]:
+    """(causal, window) as the kernels take a validated window_size (left, right) (-1: no bound on
+    that side): causal folded in (its right bound is 0), each bound cut to ``span`` (the query plus
+    key count, or its largest over packed sequences: a bound that large already reaches every key,
+    and the kernels' int32 sums of bounds and positions then cannot wrap), and window None where the
+    plain causal / non-causal kernels compute it: no left bound, and no right bound other than 0,
+    which is causal attention (so (-1, 0) without causal runs as causal, on the fastest kernels)."""
     left, right = window if window is not None else (-1, -1)
     left, right = min(left, span), min(right, span)
-    if causal:
-        right = 0
+    if causal or (left < 0 and right == 0):
+        causal, right = True, 0
     if left < 0 and (right < 0 or causal):
-        return None
-    return left, right
+        return causal, None
+    return causal, (left, right)
 
 
 @triton.jit

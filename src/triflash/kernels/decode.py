@@ -313,7 +313,7 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     ``window``: a local window (left, right), -1 for no bound on a side (``common.window_bounds``);
     this file's kernel runs it, and the split count follows the keys a window holds.
     """
-    window = window_bounds(window, causal, q.shape[1] + max_seqlen)
+    causal, window = window_bounds(window, causal, q.shape[1] + max_seqlen)
     batch, seqlen_q, heads_q, head_dim = q.shape
     heads_kv = k_cache.shape[2]
     group = heads_q // heads_kv

@@ -293,7 +293,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float, 
     folds causal in); the Triton kernel runs it.
     """
     span = (varlen.max_seqlen_q + varlen.max_seqlen_k) if varlen is not None else (q.shape[1] + k.shape[1])
-    window = window_bounds(window, causal, span)
+    causal, window = window_bounds(window, causal, span)
     if varlen is not None:
         return _forward_varlen(q, k, v, sm_scale, causal, out, config, varlen, window)
     batch, seqlen_q, heads_q, head_dim = q.shape
