@@ -208,6 +208,16 @@ def window_cases():
                     B.backward(torch.randn_like(q), q, k, v, out, torch.randn(2, 4, 300), 0.1, causal,
                                config=bcfg, window=window)
                 yield f"window{window} {TYPES[dtype]} D{d} {'causal' if causal else 'full'}", run
+        if dtype != torch.bfloat16:
+            cache = torch.randn(4, 1024, 2, 128, dtype=dtype)
+            for splits in (1, 4):
+                cfg = configs.DecodeConfig(block_m=16, block_n=32, num_warps=4, num_stages=2, num_splits=splits)
+
+                def run_decode(cache=cache, cfg=cfg, dtype=dtype):
+                    DEC.decode(torch.randn(4, 3, 8, 128, dtype=dtype), cache, cache,
+                               torch.full((4,), 200, dtype=torch.int32), None, 0, 200, 0.1, True, config=cfg,
+                               window=(64, 0))
+                yield f"window decode {TYPES[dtype]} splits{splits}", run_decode
 
 
 def long_cases():

@@ -572,3 +572,18 @@ def test_decode_with_a_window(device, page_size, splits, window, seqlen_q, causa
     check_against_references(out, lse, q, k_before, v_before, lengths, block_table, causal, dtype,
                              k=k, v=v, window_size=window)
 
+
+def test_decode_window_bounds_near_int32_with_an_unchecked_huge_capacity(device, monkeypatch):
+    """Without the lengths check the split chooser sees the capacity (here 2^31 slots through a wide
+    block table over one page); bounds near 2^31 must still mean "every key", not wrap in the
+    kernel's sums."""
+    monkeypatch.setattr(kvcache, "CHECK_SEQLENS", False)
+    cache = torch.randn(1, 65536, 1, 16, dtype=torch.float32, device=device)
+    table = torch.zeros(1, 32768, dtype=torch.int32, device=device)
+    for length, sq, window in ((10, 1, (-1, 2**31 - 1)), (1, 3, (2**31 - 1, -1)), (20, 2, (2**31 - 2, 2**31 - 2))):
+        q = torch.randn(1, sq, 2, 16, dtype=torch.float32, device=device)
+        lengths = torch.tensor([length], dtype=torch.int32, device=device)
+        out, lse = flash_attn_with_kvcache(q, cache, cache, cache_seqlens=lengths, block_table=table,
+                                           return_lse=True, window_size=window, num_splits=1)
+        check_against_references(out, lse, q, cache, cache, lengths, table, False, torch.float32)
+

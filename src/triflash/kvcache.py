@@ -168,7 +168,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
         return_lse: also return the log-sum-exp of the scaled scores.
         window_size: (left, right), a local window per sequence, as in ``flash_attn_func`` (query
             i sees key j when i + L_b - seqlen_q - left <= j <= i + L_b - seqlen_q + right; -1: no
-            bound). Keys outside every row's window are not read.
+            bound). Key blocks outside every row's window are not read.
 
     Returns:
         out [batch, seqlen_q, heads_q, head_dim] in q's dtype; with ``return_lse``, (out, lse), lse

@@ -471,8 +471,10 @@ def backward(dout, q, k, v, out, lse, sm_scale: float, causal: bool, *, dlse=Non
     [total_k, Hkv, D], lse / dlse [Hq, total_q]; the Triton kernels run them. ``window``: a local
     window (left, right) as the forward's; the Triton kernels run it.
     """
-    span = (varlen.max_seqlen_q + varlen.max_seqlen_k) if varlen is not None else (q.shape[1] + k.shape[1])
-    causal, window = window_bounds(window, causal, span)
+    if varlen is not None:
+        causal, window = window_bounds(window, causal, varlen.max_seqlen_q, varlen.max_seqlen_k)
+    else:
+        causal, window = window_bounds(window, causal, q.shape[1], k.shape[1])
     if window is not None:
         hopper = None                     # the Gluon kernels have no windows
     dout = last_dim_contiguous(dout)

@@ -215,15 +215,20 @@ def causal_key_range(start_m, seqlen_q, seqlen_k, BLOCK_M: tl.constexpr, BLOCK_N
     return off_band_end, hi
 
 
-def window_bounds(window, causal: bool, span: int) -> tuple[bool, tuple[int, int] | None]:
+def window_bounds(window, causal: bool, max_q: int, max_k: int) -> tuple[bool, tuple[int, int] | None]:
     """(causal, window) as the kernels take a validated window_size (left, right) (-1: no bound on
-    that side): causal folded in (its right bound is 0), each bound cut to ``span`` (the query plus
-    key count, or its largest over packed sequences: a bound that large already reaches every key,
-    and the kernels' int32 sums of bounds and positions then cannot wrap), and window None where the
-    plain causal / non-causal kernels compute it: no left bound, and no right bound other than 0,
-    which is causal attention (so (-1, 0) without causal runs as causal, on the fastest kernels)."""
+    that side), for at most ``max_q`` queries and ``max_k`` keys per sequence.
+
+    A bound that already reaches every key is no bound: left >= max_k (row i's left edge,
+    i + Sk - Sq - left, is then below key 0) and right >= max_q - 1 (row 0's right edge is then past
+    the last key) become -1, so huge bounds never reach the kernels' sums. Causal is folded in (its
+    right bound is 0), and a right bound of 0 with no left one is causal attention. The window is
+    None where the plain causal / non-causal kernels compute it, which are the fastest."""
     left, right = window if window is not None else (-1, -1)
-    left, right = min(left, span), min(right, span)
+    if left >= max_k:
+        left = -1
+    if right >= max(max_q - 1, 0):
+        right = -1
     if causal or (left < 0 and right == 0):
         causal, right = True, 0
     if left < 0 and (right < 0 or causal):
@@ -269,9 +274,9 @@ def window_visible(rows, cols, off, window_left, window_right, HAS_LEFT: tl.cons
     given already broadcast to the tile's orientation ([BM, 1] and [1, BN], or transposed)."""
     visible = None
     if HAS_RIGHT:
-        visible = cols <= rows + (off + window_right)
+        visible = cols <= rows + (off + tl.cast(window_right, tl.int64))
     if HAS_LEFT:
-        left_ok = cols >= rows + (off - window_left)
+        left_ok = cols >= rows + (off - tl.cast(window_left, tl.int64))
         if HAS_RIGHT:
             visible = visible & left_ok
         else:

@@ -186,18 +186,17 @@ def _key_ranges(seqlen, split, num_splits, seqlen_q, BLOCK_N: tl.constexpr, IS_C
 @triton.jit
 def _window_ranges(seqlen, split, num_splits, seqlen_q, window_left, window_right, BLOCK_N: tl.constexpr,
                    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
-    """``_key_ranges`` under a local window: the keys some row's window holds, [first row's left edge,
-    last row's right edge], cut into the splits' equal shares of whole blocks; all of it is walked
-    masked (a decode step's rows are few). Returns (lo, hi, causal_offset)."""
+    """``_key_ranges`` under a local window: the key blocks from the one holding the first row's left
+    edge to the sequence's end (the last row's right edge, L - 1 + right, is never before it), cut
+    into the splits' equal shares of whole blocks; all of it is walked masked (a decode step's rows
+    are few). Returns (lo, hi, causal_offset)."""
     causal_offset = seqlen - seqlen_q
     if HAS_LEFT:
-        start = tl.maximum(causal_offset - window_left, 0) // BLOCK_N * BLOCK_N
+        # int64: with an unchecked capacity (CHECK_SEQLENS off) the bound may be near 2^31.
+        start = tl.maximum(causal_offset - tl.cast(window_left, tl.int64), 0).to(tl.int32) // BLOCK_N * BLOCK_N
     else:
         start = 0
-    if HAS_RIGHT:
-        end = tl.minimum(tl.maximum(seqlen_q - 1 + causal_offset + window_right + 1, 0), seqlen)
-    else:
-        end = seqlen
+    end = seqlen              # the last row's right edge, L - 1 + right, never falls short of L - 1
     blocks_per_split = tl.cdiv(tl.cdiv(tl.maximum(end - start, 0), BLOCK_N), num_splits)
     lo = start + split * blocks_per_split * BLOCK_N
     hi = tl.minimum(lo + blocks_per_split * BLOCK_N, end)      # below lo: an empty split
@@ -313,7 +312,7 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     ``window``: a local window (left, right), -1 for no bound on a side (``common.window_bounds``);
     this file's kernel runs it, and the split count follows the keys a window holds.
     """
-    causal, window = window_bounds(window, causal, q.shape[1] + max_seqlen)
+    causal, window = window_bounds(window, causal, q.shape[1], max_seqlen)
     batch, seqlen_q, heads_q, head_dim = q.shape
     heads_kv = k_cache.shape[2]
     group = heads_q // heads_kv

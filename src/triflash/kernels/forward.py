@@ -292,8 +292,10 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float, 
     ``window``: a local window (left, right), -1 for no bound on that side (``common.window_bounds``
     folds causal in); the Triton kernel runs it.
     """
-    span = (varlen.max_seqlen_q + varlen.max_seqlen_k) if varlen is not None else (q.shape[1] + k.shape[1])
-    causal, window = window_bounds(window, causal, span)
+    if varlen is not None:
+        causal, window = window_bounds(window, causal, varlen.max_seqlen_q, varlen.max_seqlen_k)
+    else:
+        causal, window = window_bounds(window, causal, q.shape[1], k.shape[1])
     if varlen is not None:
         return _forward_varlen(q, k, v, sm_scale, causal, out, config, varlen, window)
     batch, seqlen_q, heads_q, head_dim = q.shape
