@@ -262,9 +262,16 @@ def test_varlen_compiles_without_graph_breaks(device):
     grads_c = torch.autograd.grad(loss_c, (q, k, v))
     loss_e = step(q, k, v)
     grads_e = torch.autograd.grad(loss_e, (q, k, v))
-    torch.testing.assert_close(loss_c, loss_e, rtol=1e-5, atol=1e-6)
-    for gc, ge in zip(grads_c, grads_e):
-        torch.testing.assert_close(gc, ge, rtol=1e-4, atol=1e-6)
+    if not ON_GPU:
+        # aot_eager runs the same eager kernels in the same order: bit-identical.
+        assert torch.equal(loss_c, loss_e)
+        assert all(torch.equal(gc, ge) for gc, ge in zip(grads_c, grads_e))
+    else:
+        # Inductor generates its own fp32 kernels for the square and the mean (other summation
+        # orders); triflash's ops are the same calls in both: a few fp32 ulps (as test_compile.py).
+        torch.testing.assert_close(loss_c, loss_e, rtol=1e-5, atol=1e-6)
+        for gc, ge in zip(grads_c, grads_e):
+            torch.testing.assert_close(gc, ge, rtol=1e-4, atol=1e-6)
 
 
 def test_varlen_opcheck(device):

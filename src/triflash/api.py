@@ -269,27 +269,26 @@ def _check_cu_seqlens(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, to
     sequence is longer than its max_seqlen. A few numbers per tensor reach the host in one copy; only
     a failed check looks further (for the message)."""
     names = ("cu_seqlens_q", "cu_seqlens_k")
+    offsets = [cu.long() for cu in (cu_seqlens_q, cu_seqlens_k)]     # int32 differences could wrap
+    lengths = [cu[1:] - cu[:-1] for cu in offsets]
     stats = []
-    for cu in (cu_seqlens_q, cu_seqlens_k):
-        cu = cu.long()                            # int32 differences could wrap
-        lengths = cu[1:] - cu[:-1]
-        shortest = lengths.min() if lengths.numel() else cu.new_zeros((), dtype=torch.long)
-        longest = lengths.max() if lengths.numel() else cu.new_zeros((), dtype=torch.long)
-        stats += [cu[0].long(), cu[-1].long(), shortest, longest]
+    for cu, n in zip(offsets, lengths):
+        none = cu.new_zeros(())
+        stats += [cu[0], cu[-1], n.min() if n.numel() else none, n.max() if n.numel() else none]
     stats = torch.stack(stats).tolist()                                   # the one sync
-    for i, (name, cu) in enumerate(zip(names, (cu_seqlens_q, cu_seqlens_k))):
+    for i, (name, cu, n) in enumerate(zip(names, offsets, lengths)):
         first, last, shortest, longest = stats[4 * i: 4 * i + 4]
         max_name = "max_seqlen_" + name[-1]
         if first != 0:
             raise ValueError(f"{name}[0] must be 0 (the first sequence starts at row 0), got {first}")
         if shortest < 0:
-            b = int(torch.argmin(cu[1:] - cu[:-1]))
+            b = int(torch.argmin(n))
             raise ValueError(f"{name} must be non-decreasing (sequence lengths >= 0), got {name}[{b}] = "
                              f"{int(cu[b])} > {name}[{b + 1}] = {int(cu[b + 1])}")
         if last != totals[i]:
             raise ValueError(f"{name}[-1] must equal the packed length ({totals[i]} rows), got {last}")
         if longest > max_seqlens[i]:
-            b = int(torch.argmax(cu[1:] - cu[:-1]))
+            b = int(torch.argmax(n))
             raise ValueError(f"{max_name} must be >= every sequence's length, got {max_name} = "
                              f"{max_seqlens[i]} and sequence {b} of length {longest} ({name}[{b + 1}] - "
                              f"{name}[{b}])")

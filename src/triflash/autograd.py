@@ -217,12 +217,20 @@ def _gradients(ctx, dout, dlse, backward_fn=None):
     q, k, v, out, lse = ctx.saved_tensors          # once: each read runs the saved-tensor hooks
     if backward_fn is None:
         backward_fn = attn_bwd if torch.is_grad_enabled() or _needs_op(q, k, v) else backward_impl
+    return _input_grads(ctx, dout, out, lambda dout, need_dq, need_dkdv: backward_fn(
+        dout, q, k, v, out, lse, dlse, ctx.softmax_scale, ctx.causal, ctx.bhsd, need_dq, need_dkdv,
+        *ctx.window))
+
+
+def _input_grads(ctx, dout, out, run):
+    """The formula's frame, shared by the dense and the packed ops: only the gradients autograd asks
+    for are computed (``run(dout, need_dq, need_dkdv)`` -> (dq, dk, dv)), a loss on lse alone gets a
+    zero dout, and every non-tensor input gets None."""
     need_dq = ctx.needs_input_grad[0]
     need_dkdv = ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
     if dout is None:                       # a loss on lse alone
         dout = torch.zeros_like(out)
-    dq, dk, dv = backward_fn(dout, q, k, v, out, lse, dlse, ctx.softmax_scale, ctx.causal, ctx.bhsd,
-                             need_dq, need_dkdv, *ctx.window)
+    dq, dk, dv = run(dout, need_dq, need_dkdv)
     return (dq if need_dq else None,
             dk if ctx.needs_input_grad[1] else None,
             dv if ctx.needs_input_grad[2] else None) + (None,) * (len(ctx.needs_input_grad) - 3)
@@ -362,14 +370,9 @@ def _varlen_setup_context(ctx, inputs, output):
 
 def _varlen_backward(ctx, dout, dlse):
     q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
-    need_dq = ctx.needs_input_grad[0]
-    need_dkdv = ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
-    if dout is None:                        # a loss on lse alone
-        dout = torch.zeros_like(out)
-    dq, dk, dv = varlen_bwd(dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k, *ctx.max_seqlens,
-                            ctx.softmax_scale, ctx.causal, need_dq, need_dkdv, *ctx.window)
-    return (dq if need_dq else None, dk if ctx.needs_input_grad[1] else None,
-            dv if ctx.needs_input_grad[2] else None) + (None,) * (len(ctx.needs_input_grad) - 3)
+    return _input_grads(ctx, dout, out, lambda dout, need_dq, need_dkdv: varlen_bwd(
+        dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k, *ctx.max_seqlens, ctx.softmax_scale,
+        ctx.causal, need_dq, need_dkdv, *ctx.window))
 
 
 varlen_fwd.register_autograd(_varlen_backward, setup_context=_varlen_setup_context)

@@ -21,59 +21,55 @@ import math
 import torch
 
 from . import api
-from .kernels import configs
+from . import autograd as _autograd
+from .kernels.common import last_dim_contiguous
 
 __all__ = ["scaled_dot_product_attention", "sdpa_routed_to_triflash"]
 
 
-def _unsupported(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa) -> str | None:
-    """Why triflash cannot compute this SDPA call exactly as PyTorch would, or None when it can."""
+def _plan(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa):
+    """(reason, None) when triflash cannot compute this SDPA call exactly as PyTorch would, else
+    (None, run): ``run()`` computes it. The checks SDPA's semantics add come first; then the inputs,
+    folded to [N, H, S, E], go through triflash.attention's own validation (``api.validate_qkv``:
+    dtypes, devices, head dims, heads, scale), whose message becomes the reason."""
     tensors = (query, key, value)
     if not all(isinstance(t, torch.Tensor) for t in tensors):
-        return "query, key and value must be tensors"
+        return "query, key and value must be tensors", None
     if attn_mask is not None:
-        return "attn_mask is not supported (only None); use is_causal for a causal mask"
+        return "attn_mask is not supported (only None); use is_causal for a causal mask", None
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or dropout_p != 0:
-        return f"dropout_p must be 0.0 (triflash has no dropout), got {dropout_p!r}"
+        return f"dropout_p must be 0.0 (triflash has no dropout), got {dropout_p!r}", None
     if not isinstance(is_causal, bool):
-        return f"is_causal must be a bool, got {type(is_causal).__name__}"
+        return f"is_causal must be a bool, got {type(is_causal).__name__}", None
     if query.dim() < 3 or key.dim() != query.dim() or value.dim() != query.dim():
         return (f"query, key and value must have the same rank, at least 3 ([..., L, E]), got "
-                f"{query.dim()}, {key.dim()} and {value.dim()}")
-    if value.shape[-1] != query.shape[-1] or key.shape[-1] != query.shape[-1]:
-        return (f"key's and value's last dimension (E) must equal query's ({query.shape[-1]}), got "
-                f"{key.shape[-1]} and {value.shape[-1]}")
-    if key.shape[-2] != value.shape[-2]:
-        return f"key and value must have the same length S, got {key.shape[-2]} and {value.shape[-2]}"
+                f"{query.dim()}, {key.dim()} and {value.dim()}"), None
     if is_causal and query.shape[-2] != key.shape[-2]:
         return (f"is_causal with L != S (got L={query.shape[-2]}, S={key.shape[-2]}): SDPA aligns its "
-                f"causal mask top-left, triflash bottom-right (use triflash.attention for that)")
-    if query.dtype not in api.SUPPORTED_DTYPES or any(t.dtype != query.dtype for t in tensors):
-        return f"dtypes must be one of float16, bfloat16, float32 and equal, got {[t.dtype for t in tensors]}"
-    if any(t.device != query.device for t in tensors):
-        return "query, key and value must be on one device"
-    if not (query.device.type == "cuda" or (query.device.type == "cpu" and configs.INTERPRET)):
-        return f"triflash runs on CUDA devices, got {query.device}"
-    if not 1 <= query.shape[-1] <= api.MAX_HEAD_DIM:
-        return f"E (head dim) must be between 1 and {api.MAX_HEAD_DIM}, got {query.shape[-1]}"
-    heads_at = 3 if query.dim() >= 4 else 2                  # 3-D inputs [N, L, E] have no head dim
-    hq, hk = (query.shape[-3], key.shape[-3]) if query.dim() >= 4 else (1, 1)
-    if query.shape[:-heads_at] != key.shape[:-heads_at] or key.shape[:-2] != value.shape[:-2]:
-        return (f"batch dimensions must match: query {tuple(query.shape)}, key {tuple(key.shape)}, value "
-                f"{tuple(value.shape)}")
+                f"causal mask top-left, triflash bottom-right (use triflash.attention for that)"), None
     if key.shape[-2] == 0 and query.shape[-2] > 0:
-        return "no keys (S = 0): PyTorch's softmax over nothing gives NaN, triflash 0"
-    if hk == 0:
-        return "key and value have no heads"
-    if hq != hk and not (enable_gqa and hq % hk == 0):
-        return (f"query has {hq} heads and key/value {hk}: that needs enable_gqa=True and a multiple "
-                f"(as in SDPA)")
-    if scale is not None:
-        try:
-            api._check_scale(scale, "scale", query.shape[-1])       # a normal float32 number > 0
-        except (TypeError, ValueError) as exc:
-            return str(exc)
-    return None
+        return "no keys (S = 0): PyTorch's softmax over nothing gives NaN, triflash 0", None
+    heads_at = 3 if query.dim() >= 4 else 2                  # 3-D inputs [N, L, E] have no head dim
+    lead = query.shape[:-heads_at]
+    if key.shape[:-heads_at] != lead or value.shape[:-heads_at] != lead:
+        return (f"batch dimensions must match: query {tuple(query.shape)}, key {tuple(key.shape)}, value "
+                f"{tuple(value.shape)}"), None
+    hq, hk = (query.shape[-3], key.shape[-3]) if query.dim() >= 4 else (1, 1)
+    if hq != hk and not enable_gqa:
+        return f"query has {hq} heads and key/value {hk}: that needs enable_gqa=True (as in SDPA)", None
+    batch = math.prod(lead)                               # (not -1: any dimension may be 0)
+    q4, k4, v4 = (t.unsqueeze(1) if t.dim() == 3 else t.reshape(batch, *t.shape[-3:]) for t in tensors)
+    try:
+        scale = api.validate_qkv(q4, k4, v4, "bhsd", "scale", scale, is_causal)
+    except (TypeError, ValueError) as exc:
+        return str(exc), None
+
+    def run():
+        # triflash.attention's body, its validation done above.
+        q, k, v = (last_dim_contiguous(t) for t in (q4, k4, v4))
+        out, _ = _autograd.forward(q, k, v, scale, is_causal, True)
+        return out.reshape(*lead, *out.shape[-3 if query.dim() >= 4 else -2:])
+    return None, run
 
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
@@ -87,25 +83,10 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     Raises NotImplementedError for what triflash does not compute (see the module docstring),
     before any launch.
     """
-    why = _unsupported(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    why, run = _plan(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     if why is not None:
         raise NotImplementedError(f"triflash.integrations.scaled_dot_product_attention: {why}")
-    return _attention(query, key, value, is_causal, scale)
-
-
-def _attention(query, key, value, is_causal, scale):
-    """triflash.attention on [..., H, L, E] inputs of any rank >= 3 (leading dims folded into one
-    batch dimension, a view when they allow it)."""
-    lead = query.shape[:-3] if query.dim() >= 4 else query.shape[:-2]
-    batch = math.prod(lead)                               # (not -1: any dimension may be 0)
-
-    def as_bhsd(t):
-        if t.dim() == 3:
-            return t.unsqueeze(1)                          # [N, L, E] -> [N, 1, L, E]
-        return t.reshape(batch, *t.shape[-3:])
-    out = api.attention(as_bhsd(query), as_bhsd(key), as_bhsd(value), causal=bool(is_causal),
-                        sm_scale=scale)
-    return out.reshape(*lead, *out.shape[-3 if query.dim() >= 4 else -2:])
+    return run()
 
 
 @contextlib.contextmanager
@@ -122,9 +103,10 @@ def sdpa_routed_to_triflash():
 
     def routed(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                enable_gqa=False):
-        if _unsupported(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa) is None:
+        why, run = _plan(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+        if why is None:
             counts["triflash"] += 1
-            return _attention(query, key, value, is_causal, scale)
+            return run()
         counts["torch"] += 1
         kwargs = {"enable_gqa": enable_gqa} if enable_gqa else {}
         return original(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,

@@ -107,8 +107,7 @@ def _check_writable_caches(k_cache, v_cache):
             raise ValueError(f"{name} has elements that share memory (an expanded or overlapping view, "
                              f"strides {t.stride()}), so appending into it would write several rows to "
                              f"one place: expected a cache with its own memory per element")
-    if (k_cache.data_ptr() == v_cache.data_ptr() and k_cache.numel()
-            and k_cache.untyped_storage().data_ptr() == v_cache.untyped_storage().data_ptr()):
+    if k_cache.numel() and k_cache.data_ptr() == v_cache.data_ptr():
         raise ValueError("k_cache and v_cache are the same memory, so appending v would overwrite k: "
                          "expected two separate caches")
 

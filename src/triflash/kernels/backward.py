@@ -38,7 +38,8 @@ import triton.language as tl
 
 from . import configs
 from .common import (LOG2E, LOG2E_K, Varlen, add_rn, causal_key_range, last_dim_contiguous, mul_rn,
-                     needs_int64_rows, on_input_device, sequence_bounds, wide, window_bounds, window_key_range,
+                     needs_int64_rows, on_input_device, sequence_bounds, wide, window_bounds, window_kernel_args,
+                     window_key_range,
                      window_visible)
 from .configs import BwdConfig
 from .forward import host_descriptors, tma_compatible
@@ -554,14 +555,15 @@ def _launch_dkdv(Q, K, V, DO, lse2, delta, dk, dv, strides, batch, heads_q, head
     """``_bwd_dkdv_kernel`` over (batch, KV head, key block of the longest sequence); ``strides``:
     the (batch, seq, head) strides of q, k, v, dout, dk, dv."""
     n_blocks = configs.cdiv(max_seqlen_k, cfg.block_n)
+    window_args, window_flags = window_kernel_args(window)
     _bwd_dkdv_kernel[(n_blocks * batch * heads_k,)](
         Q, K, V, DO, lse2, delta, dk, dv, *(x for st in strides for x in st),
         heads_q, heads_k, heads_q // heads_k, seqlen_q, seqlen_k, n_blocks, stats_rows,
-        sm_scale, sm_scale * LOG2E, *_cu(varlen), *(window or (0, 0)),
+        sm_scale, sm_scale * LOG2E, *_cu(varlen), *window_args,
         HEAD_DIM=head_dim, BLOCK_D=configs.head_dim_block(head_dim), BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n, IS_CAUSAL=causal, DOT_PRECISION=_precision(dtype),
         PRECISE_P=dtype == torch.float32, TMA=tma, VARLEN=varlen is not None,
-        LONG=needs_int64_rows(Q, K, V, DO, dk, dv), **_window_flags(window),
+        LONG=needs_int64_rows(Q, K, V, DO, dk, dv), **window_flags,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 
@@ -572,20 +574,17 @@ def _launch_dq(Q, K, V, DO, lse2, delta, dq, strides, batch, heads_q, heads_k, h
     """``_bwd_dq_kernel`` over (batch, query head, query block of the longest sequence); ``strides``:
     the (batch, seq, head) strides of q, k, v, dout, dq."""
     m_blocks = configs.cdiv(max_seqlen_q, cfg.block_m)
+    window_args, window_flags = window_kernel_args(window)
     _bwd_dq_kernel[(m_blocks * batch * heads_q,)](
         Q, K, V, DO, lse2, delta, dq, *(x for st in strides for x in st),
         heads_q, heads_q // heads_k, seqlen_q, seqlen_k, m_blocks, stats_rows,
-        sm_scale, sm_scale * LOG2E, *_cu(varlen), *(window or (0, 0)),
+        sm_scale, sm_scale * LOG2E, *_cu(varlen), *window_args,
         HEAD_DIM=head_dim, BLOCK_D=configs.head_dim_block(head_dim), BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n, IS_CAUSAL=causal, DOT_PRECISION=_precision(dtype),
         PRECISE_P=dtype == torch.float32, TMA=tma, VARLEN=varlen is not None,
-        LONG=needs_int64_rows(Q, K, V, DO, dq), **_window_flags(window),
+        LONG=needs_int64_rows(Q, K, V, DO, dq), **window_flags,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-
-
-def _window_flags(window):
-    return dict(HAS_LEFT=window is not None and window[0] >= 0, HAS_RIGHT=window is not None and window[1] >= 0)
 
 
 def _cu(varlen):

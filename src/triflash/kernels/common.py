@@ -47,13 +47,14 @@ def needs_int64_rows(*tensors: torch.Tensor) -> bool:
     inside it, row * row stride + lane, in int32: that wraps once (S - 1) * |row stride| + D passes
     2^31 - 1 (in FlashAttention's layout, S * H * D elements: 512k rows of 32 heads x 128 lanes).
     Arguments that are not tensors (TMA descriptors, which take coordinates) are skipped."""
-    for t in tensors:
-        if not isinstance(t, torch.Tensor):
-            continue
-        rows = t.shape[-3]
-        if rows and (rows - 1) * abs(t.stride(-3)) + t.shape[-1] > 2**31 - 1:
-            return True
-    return False
+    return any(isinstance(t, torch.Tensor) and rows_past_int32(t.shape[-3], abs(t.stride(-3)), t.shape[-1])
+               for t in tensors)
+
+
+def rows_past_int32(rows: int, row_stride: int, width: int) -> bool:
+    """Whether the last of ``rows`` rows (``row_stride`` apart, ``width`` lanes each) ends past
+    2^31 - 1 elements from the first."""
+    return rows > 0 and (rows - 1) * row_stride + width > 2**31 - 1
 
 
 @triton.jit
@@ -234,6 +235,14 @@ def window_bounds(window, causal: bool, max_q: int, max_k: int) -> tuple[bool, t
     if left < 0 and (right < 0 or causal):
         return causal, None
     return causal, (left, right)
+
+
+def window_kernel_args(window: tuple[int, int] | None) -> tuple[tuple[int, int], dict]:
+    """What a kernel launch takes for ``window_bounds``' window: the bounds (window_left,
+    window_right; placeholders without a window) and the HAS_LEFT / HAS_RIGHT flags."""
+    if window is None:
+        return (0, 0), dict(HAS_LEFT=False, HAS_RIGHT=False)
+    return window, dict(HAS_LEFT=window[0] >= 0, HAS_RIGHT=window[1] >= 0)
 
 
 @triton.jit

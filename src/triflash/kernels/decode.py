@@ -46,7 +46,8 @@ import triton.language as tl
 
 from . import configs
 from .common import (LOG2E, accumulate_pv, finish_rows, load_kv_tile, needs_int64_rows, on_input_device,
-                     online_softmax_step, score_dot, wide, window_bounds, window_visible)
+                     online_softmax_step, score_dot, wide, window_bounds, window_kernel_args,
+                     window_visible)
 from .configs import DecodeConfig
 from .merge import merge as _merge_launch
 
@@ -402,6 +403,7 @@ def _launch_triton(q, k_cache, v_cache, o_part, l_part, cache_seqlens, block_tab
                 and config.block_n % page_size == 0
                 and all(s % 8 == 0 for s in k_cache.stride()[:3] + v_cache.stride()[:3]))
     grid = (batch * heads_kv * splits * num_m_blocks,)
+    window_args, window_flags = window_kernel_args(window)
     _decode_kernel[grid](
         q, k_cache, v_cache, o_part, l_part, seqlens_arg, table_arg,
         q.stride(0), q.stride(1), q.stride(2),
@@ -409,7 +411,7 @@ def _launch_triton(q, k_cache, v_cache, o_part, l_part, cache_seqlens, block_tab
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         *partial_and_table_strides(o_part, l_part, cache_seqlens, block_table),
         heads_kv, seqlen_q, k_cache.shape[1], seqlen_new, num_m_blocks, splits,
-        sm_scale, sm_scale * LOG2E, *(window or (0, 0)),
+        sm_scale, sm_scale * LOG2E, *window_args,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=configs.head_dim_block(head_dim),
         BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         PAGED=paged, PAGE_SIZE=page_size, PER_PAGE=per_page, HAS_SEQLENS=has_seqlens,
@@ -419,6 +421,6 @@ def _launch_triton(q, k_cache, v_cache, o_part, l_part, cache_seqlens, block_tab
         # block, an IEEE division at the end).
         PRECISE=q.dtype == torch.float32,
         NUM_STAGES=config.num_stages, LONG=needs_int64_rows(q, o_part),
-        HAS_LEFT=window is not None and window[0] >= 0, HAS_RIGHT=window is not None and window[1] >= 0,
+        **window_flags,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )

@@ -50,7 +50,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
                                                               warpgroup_mma, warpgroup_mma_wait)
 
-from .common import LOG2E, needs_int64_rows, on_input_device
+from .common import LOG2E, needs_int64_rows, on_input_device, rows_past_int32
 from .configs import GLUON_DECODE_ROWS, cdiv, gluon_hopper_applies
 from .decode import _key_ranges, _program_coords, partial_and_table_strides
 from .forward import tma_compatible
@@ -298,8 +298,8 @@ def supported(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     if not q.is_cuda or not gluon_hopper_applies(head_dim=q.shape[-1], dtype=q.dtype, device=q.device):
         return False
     # Its query and output row offsets are int32: rows past 2^31 elements go to the Triton kernel,
-    # which has 64-bit ones (LONG). (The output is allocated contiguous, like a contiguous q.)
-    if needs_int64_rows(q, torch.empty(q.shape, device="meta")):
+    # which has 64-bit ones (LONG). (The output is allocated contiguous: rows of Hq x D.)
+    if needs_int64_rows(q) or rows_past_int32(q.shape[1], q.shape[2] * q.shape[3], q.shape[3]):
         return False
     if block_table is not None:
         page_size = k_cache.shape[1]

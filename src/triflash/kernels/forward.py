@@ -38,7 +38,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from . import configs
 from .common import (LOG2E, Varlen, causal_key_range, finish_rows, load_kv_tile, needs_int64_rows,
                      on_input_device, online_softmax_step, sequence_bounds, wide, window_bounds,
-                     window_key_range, window_visible)
+                     window_kernel_args, window_key_range, window_visible)
 from .configs import FwdConfig
 
 
@@ -343,6 +343,7 @@ def _launch(Q, K, V, O, lse, q_strides, k_strides, v_strides, o_strides, batch, 
     longest sequence)."""
     num_m_blocks = configs.cdiv(max_seqlen_q, config.block_m)
     grid = (num_m_blocks * batch * heads_q,)
+    window_args, window_flags = window_kernel_args(window)
     _attn_fwd_kernel[grid](
         Q, K, V, O, lse,
         *q_strides, *k_strides, *v_strides, *o_strides,
@@ -350,7 +351,7 @@ def _launch(Q, K, V, O, lse, q_strides, k_strides, v_strides, o_strides, batch, 
         sm_scale, sm_scale * LOG2E,
         varlen.cu_seqlens_q if varlen is not None else None,
         varlen.cu_seqlens_k if varlen is not None else None,
-        *(window or (0, 0)),
+        *window_args,
         HEAD_DIM=head_dim, BLOCK_D=configs.head_dim_block(head_dim),
         BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         IS_CAUSAL=causal, TMA=tma,
@@ -359,7 +360,7 @@ def _launch(Q, K, V, O, lse, q_strides, k_strides, v_strides, o_strides, batch, 
         # fp32: the softmax's largest score gets p = 1 exactly (see online_softmax_step).
         PRECISE=dtype == torch.float32,
         VARLEN=varlen is not None, LONG=needs_int64_rows(Q, K, V, O),
-        HAS_LEFT=window is not None and window[0] >= 0, HAS_RIGHT=window is not None and window[1] >= 0,
+        **window_flags,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
 
