@@ -67,6 +67,21 @@ def _hang_guard():
 
 
 @pytest.fixture(autouse=True)
+def _plans(request):
+    """Call plans (triflash.kernels.launch) are recorded on a key's first call here, so every test's
+    first call of a shape runs under the recorder and any repeat replays. A test that replaces
+    launchers or choosers (monkeypatch) runs without plans: a plan recorded before the patch would
+    replay the unpatched launches."""
+    from triflash.kernels import launch
+
+    saved = launch.ENABLED, launch.RECORD_AT
+    launch.ENABLED = "monkeypatch" not in request.fixturenames
+    launch.RECORD_AT = 1
+    yield
+    launch.ENABLED, launch.RECORD_AT = saved
+
+
+@pytest.fixture(autouse=True)
 def _seed_and_poison(request):
     """A different (but reproducible) seed per test, and NaN-filled torch.empty: any output element a
     kernel fails to write stays NaN, and every test checks for NaN."""

@@ -259,8 +259,8 @@ def test_backward_is_checked_and_a_provider_without_one_is_unavailable(device):
 
 @pytest.mark.parametrize("mode", ["fwd", "bwd"])
 def test_triflash_varlen_provider_is_checked_and_timed(device, mode, monkeypatch):
-    """The packed path, equal lengths: passes the check (forward, and gradients in bwd), and its
-    offsets' host check is off while it runs and back on afterwards."""
+    """The packed path, equal lengths: passes the check (forward, and gradients in bwd), timed
+    without the offsets' host check (off by default)."""
     from triflash import api
 
     seen = []
@@ -271,7 +271,7 @@ def test_triflash_varlen_provider_is_checked_and_timed(device, mode, monkeypatch
     (result,) = run_all([small(mode, causal=True, batch=2, heads_kv=1)], [provider], FakeTimer(), device,
                         progress=lambda line: None)
     assert result.status == "ok", result.detail
-    assert seen and not any(seen) and api.CHECK_CU_SEQLENS
+    assert seen and not any(seen)
 
 
 class Spy(Naive):
@@ -340,7 +340,7 @@ def fake_results():
                 Result(wl, "fa3", "wrong", "out max error 0.5 > tolerance 0.003", 0.5, 3e-3),
                 Result(wl, "fa2", "unavailable", "No module named 'flash_attn'")]
     dec = W.Workload("decode", 16, 32, 8, 1, 8192, 128, "fp16", False)
-    res += [Result(dec, "triflash-paged", "ok", "", 1e-4, 1e-3, 0.05, 0.049, 0.051, 1.0),
+    res += [Result(dec, "triflash-paged", "ok", "", 1e-4, 1e-3, 0.05, 0.049, 0.051, 1.0, 0.06, 0.058, 0.062),
             Result(dec, "sdpa-flash", "ok", "", 1e-4, 1e-3, 0.1, 0.09, 0.11, 1.0),
             Result(dec, "sdpa-math", "ok", "", 1e-4, 1e-3, 0.2, 0.19, 0.21, 1.0)]
     add_speedups(res)
@@ -373,7 +373,31 @@ def test_markdown_tables_from_fake_results():
     assert "- fa2: unavailable: No module named 'flash_attn' (2 of 3 workloads)" in text
     dec_row = next(line for line in lines if "| triflash-paged |" in line)
     gbps = 2 * 16 * 8192 * 8 * 128 * 2 / 0.05e-3 / 1e9
-    assert dec_row.split(" | ")[4:8] == ["50.0", "49.0-51.0", f"{gbps:.0f}", "2.00x"]
+    # Graph replays, then eager calls (both in us), then GB/s and the speedup from the graph times.
+    assert dec_row.split(" | ")[4:10] == ["50.0", "49.0-51.0", "60.0", "58.0-62.0", f"{gbps:.0f}", "2.00x"]
+    assert "graph us/call" in text and "eager us/call" in text
+
+
+def test_host_mode_workloads_and_table():
+    """--mode host: the three short default shapes (fwdbwd workloads, both causal flags by default, or
+    the shape given), and a table of host us per kind of call with calls per second."""
+    from triflash.bench.cli import parse_args
+    from triflash.bench.host import HostResult, host_table
+
+    args = parse_args(["--mode", "host"])
+    shapes = {(w.batch, w.seqlen_q, w.heads, w.head_dim) for w in args.workloads}
+    assert shapes == set(W.HOST_SHAPES) and {w.mode for w in args.workloads} == {"fwdbwd"}
+    assert len(args.workloads) == 2 * len(W.HOST_SHAPES)
+    args = parse_args(["--mode", "host", "--seqlen", "256", "--causal", "yes"])
+    assert [(w.seqlen_q, w.causal) for w in args.workloads] == [(256, True)]
+    wl = args.workloads[0]
+    table = host_table([HostResult(wl, "triflash", "ok", us={"fwd no_grad": (40.0, 38.0, 45.0),
+                                                             "fwd grad": (60.0, 55.0, 70.0),
+                                                             "fwd+bwd": (500.0, 450.0, 600.0)}),
+                        HostResult(wl, "fa4", "unavailable", "No module named 'flash_attn'")])
+    row = next(line for line in table.splitlines() if "| triflash |" in line)
+    assert "40.0 (38.0-45.0)" in row and "500.0 (450.0-600.0)" in row and "25,000" in row
+    assert "unavailable: No module named 'flash_attn'" in table
 
 
 def test_json_has_every_number(tmp_path):

@@ -318,11 +318,12 @@ def test_decode_config_rejects_zero_splits():
 
 
 def test_without_the_seqlens_check(device, monkeypatch):
-    """CHECK_SEQLENS = False skips the host-side check (no sync); results are the same."""
+    """CHECK_SEQLENS = False (the default) skips the host-side check (no sync); results are the same."""
     dtype = torch.float16
     k_cache, v_cache, block_table = make_cache(3, 60, 2, 64, dtype, device, 16)
     q = torch.randn(3, 1, 4, 64, dtype=dtype, device=device)
     lengths = torch.tensor([60, 0, 31], dtype=torch.int32, device=device)
+    monkeypatch.setattr(kvcache, "CHECK_SEQLENS", True)
     checked = flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths,
                                       block_table=block_table, num_splits=2)
     monkeypatch.setattr(kvcache, "CHECK_SEQLENS", False)
@@ -460,10 +461,25 @@ def _bad_inputs(device):
 BAD_IDS = [case[0] for case in _bad_inputs("cpu")]
 
 
+# Cases about the values inside cache_seqlens / block_table tensors: caught only with the opt-in check.
+_VALUE_CASES = ("block-table-entry", "seqlens-too-long", "seqlens-too-long-paged",
+                "seqlens-too-long-after-append", "seqlens-negative")
+
+
 @pytest.mark.parametrize("case_id", BAD_IDS)
-def test_bad_input_raises_before_launch(device, no_launch, case_id):
+def test_bad_input_raises_before_launch(device, no_launch, case_id, monkeypatch):
     _, args, kwargs, exc, words = next(c for c in _bad_inputs(device) if c[0] == case_id)
+    if case_id in _VALUE_CASES:
+        monkeypatch.setattr(kvcache, "CHECK_SEQLENS", True)
     assert_raises_naming(exc, words, flash_attn_with_kvcache, *args, **kwargs)
+
+
+def test_value_checks_are_opt_in(device):
+    """By default no call reads cache_seqlens back to the host (no sync, as in FlashAttention): the
+    value cases above are not checked, and each one's test switches the check on."""
+    assert kvcache.CHECK_SEQLENS is False
+    case_ids = {c[0] for c in _bad_inputs(device)}
+    assert set(_VALUE_CASES) <= case_ids
 
 
 def test_tensors_on_other_devices(device, no_launch):
@@ -483,8 +499,9 @@ def test_tensors_on_other_devices(device, no_launch):
         flash_attn_with_kvcache(q, kc, kc, k=new, v=new.to("meta"), cache_seqlens=sl)
 
 
-def test_bad_input_leaves_cache_untouched(device):
-    """An append that would overflow raises and writes nothing."""
+def test_bad_input_leaves_cache_untouched(device, monkeypatch):
+    """An append that would overflow raises and writes nothing (with the opt-in value check)."""
+    monkeypatch.setattr(kvcache, "CHECK_SEQLENS", True)
     kc = torch.randn(1, 4, 1, 16, dtype=torch.float16, device=device)
     before = kc.clone()
     q = torch.randn(1, 2, 1, 16, dtype=torch.float16, device=device)

@@ -172,7 +172,9 @@ def _good(device):
     return _packed([(5, 6), (3, 2)], (2, 1), 16, torch.float16, device)
 
 
-def test_varlen_rejects_bad_offsets(device):
+def test_varlen_rejects_bad_offsets(device, monkeypatch):
+    """Bad offsets raise; those that only their values reveal need the opt-in host check."""
+    monkeypatch.setattr(api, "CHECK_CU_SEQLENS", True)
     q, k, v, cu_q, cu_k, max_q, max_k = _good(device)
     f = triflash.flash_attn_varlen_func
     assert_raises_naming(TypeError, ["cu_seqlens_q.dtype", "torch.int32", "torch.int64"],
@@ -228,20 +230,21 @@ def test_varlen_rejects_bad_tensors(device):
                          f, q, k.expand(-1, 3, -1), v.expand(-1, 3, -1), cu_q, cu_k, max_q, max_k)
 
 
-def test_varlen_offsets_check_can_be_switched_off(device, monkeypatch):
-    """CHECK_CU_SEQLENS = False skips the host read of the offsets (the shapes are still checked)."""
+def test_varlen_offsets_check_is_opt_in(device, monkeypatch):
+    """By default the offsets' values are not read (no host sync, as in FlashAttention; the shapes
+    are still checked); CHECK_CU_SEQLENS = True reads them on every call."""
     q, k, v, cu_q, cu_k, max_q, max_k = _good(device)
     reads = []
     real_check = api._check_cu_seqlens
     monkeypatch.setattr(api, "_check_cu_seqlens", lambda *a: reads.append(1) or real_check(*a))
-    triflash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k)
-    assert reads
-    reads.clear()
-    monkeypatch.setattr(api, "CHECK_CU_SEQLENS", False)
+    assert api.CHECK_CU_SEQLENS is False
     out = triflash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k)
     assert not reads and out.shape == q.shape
     assert_raises_naming(ValueError, ["cu_seqlens_k", "as many entries"], triflash.flash_attn_varlen_func,
                          q, k, v, cu_q, cu_k[:2], max_q, max_k)
+    monkeypatch.setattr(api, "CHECK_CU_SEQLENS", True)
+    checked = triflash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k)
+    assert reads and torch.equal(checked, out)
 
 
 # -- torch.compile and the ops' registrations -----------------------------------------------------------

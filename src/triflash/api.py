@@ -25,7 +25,7 @@ from typing import NamedTuple
 import torch
 
 from . import autograd as _autograd
-from .kernels import configs
+from .kernels import configs, launch
 from .kernels.common import Varlen
 from .kernels.common import last_dim_contiguous as _last_dim_contiguous
 
@@ -193,7 +193,48 @@ def validate_qkv(q, k, v, layout: str, scale_name: str = "softmax_scale", softma
 
 
 
-def flash_attn_func(q, k, v, softmax_scale=None, causal=False, return_lse=False, *, window_size=(-1, -1)):
+# -- the call cache -------------------------------------------------------------------------------
+#
+# A call's validation and every choice the launchers make depend only on its tensors' metadata and its
+# scalar arguments. So each entry point keys a call on those (``launch.meta``; scalars with their class, so
+# that True never passes for 1.0 or (1, 0) for (True, 0)) and validates a key once: a key seen before
+# is a valid call, and after two calls its launches replay from a plan (``kernels/launch.py``). A call
+# whose key cannot be formed (a non-tensor where a tensor belongs, a list window) is validated every
+# time, so every error still fires.
+
+_NO_WINDOW = (-1, -1)
+_DENSE = launch.cache()
+
+
+def _window_key(window_size):
+    return window_size if window_size is _NO_WINDOW else (window_size, tuple(map(type, window_size)))
+
+
+def _validate_dense(q, k, v, layout, scale_name, softmax_scale, causal, return_lse, window_size):
+    scale = validate_qkv(q, k, v, layout, scale_name, softmax_scale, causal)
+    _require_bool("return_lse", return_lse)
+    return scale, _check_window(window_size, causal)
+
+
+def _dense(q, k, v, layout, scale_name, softmax_scale, causal, return_lse, window_size):
+    """flash_attn_func and attention: validate (once per key), then the forward."""
+    key = None
+    if not torch.compiler.is_compiling():      # traced calls: no keys (data_ptr is opaque)
+        try:
+            key = (layout, launch.meta(q), launch.meta(k), launch.meta(v), softmax_scale, softmax_scale.__class__,
+                   causal, causal.__class__, return_lse, return_lse.__class__, _window_key(window_size))
+        except (AttributeError, TypeError, RuntimeError):
+            key = None
+    entry = launch.lookup(_DENSE, key, _validate_dense, q, k, v, layout, scale_name, softmax_scale, causal,
+                          return_lse, window_size)
+    scale, window = entry.info
+    if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
+        q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
+    out, lse = _autograd.forward(q, k, v, scale, causal, layout == "bhsd", *window, entry=entry)
+    return (out, lse) if return_lse else out
+
+
+def flash_attn_func(q, k, v, softmax_scale=None, causal=False, return_lse=False, *, window_size=_NO_WINDOW):
     """Attention in FlashAttention's layout.
 
     Args:
@@ -214,15 +255,10 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, return_lse=False,
         out [batch, seqlen_q, heads_q, head_dim] in q's dtype; with ``return_lse``, (out, lse) where
         lse is [batch, heads_q, seqlen_q] float32, natural log.
     """
-    scale = validate_qkv(q, k, v, "bshd", "softmax_scale", softmax_scale, causal)
-    _require_bool("return_lse", return_lse)
-    window = _check_window(window_size, causal)
-    q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
-    out, lse = _autograd.forward(q, k, v, scale, causal, False, *window)
-    return (out, lse) if return_lse else out
+    return _dense(q, k, v, "bshd", "softmax_scale", softmax_scale, causal, return_lse, window_size)
 
 
-def attention(q, k, v, causal=False, sm_scale=None, return_lse=False, *, window_size=(-1, -1)):
+def attention(q, k, v, causal=False, sm_scale=None, return_lse=False, *, window_size=_NO_WINDOW):
     """Attention in the seeds' (and SDPA's) layout.
 
     Args:
@@ -234,22 +270,18 @@ def attention(q, k, v, causal=False, sm_scale=None, return_lse=False, *, window_
         out [batch, heads_q, seqlen_q, head_dim] (contiguous) in q's dtype; with ``return_lse``,
         (out, lse) with lse [batch, heads_q, seqlen_q] float32, natural log.
     """
-    scale = validate_qkv(q, k, v, "bhsd", "sm_scale", sm_scale, causal)
-    _require_bool("return_lse", return_lse)
-    window = _check_window(window_size, causal)
-    q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
-    out, lse = _autograd.forward(q, k, v, scale, causal, True, *window)
-    return (out, lse) if return_lse else out
+    return _dense(q, k, v, "bhsd", "sm_scale", sm_scale, causal, return_lse, window_size)
 
 
 # -- packed variable-length batches ------------------------------------------------------------------
 
-# flash_attn_varlen_func checks the values of cu_seqlens_q / cu_seqlens_k on the host (starts at 0,
-# non-decreasing, ends at the packed length, no sequence longer than max_seqlen): one small
-# device->host synchronisation per call. Set this to False to skip it; bad offsets are then undefined
-# behaviour, as in FlashAttention. It is always skipped under torch.compile and while a CUDA graph is
-# being captured (the values are not known there).
-CHECK_CU_SEQLENS = True
+# Set to True to have flash_attn_varlen_func check the values of cu_seqlens_q / cu_seqlens_k on the
+# host (starts at 0, non-decreasing, ends at the packed length, no sequence longer than max_seqlen):
+# one small device->host synchronisation per call, skipped under torch.compile and while a CUDA graph
+# is being captured (the values are not known there). Off by default, as in FlashAttention: bad
+# offsets are then undefined behaviour.
+CHECK_CU_SEQLENS = False
+_VARLEN = launch.cache()
 
 _PACKED_Q_DOC = "[total_q, heads_q, head_dim] (the sequences packed along dim 0)"
 _PACKED_KV_DOC = "[total_k, heads_kv, head_dim] (the sequences packed along dim 0)"
@@ -296,8 +328,9 @@ def _check_cu_seqlens(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, to
 
 def validate_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
                     causal) -> tuple[float, int, int]:
-    """Check flash_attn_varlen_func's arguments before any launch; return (scale, max_seqlen_q,
-    max_seqlen_k). Raises TypeError / ValueError naming the argument, as ``validate_qkv``."""
+    """Check flash_attn_varlen_func's arguments before any launch, all but the offsets' values
+    (``check_cu_seqlens_values``); return (scale, max_seqlen_q, max_seqlen_k). Raises TypeError /
+    ValueError naming the argument, as ``validate_qkv``."""
     _require_qkv(q, k, v, 3, _PACKED_Q_DOC, _PACKED_KV_DOC, causal)
     if tuple(v.shape) != tuple(k.shape):
         raise ValueError(f"v must have the same shape as k {tuple(k.shape)} {_PACKED_KV_DOC}, got "
@@ -320,13 +353,26 @@ def validate_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
     max_seqlen_q = _require_int("max_seqlen_q", max_seqlen_q)
     max_seqlen_k = _require_int("max_seqlen_k", max_seqlen_k)
     scale = _check_scale(softmax_scale, "softmax_scale", q.shape[2])
+    # No sequence is longer than the packed total: a larger bound would only launch idle programs
+    # (or, far larger, a grid past CUDA's limit), so it is cut to the total.
+    return scale, min(max_seqlen_q, q.shape[0]), min(max_seqlen_k, k.shape[0])
+
+
+def check_cu_seqlens_values(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> None:
+    """The offsets' values, where ``CHECK_CU_SEQLENS`` asks for them and they can be read."""
     if (CHECK_CU_SEQLENS and not torch.compiler.is_compiling()
             and type(cu_seqlens_q) is torch.Tensor and type(cu_seqlens_k) is torch.Tensor
             and not (q.device.type == "cuda" and torch.cuda.is_current_stream_capturing())):
         _check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, (q.shape[0], k.shape[0]), (max_seqlen_q, max_seqlen_k))
-    # No sequence is longer than the packed total: a larger bound would only launch idle programs
-    # (or, far larger, a grid past CUDA's limit), so it is cut to the total.
-    return scale, min(max_seqlen_q, q.shape[0]), min(max_seqlen_k, k.shape[0])
+
+
+def _validate_varlen_call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
+                          causal, return_lse, window_size):
+    """Everything flash_attn_varlen_func checks that its key decides (the offsets' values aside)."""
+    checked = validate_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
+                              causal)
+    _require_bool("return_lse", return_lse)
+    return checked, _check_window(window_size, causal)
 
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
@@ -355,17 +401,30 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         [heads_q, total_q] float32, natural log (-inf for a row that sees no key).
 
     Differentiable in q, k and v, and usable under torch.compile (not under torch.func transforms).
-    The offsets are checked on the host (one synchronisation; see ``CHECK_CU_SEQLENS``). Where that
-    check is off (by the flag, under torch.compile, in CUDA graph capture), offsets that break these
-    rules are undefined behaviour, as in FlashAttention: rows past a too-small max_seqlen are never
-    written. The Triton kernel runs every GPU (on Hopper, not
+    The call does not synchronise with the GPU: the offsets' values are not read (as in
+    FlashAttention), and offsets that break these rules are undefined behaviour (rows past a
+    too-small max_seqlen are never written). ``triflash.api.CHECK_CU_SEQLENS = True`` checks them on
+    the host on every call (one synchronisation; skipped under torch.compile and CUDA graph
+    capture). The Triton kernel runs every GPU (on Hopper, not
     yet the Gluon fast path of ``flash_attn_func``).
     """
-    scale, max_seqlen_q, max_seqlen_k = validate_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                                        max_seqlen_k, softmax_scale, causal)
-    _require_bool("return_lse", return_lse)
-    window = _check_window(window_size, causal)
-    q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
-    varlen = Varlen(cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(), max_seqlen_q, max_seqlen_k)
-    out, lse = _autograd.varlen_forward(q, k, v, varlen, scale, causal, window)
+    key = None
+    if not torch.compiler.is_compiling():      # traced calls: no keys (data_ptr is opaque)
+        try:
+            key = (launch.meta(q), launch.meta(k), launch.meta(v), launch.meta(cu_seqlens_q),
+                   launch.meta(cu_seqlens_k), max_seqlen_q, max_seqlen_q.__class__, max_seqlen_k,
+                   max_seqlen_k.__class__, softmax_scale, softmax_scale.__class__, causal, causal.__class__,
+                   return_lse, return_lse.__class__, _window_key(window_size))
+        except (AttributeError, TypeError, RuntimeError):
+            key = None
+    entry = launch.lookup(_VARLEN, key, _validate_varlen_call, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                          max_seqlen_k, softmax_scale, causal, return_lse, window_size)
+    (scale, max_q, max_k), window = entry.info
+    check_cu_seqlens_values(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
+        q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
+    if cu_seqlens_q.stride(0) != 1 or cu_seqlens_k.stride(0) != 1:
+        cu_seqlens_q, cu_seqlens_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()
+    varlen = Varlen(cu_seqlens_q, cu_seqlens_k, max_q, max_k)
+    out, lse = _autograd.varlen_forward(q, k, v, varlen, scale, causal, window, entry=entry)
     return (out, lse) if return_lse else out

@@ -35,6 +35,7 @@ from torch import Tensor
 from torch.autograd import forward_ad
 from torch.utils._python_dispatch import _get_current_dispatch_mode as _current_dispatch_mode
 
+from .kernels import launch
 from .kernels.backward import backward as _backward_launch
 from .kernels.common import Varlen
 from .kernels.forward import forward as _forward_launch
@@ -62,14 +63,15 @@ def attn_fwd(q: Tensor, k: Tensor, v: Tensor, softmax_scale: float, causal: bool
 
 
 def forward(q: Tensor, k: Tensor, v: Tensor, softmax_scale: float, causal: bool, bhsd: bool,
-            window_left: int = -1, window_right: int = -1) -> tuple[Tensor, Tensor]:
+            window_left: int = -1, window_right: int = -1, *, entry=None) -> tuple[Tensor, Tensor]:
     """The forward through the custom op, through ``_EagerAttention`` or ``_FunctorchAttention``, or
     straight to the launcher.
 
     The op is what torch.compile, torch.export, torch.func transforms, torch.jit.trace and dispatch
     modes (FlopCounterMode, fake tensors, ...) see. Eager autograd on plain tensors needs only an
     autograd node, and a plain eager call that records no graph needs nothing: both skip the op's
-    dispatch, whose host time at short sequences is a visible part of every call."""
+    dispatch, whose host time at short sequences is a visible part of every call. ``entry``: the
+    call's ``launch.Entry`` (its key's plan), used on the two eager roads."""
     if _has_tangent(q, k, v):
         raise NotImplementedError(_NO_JVP)
     if _needs_op(q, k, v):
@@ -80,8 +82,8 @@ def forward(q: Tensor, k: Tensor, v: Tensor, softmax_scale: float, causal: bool,
             return _FunctorchAttention.apply(q, k, v, softmax_scale, causal, bhsd, window_left, window_right)
         return attn_fwd(q, k, v, softmax_scale, causal, bhsd, window_left, window_right)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        return _EagerAttention.apply(q, k, v, softmax_scale, causal, bhsd, window_left, window_right)
-    return forward_impl(q, k, v, softmax_scale, causal, bhsd, window_left, window_right)
+        return _EagerAttention.apply(q, k, v, softmax_scale, causal, bhsd, window_left, window_right, entry)
+    return launch.call(entry, forward_impl, (q, k, v), softmax_scale, causal, bhsd, window_left, window_right)
 
 
 _NO_JVP = ("triflash has no forward-mode derivative (jvp): q, k or v carries a tangent (a dual tensor "
@@ -213,13 +215,39 @@ def _gradients(ctx, dout, dlse, backward_fn=None):
     the eager road does: the op when the backward is recorded (create_graph=True: the op says it has
     no derivative, so a second backward raises instead of silently leaving out the second-order
     terms, which torch's once_differentiable would do here) or watched (compiled autograd traces it
-    with fake tensors; a dispatch mode around the backward alone), else the implementation."""
+    with fake tensors; a dispatch mode around the backward alone), else the implementation, through
+    the forward's call cache (a plan keyed on the saved tensors and dout)."""
     q, k, v, out, lse = ctx.saved_tensors          # once: each read runs the saved-tensor hooks
+    entry = None
     if backward_fn is None:
-        backward_fn = attn_bwd if torch.is_grad_enabled() or _needs_op(q, k, v) else backward_impl
-    return _input_grads(ctx, dout, out, lambda dout, need_dq, need_dkdv: backward_fn(
-        dout, q, k, v, out, lse, dlse, ctx.softmax_scale, ctx.causal, ctx.bhsd, need_dq, need_dkdv,
-        *ctx.window))
+        if torch.is_grad_enabled() or _needs_op(q, k, v):
+            backward_fn = attn_bwd
+        else:
+            backward_fn, entry = backward_impl, getattr(ctx, "entry", None)
+
+    def run(dout, need_dq, need_dkdv):
+        args = (ctx.softmax_scale, ctx.causal, ctx.bhsd, need_dq, need_dkdv, *ctx.window)
+        inputs = (dout, q, k, v, out, lse, dlse)
+        if entry is None:
+            return backward_fn(*inputs, *args)
+        return launch.call(_backward_entry(entry, inputs, need_dq, need_dkdv), backward_fn, inputs, *args)
+    return _input_grads(ctx, dout, out, run)
+
+
+def _backward_entry(entry, inputs, need_dq: bool, need_dkdv: bool):
+    """The backward's call-cache entry under the forward's: keyed on every tensor it reads (saved
+    tensors can come back from hooks with other strides) and which gradients are asked for."""
+    if entry.sub is None:
+        entry.sub = {}
+    if type(inputs[0]) is not Tensor or type(inputs[6]) not in (Tensor, type(None)):
+        return None
+    key = (need_dq, need_dkdv, *(None if t is None else launch.meta(t) for t in inputs))
+    sub = entry.sub.get(key)
+    if sub is None:
+        if len(entry.sub) >= 64:
+            entry.sub.clear()
+        sub = entry.sub[key] = launch.Entry()
+    return sub
 
 
 def _input_grads(ctx, dout, out, run):
@@ -249,9 +277,11 @@ class _EagerAttention(torch.autograd.Function):
     on every call."""
 
     @staticmethod
-    def forward(ctx, q, k, v, softmax_scale, causal, bhsd, window_left=-1, window_right=-1):
-        out, lse = forward_impl(q, k, v, softmax_scale, causal, bhsd, window_left, window_right)
+    def forward(ctx, q, k, v, softmax_scale, causal, bhsd, window_left=-1, window_right=-1, entry=None):
+        out, lse = launch.call(entry, forward_impl, (q, k, v), softmax_scale, causal, bhsd, window_left,
+                               window_right)
         _save(ctx, q, k, v, out, lse, softmax_scale, causal, bhsd, window_left, window_right)
+        ctx.entry = entry
         return out, lse
 
     @staticmethod
@@ -319,14 +349,22 @@ class _FunctorchBackward(torch.autograd.Function):
 # a plain eager call with no gradient goes straight to the launcher. There is no vmap rule and no
 # torch.func road: under a torch.func transform the op raises.
 
+def varlen_impl(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
+                max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float, causal: bool,
+                window_left: int = -1, window_right: int = -1) -> tuple[Tensor, Tensor]:
+    """Forward on validated packed sequences. Returns (out [total_q, Hq, D], lse [Hq, total_q])."""
+    return _forward_launch(q, k, v, softmax_scale, causal,
+                           varlen=Varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k),
+                           window=(window_left, window_right))
+
+
 @torch.library.custom_op("triflash::varlen_fwd", mutates_args=())
 def varlen_fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
                max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float, causal: bool,
                window_left: int = -1, window_right: int = -1) -> tuple[Tensor, Tensor]:
     """Forward on validated packed sequences. Returns (out [total_q, Hq, D], lse [Hq, total_q])."""
-    return _forward_launch(q, k, v, softmax_scale, causal,
-                           varlen=Varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k),
-                           window=(window_left, window_right))
+    return varlen_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
+                       window_left, window_right)
 
 
 @varlen_fwd.register_fake
@@ -379,9 +417,9 @@ varlen_fwd.register_autograd(_varlen_backward, setup_context=_varlen_setup_conte
 
 
 def varlen_forward(q: Tensor, k: Tensor, v: Tensor, varlen: Varlen, softmax_scale: float,
-                   causal: bool, window: tuple[int, int] = (-1, -1)) -> tuple[Tensor, Tensor]:
+                   causal: bool, window: tuple[int, int] = (-1, -1), *, entry=None) -> tuple[Tensor, Tensor]:
     """The packed forward through the op where autograd, torch.compile or a dispatch mode needs one,
-    else straight to the launcher."""
+    else straight to the launcher (through ``entry``'s plan)."""
     if _has_tangent(q, k, v):
         raise NotImplementedError(_NO_JVP)
     if torch._C._are_functorch_transforms_active() and not torch.compiler.is_compiling():
@@ -389,8 +427,8 @@ def varlen_forward(q: Tensor, k: Tensor, v: Tensor, varlen: Varlen, softmax_scal
             "flash_attn_varlen_func does not support torch.func transforms (grad, vjp, vmap, ...): "
             "expected plain tensors; torch.autograd (loss.backward(), torch.autograd.grad) works, and "
             "flash_attn_func supports the transforms")
-    args = (q, k, v, *varlen, softmax_scale, causal, *window)
     if _needs_op(q, k, v) or (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad
                                                            or v.requires_grad)):
-        return varlen_fwd(*args)
-    return _forward_launch(q, k, v, softmax_scale, causal, varlen=varlen, window=window)
+        return varlen_fwd(q, k, v, *varlen, softmax_scale, causal, *window)
+    return launch.call(entry, varlen_impl, (q, k, v, varlen.cu_seqlens_q, varlen.cu_seqlens_k),
+                       varlen.max_seqlen_q, varlen.max_seqlen_k, softmax_scale, causal, *window)

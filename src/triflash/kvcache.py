@@ -16,21 +16,38 @@ Both check every argument before any launch and raise TypeError (types, dtypes) 
 from __future__ import annotations
 
 import numbers
+from typing import NamedTuple
 
 import torch
 
-from .api import (_check_device, _check_head_dim, _check_heads, _check_scale, _last_dim_contiguous,
-                  _require_bool, _require_float_dtype, _require_like_q, _require_rank,
-                  _require_same_device, _require_tensor, _type_name, _check_window)
+from .api import (_check_device, _check_head_dim, _check_heads, _check_scale, _check_window,
+                  _last_dim_contiguous, _require_bool, _require_float_dtype, _require_like_q, _require_rank,
+                  _require_same_device, _require_tensor, _type_name, _window_key)
+from .kernels import launch
 from .kernels.decode import decode as _decode_launch
 from .kernels.merge import merge as _merge_launch
 
-# flash_attn_with_kvcache checks the values of cache_seqlens (and the block-table entries they use) on
-# the host: one small device->host synchronisation per call. Set this to False to skip that check
-# (when timing decode steps outside a CUDA graph, say); lengths beyond the capacity or page indices
-# out of range are then undefined behaviour, as in FlashAttention. The check is always skipped while
-# a CUDA graph is being captured.
-CHECK_SEQLENS = True
+# Set to True to have flash_attn_with_kvcache check the values of cache_seqlens (and the block-table
+# entries they use) on the host: one small device->host synchronisation per call (skipped while a
+# CUDA graph is being captured). Off by default, as in FlashAttention: lengths beyond the capacity or
+# page indices out of range are then undefined behaviour.
+CHECK_SEQLENS = False
+
+_KVCACHE = launch.cache()
+_MERGE = launch.cache()
+
+
+class _Checked(NamedTuple):
+    """What flash_attn_with_kvcache's validation resolved for one call key."""
+    capacity: int
+    num_pages: int
+    page_size: int
+    seqlens_from_int: int | None
+    seqlen_new: int
+    scale: float
+    window: tuple[int, int]
+    num_splits: int
+
 
 _Q_DOC = "[batch, seqlen_q, heads_q, head_dim]"
 _CACHE_DOC = "[batch, seqlen_cache, heads_kv, head_dim]"
@@ -174,12 +191,67 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
         [batch, heads_q, seqlen_q] float32, natural log. A query row that sees no key (a length of
         0, or causal rows before the sequence starts) gets out = 0 and lse = -inf.
 
-    Validation reads cache_seqlens (and, for paged caches, the block-table entries in use) back to
-    the host to check them against the cache capacity and page count: one small device->host
-    synchronisation per call. While a CUDA graph is being captured that check is skipped; setting
-    ``triflash.kvcache.CHECK_SEQLENS = False`` skips it always. Without the check, the split count
-    is chosen from the capacity instead of the longest sequence.
+    No call synchronises with the GPU. Everything the host knows (shapes, dtypes, devices, a Python
+    int cache_seqlens) is checked; the values inside a cache_seqlens tensor and the block table are
+    not read, as in FlashAttention: a length below 0 or past the capacity, or a page index out of
+    range among the pages a sequence uses, is undefined behaviour (out-of-bounds reads). Setting
+    ``triflash.kvcache.CHECK_SEQLENS = True`` checks them on every call (one small device->host
+    read, skipped while a CUDA graph is captured), and then the split count follows the longest
+    sequence instead of the capacity.
     """
+    key = None
+    if not torch.compiler.is_compiling():      # traced calls: no keys (data_ptr is opaque)
+        try:
+            key = (launch.meta(q), launch.meta(k_cache), launch.meta(v_cache),
+                   None if k is None else launch.meta(k), None if v is None else launch.meta(v),
+                   cache_seqlens if type(cache_seqlens) is int or cache_seqlens is None else launch.meta(cache_seqlens),
+                   None if block_table is None else launch.meta(block_table), softmax_scale,
+                   softmax_scale.__class__, causal, causal.__class__, num_splits, num_splits.__class__, return_lse,
+                   return_lse.__class__, _window_key(window_size))
+            if torch.is_grad_enabled() and (q.requires_grad or k_cache.requires_grad or v_cache.requires_grad
+                                            or (k is not None and (k.requires_grad or v.requires_grad))):
+                key = None                                 # validation refuses it, naming the tensor
+        except (AttributeError, TypeError, RuntimeError):
+            key = None
+    entry = launch.lookup(_KVCACHE, key, _validate, q, k_cache, v_cache, k, v, cache_seqlens, block_table,
+                          softmax_scale, causal, num_splits, return_lse, window_size)
+    checked = entry.info
+    seqlen_new, capacity = checked.seqlen_new, checked.capacity
+    seqlens_from_int = checked.seqlens_from_int
+    if seqlens_from_int is not None:
+        cache_seqlens = torch.full((q.shape[0],), seqlens_from_int, dtype=torch.int32, device=q.device)
+
+    # -- the longest sequence, which sizes the split count (values: a device->host read, opt-in) --
+    if cache_seqlens is None:
+        max_seqlen = capacity
+    elif seqlens_from_int is not None and block_table is None:
+        max_seqlen = seqlens_from_int + seqlen_new
+    elif q.shape[0] == 0 or not CHECK_SEQLENS or _capturing_graph(q.device):
+        max_seqlen = capacity
+    else:
+        max_seqlen = _check_lengths(cache_seqlens, block_table, seqlen_new, capacity, checked.num_pages,
+                                    checked.page_size)
+
+    if k is not None:
+        _check_writable_caches(k_cache, v_cache)
+        _append_kv(k_cache, v_cache, k, v, cache_seqlens, block_table)
+    if q.stride(-1) != 1:
+        q = _last_dim_contiguous(q)
+    if entry.sub is None:
+        entry.sub = {}
+    plan = entry.sub.get(max_seqlen)
+    if plan is None:
+        plan = entry.sub[max_seqlen] = launch.Entry()
+        plan.plan = entry.plan               # False where the key could not be kept
+    out, lse = launch.call(plan, _decode_launch, (q, k_cache, v_cache, cache_seqlens, block_table), seqlen_new,
+                           max_seqlen, checked.scale, causal, checked.num_splits, None, checked.window)
+    return (out, lse) if return_lse else out
+
+
+def _validate(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_scale, causal, num_splits,
+              return_lse, window_size) -> _Checked:
+    """Every check of flash_attn_with_kvcache that its arguments' metadata decides (not the values
+    in cache_seqlens and block_table). Raises TypeError / ValueError naming the argument."""
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         _require_tensor(name, t)
     paged = block_table is not None
@@ -245,10 +317,12 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
     if cache_seqlens is not None:
         if isinstance(cache_seqlens, numbers.Integral) and not isinstance(cache_seqlens, bool):
             seqlens_from_int = int(cache_seqlens)
-            if not -2**31 <= seqlens_from_int < 2**31:        # else torch.full below fails unclearly
+            if not -2**31 <= seqlens_from_int < 2**31:        # else torch.full fails unclearly
                 raise ValueError(f"cache_seqlens must be >= 0 and <= the cache capacity ({capacity}), "
                                  f"got {seqlens_from_int}")
-            cache_seqlens = torch.full((batch,), seqlens_from_int, dtype=torch.int32, device=q.device)
+            if seqlens_from_int < 0:
+                raise ValueError(f"cache_seqlens must be >= 0, got {seqlens_from_int}")
+    if cache_seqlens is not None and seqlens_from_int is None:
         _require_tensor("cache_seqlens", cache_seqlens)
         if cache_seqlens.dtype != torch.int32:
             raise TypeError(f"cache_seqlens.dtype must be torch.int32, got {cache_seqlens.dtype}")
@@ -283,30 +357,10 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
 
     scale = _check_scale(softmax_scale, "softmax_scale", head_dim)
     window = _check_window(window_size, causal)
-
-    # -- values: lengths within the capacity, pages in range (one device->host sync) --
-    if cache_seqlens is None:
-        max_seqlen = capacity
-    elif seqlens_from_int is not None and block_table is None:
-        if seqlens_from_int < 0:
-            raise ValueError(f"cache_seqlens must be >= 0, got {seqlens_from_int}")
-        max_seqlen = seqlens_from_int + seqlen_new
-        if max_seqlen > capacity:
-            raise ValueError(f"cache_seqlens + seqlen_new must be <= the cache capacity (k_cache.shape[1] = "
-                             f"{capacity}), got {seqlens_from_int} + {seqlen_new} = {max_seqlen}")
-    elif batch == 0 or not CHECK_SEQLENS or _capturing_graph(q.device):
-        max_seqlen = capacity
-    else:
-        max_seqlen = _check_lengths(cache_seqlens, block_table, seqlen_new, capacity, num_pages,
-                                    page_size)
-
-    if k is not None:
-        _check_writable_caches(k_cache, v_cache)
-        _append_kv(k_cache, v_cache, k, v, cache_seqlens, block_table)
-    q = _last_dim_contiguous(q)
-    out, lse = _decode_launch(q, k_cache, v_cache, cache_seqlens, block_table, seqlen_new, max_seqlen,
-                              scale, causal, num_splits, window=window)
-    return (out, lse) if return_lse else out
+    if seqlens_from_int is not None and block_table is None and seqlens_from_int + seqlen_new > capacity:
+        raise ValueError(f"cache_seqlens + seqlen_new must be <= the cache capacity (k_cache.shape[1] = "
+                         f"{capacity}), got {seqlens_from_int} + {seqlen_new} = {seqlens_from_int + seqlen_new}")
+    return _Checked(capacity, num_pages, page_size, seqlens_from_int, seqlen_new, scale, window, num_splits)
 
 
 def merge_attn_states(out_partials, lse_partials):
@@ -335,6 +389,20 @@ def merge_attn_states(out_partials, lse_partials):
     """
     out_partials = _stack_parts("out_partials", out_partials, "[batch, seqlen, heads, head_dim]")
     lse_partials = _stack_parts("lse_partials", lse_partials, "[batch, heads, seqlen]")
+    key = None
+    if not torch.compiler.is_compiling():      # traced calls: no keys (data_ptr is opaque)
+        try:
+            key = (launch.meta(out_partials), launch.meta(lse_partials))
+        except (AttributeError, TypeError, RuntimeError):
+            key = None
+    entry = launch.lookup(_MERGE, key, _validate_merge, out_partials, lse_partials)
+    if torch.is_grad_enabled() and (out_partials.requires_grad or lse_partials.requires_grad):
+        return _Merge.apply(out_partials, lse_partials, entry)
+    return launch.call(entry, _merge_launch, (_last_dim_contiguous(out_partials), lse_partials))
+
+
+def _validate_merge(out_partials, lse_partials):
+    """merge_attn_states' checks of the stacked partial states (their metadata decides them)."""
     _require_rank("out_partials", out_partials, 5, "[N, batch, seqlen, heads, head_dim]")
     _require_rank("lse_partials", lse_partials, 4, "[N, batch, heads, seqlen]")
     _require_float_dtype("out_partials", out_partials)
@@ -353,17 +421,14 @@ def merge_attn_states(out_partials, lse_partials):
     if tuple(lse_partials.shape) != expected:
         raise ValueError(f"lse_partials must be [N, batch, heads, seqlen] = {expected} to match "
                          f"out_partials {tuple(out_partials.shape)}, got {tuple(lse_partials.shape)}")
-    if torch.is_grad_enabled() and (out_partials.requires_grad or lse_partials.requires_grad):
-        return _Merge.apply(out_partials, lse_partials)
-    return _merge_launch(_last_dim_contiguous(out_partials), lse_partials)
 
 
 class _Merge(torch.autograd.Function):
     """merge_attn_states with a gradient (see its docstring for the formulas)."""
 
     @staticmethod
-    def forward(ctx, out_partials, lse_partials):
-        out, lse = _merge_launch(_last_dim_contiguous(out_partials), lse_partials)
+    def forward(ctx, out_partials, lse_partials, entry=None):
+        out, lse = launch.call(entry, _merge_launch, (_last_dim_contiguous(out_partials), lse_partials))
         ctx.save_for_backward(out_partials, lse_partials, lse)
         ctx.set_materialize_grads(False)
         return out, lse
@@ -388,7 +453,7 @@ class _Merge(torch.autograd.Function):
         if d_parts is None and ctx.needs_input_grad[0]:
             d_parts = torch.zeros_like(parts)
         return (d_parts if ctx.needs_input_grad[0] else None,
-                d_lse if ctx.needs_input_grad[1] else None)
+                d_lse if ctx.needs_input_grad[1] else None, None)
 
 
 def _stack_parts(name, parts, doc):

@@ -4,6 +4,7 @@
     triflash bench --sweep                # the papers' sweep: 16k tokens, hidden 2048, S 512..16k, D 64/128
     triflash bench --mode bwd --providers triflash,sdpa-flash,fa2
     triflash bench --mode decode          # batch {1,16,64} x context {1k..128k}, contiguous and paged
+    triflash bench --mode host            # host time per eager call at short shapes (what users wait for)
     python -m triflash.bench ...          # the same
 
 Without a CUDA GPU it says so and checks the kernel in Triton's interpreter instead (no timings).
@@ -23,7 +24,7 @@ from . import workloads as W
 from .decode import decode_providers
 from .plotting import plot_results
 from .providers import dense_providers
-from .runner import DoBench, run_all
+from .runner import DoBench, run_all, stderr_progress
 
 DESCRIPTION = """\
 Benchmark triflash against other attention implementations, side by side in one run.
@@ -66,8 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
                              decode=", ".join(provider_names("decode"))))
     shapes = parser.add_argument_group("workload")
     shapes.add_argument("--mode", choices=W.MODES, default="fwd",
-                        help="fwd, bwd (backward only), fwdbwd, or decode (one query token against a "
-                             "K/V cache) (default: fwd)")
+                        help="fwd, bwd (backward only), fwdbwd, decode (one query token against a "
+                             "K/V cache), or host (host time per eager call: forward without and with "
+                             "autograd, forward + backward, at short shapes) (default: fwd)")
     shapes.add_argument("--sweep", action="store_true",
                         help=f"the FlashAttention papers' sweep: {W.SWEEP_TOKENS} tokens per batch "
                              f"(B = {W.SWEEP_TOKENS} // S), hidden size {W.SWEEP_HIDDEN} (H = "
@@ -107,11 +109,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ``provider_names`` (in table order)."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.sweep and args.mode == "decode":
-        parser.error("--sweep is for fwd/bwd/fwdbwd; decode runs its own grid (batch x context)")
+    if args.sweep and args.mode in ("decode", "host"):
+        parser.error(f"--sweep is for fwd/bwd/fwdbwd; {args.mode} runs its own shapes")
     args.causal_flags = {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]
     try:
-        if args.mode == "decode":
+        if args.mode == "host":
+            args.workloads = W.host_workloads(args.dtype, args.causal_flags, batch=args.batch, heads=args.heads,
+                                              heads_kv=args.heads_kv, seqlens=args.seqlen, head_dims=args.headdim)
+        elif args.mode == "decode":
             args.workloads = W.decode_workloads(args.dtype, batch=args.batch, heads=args.heads,
                                                 heads_kv=args.heads_kv, contexts=args.seqlen,
                                                 head_dims=args.headdim)
@@ -146,6 +151,21 @@ def main(argv: list[str] | None = None) -> int:
                          env=report.environment())
 
 
+def _host_benchmark(args, providers, device, env: dict, command: str) -> int:
+    from .host import HOST_CONVENTION, host_table, run_host
+
+    results = run_host(args.workloads, providers, device, progress=stderr_progress)
+    text = "\n\n".join([report.header(env, command, args.warmup, args.rep, decode=False,
+                                       timing=HOST_CONVENTION), f"## host time per call, {args.dtype}",
+                         host_table(results)]) + "\n"
+    print(text)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "results.md").write_text(text)
+    report.write_json(args.out / "results.json", results, env, command, args.warmup, args.rep)
+    print(f"Wrote {args.out / 'results.md'}, {args.out / 'results.json'}", file=sys.stderr)
+    return 1 if any(r.status == "wrong" and r.provider.startswith("triflash") for r in results) else 0
+
+
 def _without_gpu(args, argv: list[str]) -> int:
     if not interpreter.interpreter_ready():
         return interpreter.rerun_with_interpreter(argv)
@@ -161,9 +181,11 @@ def run_benchmark(args, argv: list[str], device, timer, env: dict) -> int:
     providers = [p for p in catalog if p.name in args.provider_names]
     print(f"triflash bench on {env['gpu']}: {len(args.workloads)} workload(s) x {len(providers)} "
           f"provider(s)", file=sys.stderr)
+    command = shlex.join(["triflash", "bench", *argv])
+    if args.mode == "host":
+        return _host_benchmark(args, providers, device, env, command)
     results = run_all(args.workloads, providers, timer, device)
 
-    command = shlex.join(["triflash", "bench", *argv])
     head = report.header(env, command, args.warmup, args.rep, decode=args.mode == "decode")
     text = report.markdown(results, head)
     print(text)

@@ -115,32 +115,23 @@ class Triflash(Provider):
 
 class TriflashVarlen(Provider):
     """triflash.flash_attn_varlen_func on the batch packed as equal-length sequences: what the packed
-    path costs against ``triflash`` at the same shapes. The offsets' host check (one synchronisation
-    per call) is switched off around the timing, as FlashAttention has none."""
+    path costs against ``triflash`` at the same shapes (the offsets' opt-in host check stays off,
+    its default, as FlashAttention has none)."""
 
     name = "triflash-varlen"
     layout = "tokens"
     default = False
-    description = "triflash.flash_attn_varlen_func (equal lengths, offsets check off)"
+    description = "triflash.flash_attn_varlen_func (equal lengths)"
 
     def load(self):
         import triflash
-        from triflash import api
 
-        self.fn, self.api = triflash.flash_attn_varlen_func, api
+        self.fn = triflash.flash_attn_varlen_func
 
     def setup(self, wl, device):
         self.cu_q = torch.arange(wl.batch + 1, dtype=torch.int32, device=device) * wl.seqlen_q
         self.cu_k = torch.arange(wl.batch + 1, dtype=torch.int32, device=device) * wl.seqlen_k
         self.max_seqlens = (wl.seqlen_q, wl.seqlen_k)
-
-    @contextlib.contextmanager
-    def context(self):
-        saved, self.api.CHECK_CU_SEQLENS = self.api.CHECK_CU_SEQLENS, False
-        try:
-            yield
-        finally:
-            self.api.CHECK_CU_SEQLENS = saved
 
     def run(self, q, k, v, causal):
         return self.fn(q, k, v, self.cu_q, self.cu_k, *self.max_seqlens, causal=causal)

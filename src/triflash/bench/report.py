@@ -68,8 +68,10 @@ def environment() -> dict:
     }
 
 
-def header(env: dict, command: str, warmup_ms: float, rep_ms: float, decode: bool) -> str:
-    """The Markdown lines above the tables: what ran where, and how the numbers are defined."""
+def header(env: dict, command: str, warmup_ms: float, rep_ms: float, decode: bool,
+           timing: str | None = None) -> str:
+    """The Markdown lines above the tables: what ran where, and how the numbers are defined
+    (``timing`` replaces the do_bench convention, for --mode host)."""
     return "\n".join([
         "# triflash bench",
         "",
@@ -79,7 +81,7 @@ def header(env: dict, command: str, warmup_ms: float, rep_ms: float, decode: boo
         f"{env['multiprocessors']} SMs, {env['gpu_memory_gib']} GiB), driver {env['driver']}",
         f"- CUDA {env['cuda']}, torch {env['torch']}, triton {env['triton']}, "
         f"triflash {env['triflash']}, Python {env['python']}",
-        f"- Timing: {timing_convention(warmup_ms, rep_ms)}",
+        f"- Timing: {timing or timing_convention(warmup_ms, rep_ms)}",
         f"- {BYTES_CONVENTION if decode else FLOP_CONVENTION}",
         f"- Check: {CHECK_CONVENTION}",
         f"- {MEMORY_CONVENTION}",
@@ -129,11 +131,14 @@ def dense_table(results: list[Result]) -> str:
 
 
 def decode_table(results: list[Result]) -> str:
-    head = ["B", "context", "H", "provider", "us/call", "p20-p80 us", "GB/s", "vs best SDPA",
-            "peak MiB", "max err (tol)", "status"]
+    head = ["B", "context", "H", "provider", "graph us/call", "p20-p80 us", "eager us/call", "p20-p80 us",
+            "GB/s (graph)", "vs best SDPA (graph)", "peak MiB", "max err (tol)", "status"]
     rows = [[str(r.workload.batch), str(r.workload.seqlen_k), _heads(r), r.provider,
              _num(r.ms * 1e3 if r.ms else None, ".1f"),
-             f"{r.ms_p20 * 1e3:.1f}-{r.ms_p80 * 1e3:.1f}" if r.ms else "", _num(r.gbps, ".0f"),
+             f"{r.ms_p20 * 1e3:.1f}-{r.ms_p80 * 1e3:.1f}" if r.ms else "",
+             _num(r.ms_eager * 1e3 if r.ms_eager else None, ".1f"),
+             f"{r.ms_eager_p20 * 1e3:.1f}-{r.ms_eager_p80 * 1e3:.1f}" if r.ms_eager else "",
+             _num(r.gbps, ".0f"),
              _num(r.speedup_sdpa, ".2f") + ("x" if r.speedup_sdpa else ""), _num(r.peak_mib, ".1f"),
              _err(r), _status(r)] for r in results]
     return _table(head, rows)

@@ -50,6 +50,9 @@ class Result:
     ms_p20: float | None = None
     ms_p80: float | None = None
     peak_mib: float | None = None
+    ms_eager: float | None = None          # decode: eager calls (``ms`` is CUDA-graph replays)
+    ms_eager_p20: float | None = None
+    ms_eager_p80: float | None = None
     speedup_naive: float | None = None
     speedup_sdpa: float | None = None
 
@@ -149,12 +152,13 @@ def run_one(provider, case, timer, device) -> Result:
             fn = timed_call(provider, prepared, wl.mode)
             timed_fn, how = (as_cuda_graph(fn, device) if wl.mode == "decode" else (fn, ""))
             ms, p20, p80 = timer(timed_fn)
+            eager = timer(fn) if wl.mode == "decode" else (None, None, None)
             peak = peak_memory_mib(fn, device)
     except Exception as exc:  # noqa: BLE001 - every failure is reported in the table, the run goes on
         status, detail = classify(exc, [str(w.message) for w in caught])
         return Result(wl, provider.name, status, detail)
     detail = "; ".join(x for x in (verdict.detail, how) if x)
-    return Result(wl, provider.name, "ok", detail, verdict.max_err, verdict.tol, ms, p20, p80, peak)
+    return Result(wl, provider.name, "ok", detail, verdict.max_err, verdict.tol, ms, p20, p80, peak, *eager)
 
 
 def _outputs(provider, prepared, wl: Workload) -> list[torch.Tensor]:
@@ -181,9 +185,9 @@ def timed_call(provider, prepared, mode: str):
 
 
 def as_cuda_graph(fn, device):
-    """Decode steps are a few microseconds of GPU work behind several launches: timed eagerly, host
-    overhead (Python, argument checks) would be measured instead of the kernels. Serving engines
-    capture decode steps in CUDA graphs, so every decode provider is timed as graph replays.
+    """Decode steps are a few microseconds of GPU work behind several launches. Serving engines
+    capture decode steps in CUDA graphs, so every decode provider is timed as graph replays (the
+    kernels' time) as well as eagerly (what a plain generate loop sees, host time included).
     Returns (callable, note); falls back to eager calls, saying so, when capture fails."""
     if torch.device(device).type != "cuda":
         return fn, ""

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
-MODES = ("fwd", "bwd", "fwdbwd", "decode")
+MODES = ("fwd", "bwd", "fwdbwd", "decode", "host")
 
 SEED = {"batch": 4, "heads": 16, "seqlen": 4096, "head_dim": 64}
 SWEEP_TOKENS = 16384
@@ -27,6 +27,8 @@ DECODE_BATCHES = (1, 16, 64)
 DECODE_CONTEXTS = (1024, 8192, 32768, 131072)
 DECODE_SHAPE = {"heads": 32, "heads_kv": 8, "head_dim": 128}
 PAGE_SIZE = 16
+# --mode host: short calls, where the host time of a call decides what users see (B, S, H, D).
+HOST_SHAPES = ((1, 128, 8, 64), (2, 512, 16, 128), (8, 1024, 16, 128))
 
 # Backward FLOPs as a multiple of the forward's (FlashAttention's convention): the backward does five
 # matmuls of the forward's size where the forward does two, hence 2.5; forward + backward is 3.5.
@@ -39,8 +41,9 @@ FLOP_CONVENTION = (
     "TFLOP/s = FLOPs / median time.")
 BYTES_CONVENTION = (
     "Decode GB/s = K/V bytes read / median time = 2·B·context·Hkv·D·(bytes per element) / time "
-    "(the query, output and page table are not counted). Every decode provider is timed as CUDA-graph "
-    "replays of one call, as a serving engine runs decode steps.")
+    "(the query, output and page table are not counted). Every decode provider is timed twice: as "
+    "CUDA-graph replays of one call (graph us, as a serving engine runs decode steps; GB/s is from "
+    "these) and as eager calls (eager us, as a plain generate loop runs them, host time included).")
 
 
 def attention_flops(batch: int, heads: int, seqlen_q: int, seqlen_k: int, head_dim: int,
@@ -113,6 +116,17 @@ def dense_workloads(mode: str, dtype: str, causal_flags, *, sweep: bool = False,
                 h = heads or (max(1, SWEEP_HIDDEN // head_dim) if sweep else SEED["heads"])
                 out.append(_workload(mode, b, h, heads_kv or h, seqlen, seqlen, head_dim, dtype, causal))
     return out
+
+
+def host_workloads(dtype: str, causal_flags, *, batch=None, heads=None, heads_kv=None, seqlens=None,
+                   head_dims=None) -> list[Workload]:
+    """--mode host: HOST_SHAPES unless a shape is given (then as ``dense_workloads``), as fwdbwd
+    workloads (every provider is checked forward and backward before its calls are timed)."""
+    if any(x is not None for x in (batch, heads, heads_kv, seqlens, head_dims)):
+        return dense_workloads("fwdbwd", dtype, causal_flags, batch=batch, heads=heads, heads_kv=heads_kv,
+                               seqlens=seqlens, head_dims=head_dims)
+    return [_workload("fwdbwd", b, h, h, s, s, d, dtype, causal)
+            for b, s, h, d in HOST_SHAPES for causal in causal_flags]
 
 
 def decode_workloads(dtype: str, *, batch=None, heads=None, heads_kv=None, contexts=None,

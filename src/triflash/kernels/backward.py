@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import configs
+from . import configs, launch
 from .common import (LOG2E, LOG2E_K, Varlen, add_rn, causal_key_range, last_dim_contiguous, mul_rn,
                      needs_int64_rows, on_input_device, sequence_bounds, wide, window_bounds, window_kernel_args,
                      window_key_range,
@@ -439,13 +439,14 @@ def preprocess(dout, out, lse, dlse, rows_out: int, precise_p: bool):
     rows that saw no key), both [B, Hq, rows_out] float32; rows from Sq on (padding for the Hopper
     kernel's whole tiles) get delta = 0 and lse2 = +inf."""
     batch, seqlen_q, heads_q, head_dim = out.shape
-    delta = torch.empty((batch, heads_q, rows_out), dtype=torch.float32, device=out.device)
-    lse2 = torch.empty_like(delta)
+    # One allocation for both (each allocation is host time in every backward call).
+    delta, lse2 = torch.empty((2, batch, heads_q, rows_out), dtype=torch.float32, device=out.device)
     pre_block = configs.BWD_PREPROCESS_BLOCK_M
     pre_blocks = configs.cdiv(rows_out, pre_block)
     if dlse is not None:
         dlse = dlse.contiguous().float()
-    _bwd_preprocess_kernel[(pre_blocks * batch * heads_q,)](
+    launch.run(
+        _bwd_preprocess_kernel, (pre_blocks * batch * heads_q,),
         out, dout, lse.contiguous(), dlse, delta, lse2, *_s(out), *_s(dout),
         heads_q, seqlen_q, rows_out, pre_blocks,
         HEAD_DIM=head_dim, BLOCK_D=configs.head_dim_block(head_dim), BLOCK_M=pre_block,
@@ -556,7 +557,8 @@ def _launch_dkdv(Q, K, V, DO, lse2, delta, dk, dv, strides, batch, heads_q, head
     the (batch, seq, head) strides of q, k, v, dout, dk, dv."""
     n_blocks = configs.cdiv(max_seqlen_k, cfg.block_n)
     window_args, window_flags = window_kernel_args(window)
-    _bwd_dkdv_kernel[(n_blocks * batch * heads_k,)](
+    launch.run(
+        _bwd_dkdv_kernel, (n_blocks * batch * heads_k,),
         Q, K, V, DO, lse2, delta, dk, dv, *(x for st in strides for x in st),
         heads_q, heads_k, heads_q // heads_k, seqlen_q, seqlen_k, n_blocks, stats_rows,
         sm_scale, sm_scale * LOG2E, *_cu(varlen), *window_args,
@@ -575,7 +577,8 @@ def _launch_dq(Q, K, V, DO, lse2, delta, dq, strides, batch, heads_q, heads_k, h
     the (batch, seq, head) strides of q, k, v, dout, dq."""
     m_blocks = configs.cdiv(max_seqlen_q, cfg.block_m)
     window_args, window_flags = window_kernel_args(window)
-    _bwd_dq_kernel[(m_blocks * batch * heads_q,)](
+    launch.run(
+        _bwd_dq_kernel, (m_blocks * batch * heads_q,),
         Q, K, V, DO, lse2, delta, dq, *(x for st in strides for x in st),
         heads_q, heads_q // heads_k, seqlen_q, seqlen_k, m_blocks, stats_rows,
         sm_scale, sm_scale * LOG2E, *_cu(varlen), *window_args,

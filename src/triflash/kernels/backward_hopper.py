@@ -104,6 +104,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTensorDescriptor
 
+from . import launch
 from .common import LOG2E, on_input_device
 from .configs import cdiv, sm_count
 from .forward_hopper import PLAIN, _descriptor, _row_limits, _tile_coords, shared_layout
@@ -872,7 +873,8 @@ def backward_hopper(dout, q, k, v, lse2, delta, sm_scale: float, causal: bool, d
     do_desc = _descriptor(dout, block_m, head_dim)
     k_desc = _descriptor(k, BLOCK_N, head_dim)
     v_desc = _descriptor(v, BLOCK_N, head_dim)
-    _attn_bwd_hopper_kernel[(batch * heads_k * num_n_blocks,)](
+    launch.run(
+        _attn_bwd_hopper_kernel, (batch * heads_k * num_n_blocks,),
         q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dk, dv, dq_work, sem,
         dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
         num_n_blocks, heads_q, heads_k, heads_q // heads_k, seqlen_q, seqlen_k, num_m_blocks,
@@ -885,7 +887,8 @@ def backward_hopper(dout, q, k, v, lse2, delta, sm_scale: float, causal: bool, d
     if not cfg["dq"]:
         return dq, dk, dv
     rows = 32
-    _dq_finish_kernel[(batch * heads_q * cdiv(seqlen_q, rows),)](
+    launch.run(
+        _dq_finish_kernel, (batch * heads_q * cdiv(seqlen_q, rows),),
         dq_work, sem, dq, dq.stride(0), dq.stride(1), dq.stride(2), heads_q, seqlen_q, num_m_blocks,
         sm_scale, HEAD_DIM=head_dim, BLOCK_M=block_m, ROWS=rows, SEM_STRIDE_=int(SEM_STRIDE), num_warps=4,
     )
@@ -908,7 +911,8 @@ def dq_hopper(dout, q, k, v, lse2, delta, sm_scale: float, causal: bool, dq, *, 
     block_n, stages, rows = cfg["dq_block_n"], cfg["dq_stages"], DQ_ROWS
     num_m_blocks = cdiv(seqlen_q, rows * DQ_WG)
     _check_stats(lse2, delta, seqlen_q)
-    _attn_bwd_dq_hopper_kernel[(batch * heads_q * num_m_blocks,)](
+    launch.run(
+        _attn_bwd_dq_hopper_kernel, (batch * heads_q * num_m_blocks,),
         _descriptor(q, rows, head_dim), _descriptor(k, block_n, head_dim), _descriptor(v, block_n, head_dim),
         _descriptor(dout, rows, head_dim), _row_descriptor(lse2, rows), _row_descriptor(delta, rows), dq,
         dq.stride(0), dq.stride(1), dq.stride(2),

@@ -40,11 +40,13 @@ is read through its strides, with no block table.
 from __future__ import annotations
 
 
+import math
+
 import torch
 import triton
 import triton.language as tl
 
-from . import configs
+from . import configs, launch
 from .common import (LOG2E, accumulate_pv, finish_rows, load_kv_tile, needs_int64_rows, on_input_device,
                      online_softmax_step, score_dot, wide, window_bounds, window_kernel_args,
                      window_visible)
@@ -342,14 +344,18 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     if splits == 1:
         o_part, l_part = out.unsqueeze(0), lse.unsqueeze(0)
     else:
-        # Partials in merge_attn_states' layout: [N, B, Sq, Hq, D] fp32, [N, B, Hq, Sq] (LSE dtype below).
-        o_part = torch.empty((splits, batch, seqlen_q, heads_q, head_dim), dtype=torch.float32,
-                             device=q.device)
+        # Partials in merge_attn_states' layout: [N, B, Sq, Hq, D] fp32, [N, B, Hq, Sq] (LSE dtype below),
+        # carved from one allocation (each allocation is host time in every decode step).
         # fp32 inputs: the partial LSEs in float64, so a merge weight exp(lse_split - lse_max) carries
         # no fp32 rounding of an LSE (~1e-6 at |lse| ~ 10); the merge subtracts in float64 and only
         # then rounds to fp32. fp16/bf16 outputs are far coarser than that: float32 LSEs.
         l_dtype = torch.float64 if q.dtype == torch.float32 else torch.float32
-        l_part = torch.empty((splits, batch, heads_q, seqlen_q), dtype=l_dtype, device=q.device)
+        o_shape, l_shape = (splits, batch, seqlen_q, heads_q, head_dim), (splits, batch, heads_q, seqlen_q)
+        o_bytes = 4 * math.prod(o_shape)
+        l_start = configs.cdiv(o_bytes, 256) * 256
+        work = torch.empty(l_start + l_dtype.itemsize * math.prod(l_shape), dtype=torch.uint8, device=q.device)
+        o_part = work[:o_bytes].view(torch.float32).view(o_shape)
+        l_part = work[l_start:].view(l_dtype).view(l_shape)
 
     if config.kernel == "gluon":
         from . import decode_hopper       # imported here: Gluon is only needed on this path
@@ -404,7 +410,8 @@ def _launch_triton(q, k_cache, v_cache, o_part, l_part, cache_seqlens, block_tab
                 and all(s % 8 == 0 for s in k_cache.stride()[:3] + v_cache.stride()[:3]))
     grid = (batch * heads_kv * splits * num_m_blocks,)
     window_args, window_flags = window_kernel_args(window)
-    _decode_kernel[grid](
+    launch.run(
+        _decode_kernel, grid,
         q, k_cache, v_cache, o_part, l_part, seqlens_arg, table_arg,
         q.stride(0), q.stride(1), q.stride(2),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),

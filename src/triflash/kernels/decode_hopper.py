@@ -50,6 +50,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
                                                               warpgroup_mma, warpgroup_mma_wait)
 
+from . import launch
 from .common import LOG2E, needs_int64_rows, on_input_device, rows_past_int32
 from .configs import GLUON_DECODE_ROWS, cdiv, gluon_hopper_applies
 from .decode import _key_ranges, _program_coords, partial_and_table_strides
@@ -337,7 +338,8 @@ def decode_hopper(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     # (a launch limit of 128 per thread over its 8 warps, the producer's padded to a warpgroup, which
     # setmaxnreg then shares out between consumer and producer).
     maxnreg = 128 if programs_per_sm(head_dim, block_n, stages) == 2 else None
-    _decode_hopper_kernel[grid](
+    launch.run(
+        _decode_hopper_kernel, grid,
         q, _descriptor(k_cache, box, HALF.value), _descriptor(v_cache, box, HALF.value), o_part, l_part,
         cache_seqlens if has_seqlens else l_part, block_table if paged else l_part,
         q.stride(0), q.stride(1), q.stride(2),

@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from . import configs
+from . import configs, launch
 from .common import (LOG2E, Varlen, causal_key_range, finish_rows, load_kv_tile, needs_int64_rows,
                      on_input_device, online_softmax_step, sequence_bounds, wide, window_bounds,
                      window_kernel_args, window_key_range, window_visible)
@@ -344,7 +344,8 @@ def _launch(Q, K, V, O, lse, q_strides, k_strides, v_strides, o_strides, batch, 
     num_m_blocks = configs.cdiv(max_seqlen_q, config.block_m)
     grid = (num_m_blocks * batch * heads_q,)
     window_args, window_flags = window_kernel_args(window)
-    _attn_fwd_kernel[grid](
+    launch.run(
+        _attn_fwd_kernel, grid,
         Q, K, V, O, lse,
         *q_strides, *k_strides, *v_strides, *o_strides,
         heads_q, heads_q // heads_k, seqlen_q, seqlen_k, num_m_blocks,

@@ -130,6 +130,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma, warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTensorDescriptor
 
+from . import launch
 from .common import LOG2E, on_input_device
 from .configs import cdiv, sm_count
 from .forward import tma_compatible
@@ -1047,7 +1048,8 @@ def forward_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: 
             section = snake_section(batch * heads_q, num_m_blocks, cfg["block_m"], cfg["block_n"],
                                     seqlen_q, seqlen_k, grid, heads_q // heads_k)
     section = min(section, batch * heads_q)
-    _attn_fwd_hopper_kernel[(grid,)](
+    launch.run(
+        _attn_fwd_hopper_kernel, (grid,),
         q_desc, k_desc, v_desc, o_desc, lse,
         heads_q, heads_q // heads_k, seqlen_q, seqlen_k, num_m_blocks, num_items, section,
         sm_scale, sm_scale * LOG2E,

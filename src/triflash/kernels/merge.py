@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import configs
+from . import configs, launch
 from .common import LN2_K, LOG2E_K, div_rn, on_input_device
 
 
@@ -120,7 +120,8 @@ def merge(out_partials: torch.Tensor, lse_partials: torch.Tensor, out: torch.Ten
     block_r, block_p, num_warps = configs.merge_config(block_d=block_d, num_parts=num_parts,
                                                        num_rows=num_rows, device=out.device)
     grid = (configs.cdiv(num_rows, block_r),)
-    _merge_kernel[grid](
+    launch.run(
+        _merge_kernel, grid,
         out_partials, lse_partials, out, lse,
         out_partials.stride(0), out_partials.stride(1), out_partials.stride(2), out_partials.stride(3),
         lse_partials.stride(0), lse_partials.stride(1), lse_partials.stride(2), lse_partials.stride(3),
