@@ -76,3 +76,23 @@ def test_large_scores_stay_finite(device, causal):
     out, lse = triflash.flash_attn_func(q, k, v, causal=causal, return_lse=True)
     assert torch.isfinite(out).all() and torch.isfinite(lse).all()
     assert_matches_reference(out, lse, q, k, v, causal=causal)
+
+
+@pytest.mark.parametrize("shape_q, shape_kv", [((2, 5, 0, 16), (2, 5, 0, 16)),     # no heads at all
+                                               ((0, 5, 2, 16), (0, 5, 2, 16)),     # no batch
+                                               ((2, 0, 2, 16), (2, 4, 2, 16))],    # no queries
+                         ids=["no-heads", "no-batch", "no-queries"])
+def test_empty_shapes_give_empty_results_as_sdpa(device, shape_q, shape_kv):
+    """Empty inputs give empty results (and gradients) of the right shapes, as SDPA does; heads_q = 0
+    with heads_kv = 0 is such a case, not a GQA error."""
+    q = torch.randn(shape_q, device=device, requires_grad=True)
+    k, v = (torch.randn(shape_kv, device=device, requires_grad=True) for _ in range(2))
+    out, lse = triflash.flash_attn_func(q, k, v, causal=True, return_lse=True)
+    assert out.shape == shape_q and lse.shape == (shape_q[0], shape_q[2], shape_q[1])
+    grads = torch.autograd.grad(out.sum(), (q, k, v))
+    assert [g.shape for g in grads] == [q.shape, k.shape, v.shape]
+    assert all(not g.any() for g in grads)
+    sdpa = torch.nn.functional.scaled_dot_product_attention(*(t.detach().transpose(1, 2) for t in (q, k, v)))
+    assert triflash.attention(*(t.detach().transpose(1, 2) for t in (q, k, v))).shape == sdpa.shape
+    with torch.no_grad():
+        assert triflash.flash_attn_with_kvcache(q, k, v).shape == shape_q

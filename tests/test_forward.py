@@ -431,3 +431,26 @@ def test_hopper_ltc_variant_refuses_bf16():
     q, k, v = make_qkv(1, 64, 64, 2, 2, 64, torch.bfloat16, "cpu")
     with pytest.raises(ValueError, match=r"pp3_ltc.*float16.*bfloat16"):
         forward_hopper.forward_hopper(q, k, v, 0.125, False, variant="pp3_ltc")
+
+
+def test_bfloat16_is_computed_correctly_everywhere(device):
+    """bf16 forward, backward and decode against the float64 reference, on the GPU and in Triton's CPU
+    interpreter too (whose tl.dot multiplies bf16's raw bits unless triflash.kernels.interpreter widens them
+    there: outputs came back around 1e8)."""
+    from helpers import assert_2x_rule, assert_grads_3x
+
+    from triflash.reference import flash_attn_ref
+
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 37, 4, 32, dtype=torch.bfloat16, device=device, requires_grad=True)
+               for _ in range(3))
+    out = triflash.flash_attn_func(q, k, v, causal=True)
+    ref64 = flash_attn_ref(q, k, v, True, compute_dtype=torch.float64)
+    same = flash_attn_ref(q, k, v, True, compute_dtype=None)
+    assert_2x_rule("bf16 out", out, ref64, same, torch.bfloat16)
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    assert_grads_3x(grads, q, k, v, dout, True, torch.bfloat16)
+    with torch.no_grad():
+        got = triflash.flash_attn_with_kvcache(q[:, -1:], k, v)
+    assert_2x_rule("bf16 decode", got, ref64[:, -1:], same[:, -1:], torch.bfloat16)

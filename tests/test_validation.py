@@ -105,3 +105,30 @@ def test_cpu_tensors_without_interpreter_ask_for_a_gpu(tmp_path):
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert res.returncode == 0, res.stderr
     assert "ERR" in res.stdout and "CUDA GPU" in res.stdout and "TRITON_INTERPRET=1" in res.stdout
+
+
+def test_options_are_keyword_only(device, no_launch):
+    """A ported FlashAttention 2 call, flash_attn_func(q, k, v, 0.1, causal=True), would read 0.1 (FA2's
+    dropout_p) as the softmax scale: every option after q, k, v is keyword-only, and the error says why."""
+    q, k, v = _qkv(device)
+    assert_raises_naming(TypeError, ["flash_attn_func", "keyword", "dropout_p", "1 more positional"],
+                         triflash.flash_attn_func, q, k, v, 0.1, causal=True)
+    assert_raises_naming(TypeError, ["attention", "keyword", "2 more positional"],
+                         triflash.attention, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), True, 0.5)
+
+
+def test_dropout_p_is_accepted_only_as_zero(device, no_launch):
+    q, k, v = _qkv(device)
+    f = triflash.flash_attn_func
+    assert_raises_naming(ValueError, ["dropout_p", "0.0", "no attention dropout", "0.1"], f, q, k, v, dropout_p=0.1)
+    assert_raises_naming(TypeError, ["dropout_p", "number", "bool"], f, q, k, v, dropout_p=False)
+    cu = torch.tensor([0, 8], dtype=torch.int32, device=device)
+    assert_raises_naming(ValueError, ["dropout_p", "0.0"], triflash.flash_attn_varlen_func, q[0], k[0], v[0], cu, cu,
+                         8, 8, dropout_p=0.5)
+
+
+def test_dropout_p_zero_is_plain_attention(device):
+    q, k, v = _qkv(device)
+    want = triflash.flash_attn_func(q, k, v, causal=True)
+    assert torch.equal(triflash.flash_attn_func(q, k, v, causal=True, dropout_p=0.0), want)
+    assert torch.equal(triflash.flash_attn_func(q, k, v, causal=True, dropout_p=0), want)

@@ -98,6 +98,8 @@ def _check_head_dim(head_dim: int) -> None:
 
 
 def _check_heads(heads_q: int, heads_kv: int) -> None:
+    if heads_q == 0 and heads_kv == 0:
+        return                            # no heads at all: an empty result, as in SDPA
     if heads_kv == 0 or heads_q % heads_kv != 0:
         raise ValueError(f"the number of query heads must be a multiple of the number of key/value "
                          f"heads (GQA/MQA): expected Hq % Hkv == 0, got Hq={heads_q}, Hkv={heads_kv}")
@@ -210,23 +212,43 @@ def _window_key(window_size):
     return window_size if window_size is _NO_WINDOW else (window_size, tuple(map(type, window_size)))
 
 
-def _validate_dense(q, k, v, layout, scale_name, softmax_scale, causal, return_lse, window_size):
+def _check_dropout(dropout_p) -> None:
+    """FlashAttention's ``dropout_p``, accepted for drop-in use: only 0 (triflash has no dropout)."""
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real):
+        raise TypeError(f"dropout_p must be a number (0.0: triflash has no dropout), got {_type_name(dropout_p)}")
+    if dropout_p != 0:
+        raise ValueError(f"dropout_p must be 0.0: triflash has no attention dropout, got {dropout_p!r} (apply "
+                         f"dropout outside the attention call, or use PyTorch's scaled_dot_product_attention)")
+
+
+def _positional_options(name: str, options: str, extra: tuple) -> TypeError:
+    """The error for options passed by position (see flash_attn_func's docstring)."""
+    return TypeError(
+        f"{name} takes q, k and v by position and every option by keyword ({options}), got "
+        f"{len(extra)} more positional argument(s): {', '.join(_type_name(x) for x in extra)}. A positional "
+        f"option is refused because the signatures differ: FlashAttention 2's fourth argument is dropout_p "
+        f"where triflash's was softmax_scale, so a ported call would silently mean something else")
+
+
+def _validate_dense(q, k, v, layout, scale_name, softmax_scale, causal, return_lse, window_size, dropout_p):
     scale = validate_qkv(q, k, v, layout, scale_name, softmax_scale, causal)
     _require_bool("return_lse", return_lse)
+    _check_dropout(dropout_p)
     return scale, _check_window(window_size, causal)
 
 
-def _dense(q, k, v, layout, scale_name, softmax_scale, causal, return_lse, window_size):
+def _dense(q, k, v, layout, scale_name, softmax_scale, causal, return_lse, window_size, dropout_p=0.0):
     """flash_attn_func and attention: validate (once per key), then the forward."""
     key = None
     if not torch.compiler.is_compiling():      # traced calls: no keys (data_ptr is opaque)
         try:
             key = (layout, launch.meta(q), launch.meta(k), launch.meta(v), softmax_scale, softmax_scale.__class__,
-                   causal, causal.__class__, return_lse, return_lse.__class__, _window_key(window_size))
+                   causal, causal.__class__, return_lse, return_lse.__class__, _window_key(window_size),
+                   dropout_p, dropout_p.__class__)
         except (AttributeError, TypeError, RuntimeError):
             key = None
     entry = launch.lookup(_DENSE, key, _validate_dense, q, k, v, layout, scale_name, softmax_scale, causal,
-                          return_lse, window_size)
+                          return_lse, window_size, dropout_p)
     scale, window = entry.info
     if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
         q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
@@ -234,8 +256,10 @@ def _dense(q, k, v, layout, scale_name, softmax_scale, causal, return_lse, windo
     return (out, lse) if return_lse else out
 
 
-def flash_attn_func(q, k, v, softmax_scale=None, causal=False, return_lse=False, *, window_size=_NO_WINDOW):
-    """Attention in FlashAttention's layout.
+def flash_attn_func(q, k, v, *options, softmax_scale=None, causal=False, return_lse=False,
+                    window_size=_NO_WINDOW, dropout_p=0.0):
+    """Attention in FlashAttention's layout. Every argument after q, k, v is keyword-only (a
+    positional one raises a TypeError: FlashAttention 2's fourth argument is dropout_p).
 
     Args:
         q: [batch, seqlen_q, heads_q, head_dim], float16 / bfloat16 / float32, on a CUDA device.
@@ -250,16 +274,21 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, return_lse=False,
             key j when i + off - left <= j <= i + off + right, off = seqlen_k - seqlen_q; -1 leaves
             that side unbounded. With ``causal`` the right bound is 0 (a right of -1 or 0 is
             accepted). Windows run on the portable Triton kernels on every GPU.
+        dropout_p: accepted for drop-in use with FlashAttention's keyword; only 0.0 (anything else
+            raises: triflash has no dropout).
 
     Returns:
         out [batch, seqlen_q, heads_q, head_dim] in q's dtype; with ``return_lse``, (out, lse) where
         lse is [batch, heads_q, seqlen_q] float32, natural log.
     """
-    return _dense(q, k, v, "bshd", "softmax_scale", softmax_scale, causal, return_lse, window_size)
+    if options:
+        raise _positional_options("flash_attn_func", "softmax_scale=, causal=, return_lse=, window_size=, "
+                                  "dropout_p=", options)
+    return _dense(q, k, v, "bshd", "softmax_scale", softmax_scale, causal, return_lse, window_size, dropout_p)
 
 
-def attention(q, k, v, causal=False, sm_scale=None, return_lse=False, *, window_size=_NO_WINDOW):
-    """Attention in the seeds' (and SDPA's) layout.
+def attention(q, k, v, *options, causal=False, sm_scale=None, return_lse=False, window_size=_NO_WINDOW):
+    """Attention in the seeds' (and SDPA's) layout. Every argument after q, k, v is keyword-only.
 
     Args:
         q: [batch, heads_q, seqlen_q, head_dim]; k, v: [batch, heads_kv, seqlen_k, head_dim].
@@ -270,6 +299,8 @@ def attention(q, k, v, causal=False, sm_scale=None, return_lse=False, *, window_
         out [batch, heads_q, seqlen_q, head_dim] (contiguous) in q's dtype; with ``return_lse``,
         (out, lse) with lse [batch, heads_q, seqlen_q] float32, natural log.
     """
+    if options:
+        raise _positional_options("attention", "causal=, sm_scale=, return_lse=, window_size=", options)
     return _dense(q, k, v, "bhsd", "sm_scale", sm_scale, causal, return_lse, window_size)
 
 
@@ -367,16 +398,18 @@ def check_cu_seqlens_values(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_
 
 
 def _validate_varlen_call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
-                          causal, return_lse, window_size):
+                          causal, return_lse, window_size, dropout_p):
     """Everything flash_attn_varlen_func checks that its key decides (the offsets' values aside)."""
     checked = validate_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
                               causal)
     _require_bool("return_lse", return_lse)
+    _check_dropout(dropout_p)
     return checked, _check_window(window_size, causal)
 
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
-                           softmax_scale=None, causal=False, window_size=(-1, -1), return_lse=False):
+                           softmax_scale=None, causal=False, window_size=_NO_WINDOW, return_lse=False,
+                           dropout_p=0.0):
     """Attention over a batch of sequences of different lengths, packed without padding
     (FlashAttention's varlen layout and argument names).
 
@@ -390,7 +423,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
             total_k. A sequence may be empty (no queries, or no keys: its rows get out = 0).
         max_seqlen_q, max_seqlen_k: ints at least as large as the longest sequence (they size the
             launch; larger only costs idle programs).
-        softmax_scale, causal, window_size, return_lse: as ``flash_attn_func`` (the window applies
+        softmax_scale, causal, window_size, return_lse, dropout_p: as ``flash_attn_func`` (the window applies
             within each sequence), keyword only (FlashAttention 2 has
             dropout_p in the eighth place, FlashAttention 3 seqused_q: a call ported with positional
             arguments raises instead of taking one for the other). Causal is aligned bottom-right
@@ -414,11 +447,11 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
             key = (launch.meta(q), launch.meta(k), launch.meta(v), launch.meta(cu_seqlens_q),
                    launch.meta(cu_seqlens_k), max_seqlen_q, max_seqlen_q.__class__, max_seqlen_k,
                    max_seqlen_k.__class__, softmax_scale, softmax_scale.__class__, causal, causal.__class__,
-                   return_lse, return_lse.__class__, _window_key(window_size))
+                   return_lse, return_lse.__class__, _window_key(window_size), dropout_p, dropout_p.__class__)
         except (AttributeError, TypeError, RuntimeError):
             key = None
     entry = launch.lookup(_VARLEN, key, _validate_varlen_call, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                          max_seqlen_k, softmax_scale, causal, return_lse, window_size)
+                          max_seqlen_k, softmax_scale, causal, return_lse, window_size, dropout_p)
     (scale, max_q, max_k), window = entry.info
     check_cu_seqlens_values(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:

@@ -52,6 +52,14 @@ def provider_names(mode: str, defaults_only: bool = False) -> list[str]:
             if p.default or not defaults_only]
 
 
+def _version() -> str:
+    import triton
+
+    import triflash
+
+    return f"triflash {triflash.__version__} (torch {torch.__version__}, triton {triton.__version__})"
+
+
 def _positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
@@ -91,6 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
     shapes.add_argument("--dtype", choices=list(W.DTYPES), default="fp16", help="(default: fp16)")
     shapes.add_argument("--causal", choices=["both", "yes", "no"], default="both",
                         help="causal masking (default: both); ignored for decode")
+    parser.add_argument("--version", action="version", version=_version())
     run = parser.add_argument_group("run")
     run.add_argument("--providers", type=lambda s: [p.strip() for p in s.split(",") if p.strip()],
                      help="comma-separated list (default: all, see below)")

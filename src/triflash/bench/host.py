@@ -24,7 +24,7 @@ import time
 import torch
 
 from .checking import check, make_dense_case
-from .runner import _outputs, classify, free_memory, timed_call
+from .runner import Progress, _outputs, classify, free_memory, timed_call
 from .workloads import Workload
 
 KINDS = ("fwd no_grad", "fwd grad", "fwd+bwd")
@@ -74,12 +74,13 @@ def run_host(workloads: list[Workload], providers: list, device, calls: int = 10
              progress=None) -> list[HostResult]:
     """Check, then time the three kinds of call, for every provider on every (fwdbwd) workload."""
     results = []
+    clock = Progress(len(workloads))
     for index, wl in enumerate(workloads, 1):
         case = make_dense_case(wl, device)
         for provider in providers:
             if progress:
-                progress(f"[{index}/{len(workloads)}] {wl.label()} B={wl.batch} H={wl.heads} "
-                         f"provider={provider.name}")
+                progress(f"[{index}/{len(workloads)} {clock.status(index - 1)}] {wl.label()} B={wl.batch} "
+                         f"H={wl.heads} provider={provider.name}")
             results.append(_one(provider, case, device, calls, repeats))
         del case
         free_memory(device)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import gc
 import sys
+import time
 import warnings
 from dataclasses import asdict, dataclass
 
@@ -100,6 +101,7 @@ def run_all(workloads: list[Workload], providers: list, timer, device,
     """Every provider on every workload, in order; returns one Result per pair (speedups filled)."""
     missing = {p.name: load_error(p) for p in providers}
     results = []
+    clock = Progress(len(workloads))
     for index, wl in enumerate(workloads, 1):
         runnable = [p for p in providers if missing[p.name] is None]
         case, case_failure = None, None
@@ -112,7 +114,7 @@ def run_all(workloads: list[Workload], providers: list, timer, device,
             if missing[provider.name] is not None:
                 results.append(Result(wl, provider.name, "unavailable", missing[provider.name]))
                 continue
-            progress(f"[{index}/{len(workloads)}] {wl.label()} provider={provider.name}")
+            progress(f"[{index}/{len(workloads)} {clock.status(index - 1)}] {wl.label()} provider={provider.name}")
             if case_failure:
                 results.append(Result(wl, provider.name, *case_failure))
             else:
@@ -123,6 +125,25 @@ def run_all(workloads: list[Workload], providers: list, timer, device,
         free_memory(device)
     add_speedups(results)
     return results
+
+
+class Progress:
+    """Elapsed time, and an estimate of the time left from the workloads done so far."""
+
+    def __init__(self, total: int):
+        self.total, self.start = total, time.monotonic()
+
+    def status(self, done: int) -> str:
+        elapsed = time.monotonic() - self.start
+        text = f"{_clock(elapsed)} elapsed"
+        if done:
+            text += f", ~{_clock(elapsed / done * (self.total - done))} left"
+        return text
+
+
+def _clock(seconds: float) -> str:
+    minutes, seconds = divmod(int(seconds), 60)
+    return f"{minutes}:{seconds:02d}"
 
 
 def load_error(provider) -> str | None:

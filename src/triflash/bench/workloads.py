@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 MODES = ("fwd", "bwd", "fwdbwd", "decode", "host")
 
 SEED = {"batch": 4, "heads": 16, "seqlen": 4096, "head_dim": 64}

@@ -171,7 +171,25 @@ def gluon_hopper_applies(*, head_dim: int, dtype, device) -> bool:
 
     if INTERPRET or dtype not in (torch.float16, torch.bfloat16) or head_dim not in (64, 128):
         return False
-    return torch.device(device).type == "cuda" and _device_facts(device)[0] == 9
+    return torch.device(device).type == "cuda" and _device_facts(device)[0] == 9 and gluon_available()
+
+
+@functools.lru_cache(maxsize=None)
+def gluon_available() -> bool:
+    """Whether this Triton has the Gluon API the Hopper kernels use (Triton 3.4's lacks warpgroup_mma,
+    for one). Where it does not, every call takes the portable Triton kernels, with one warning."""
+    try:
+        from . import backward_hopper, decode_hopper, forward_hopper  # noqa: F401
+    except ImportError as exc:
+        import warnings
+
+        import triton
+
+        warnings.warn(f"triflash: Triton {triton.__version__} lacks the Gluon API of triflash's Hopper kernels "
+                      f"({exc}); every call runs the portable Triton kernels, which are slower on H100/H200. "
+                      f"Triton 3.5 or later has it.", RuntimeWarning, stacklevel=2)
+        return False
+    return True
 
 
 # The Gluon variants the forward chooses from (forward_hopper.VARIANTS), per head dim and dtype.

@@ -318,18 +318,20 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     causal, window = window_bounds(window, causal, q.shape[1], max_seqlen)
     batch, seqlen_q, heads_q, head_dim = q.shape
     heads_kv = k_cache.shape[2]
-    group = heads_q // heads_kv
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty((batch, heads_q, seqlen_q), dtype=torch.float32, device=q.device)
     if out.numel() == 0:
         return out, lse
+    group = heads_q // heads_kv
 
     rows = group * seqlen_q
     chosen = config is None
     if chosen:
         def gluon_suits():
+            if window is not None or not configs.gluon_available():
+                return False
             from . import decode_hopper   # imported here: Gluon is only needed on this path
-            return window is None and decode_hopper.supported(q, k_cache, v_cache, block_table)
+            return decode_hopper.supported(q, k_cache, v_cache, block_table)
 
         if window is not None and window[0] >= 0:
             # The keys some row's window holds: at most left + seqlen_q (+ right) of them.
