@@ -27,6 +27,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: E402
 
 from triflash.kernels import backward as B  # noqa: E402
 from triflash.kernels import configs  # noqa: E402
+from triflash.kernels import dispatch  # noqa: E402
 from triflash.kernels import decode as DEC  # noqa: E402
 from triflash.kernels import forward as F  # noqa: E402
 from triflash.kernels import merge as M  # noqa: E402
@@ -137,6 +138,10 @@ def compile_calls(label, run, sass, dump_dir=None):
                 calls_seen.append(name)
                 with open(os.path.join(dump_dir, name + ".sass"), "w") as f:
                     f.write(cuobjdump(k.asm["cubin"], "--dump-sass"))
+                # The PTX too: where two SASS dumps differ, equal PTX says ptxas scheduled the same
+                # input differently (debug-scope labels of inlined helpers can change its register assignment).
+                with open(os.path.join(dump_dir, name + ".ptx"), "w") as f:
+                    f.write(k.asm["ptx"])
             print(f"  ok   {label:<44} {fn.__name__:<24} {info}", flush=True)
         except Exception as e:  # noqa: BLE001 - report and go on
             ok = False
@@ -169,7 +174,7 @@ def forward_cases():
                 for sq in (4096, 512):
                     cfg = choose_forward(d, dtype, causal, 2 * 4, sq)
                     yield f"fwd {TYPES[dtype]} D{d} {'causal' if causal else 'full'} S{sq} {cfg.tma}", \
-                        (lambda q=q, k=k, v=v, cfg=cfg, causal=causal: F.forward(q, k, v, 0.1, causal, config=cfg))
+                        (lambda q=q, k=k, v=v, cfg=cfg, causal=causal: dispatch.forward(q, k, v, 0.1, causal, config=cfg))
 
 
 def varlen_cases():
@@ -188,8 +193,8 @@ def varlen_cases():
                 lse = torch.randn(4, total)
                 yield f"varlen {TYPES[dtype]} D{d} {'causal' if causal else 'full'}", \
                     (lambda q=q, k=k, v=v, cfg=cfg, bcfg=bcfg, lse=lse, causal=causal:
-                     (F.forward(q, k, v, 0.1, causal, config=cfg, varlen=vl),
-                      B.backward(torch.randn_like(q), q, k, v, torch.randn_like(q), lse, 0.1, causal,
+                     (dispatch.forward(q, k, v, 0.1, causal, config=cfg, varlen=vl),
+                      dispatch.backward(torch.randn_like(q), q, k, v, torch.randn_like(q), lse, 0.1, causal,
                                  config=bcfg, varlen=vl)))
 
 
@@ -204,8 +209,8 @@ def window_cases():
                 bcfg = configs.backward_config(head_dim=d, dtype=dtype, device="cuda")
 
                 def run(q=q, k=k, v=v, cfg=cfg, bcfg=bcfg, causal=causal, window=window):
-                    out, lse = F.forward(q, k, v, 0.1, causal, config=cfg, window=window)
-                    B.backward(torch.randn_like(q), q, k, v, out, torch.randn(2, 4, 300), 0.1, causal,
+                    out, lse = dispatch.forward(q, k, v, 0.1, causal, config=cfg, window=window)
+                    dispatch.backward(torch.randn_like(q), q, k, v, out, torch.randn(2, 4, 300), 0.1, causal,
                                config=bcfg, window=window)
                 yield f"window{window} {TYPES[dtype]} D{d} {'causal' if causal else 'full'}", run
         if dtype != torch.bfloat16:
@@ -214,7 +219,7 @@ def window_cases():
                 cfg = configs.DecodeConfig(block_m=16, block_n=32, num_warps=4, num_stages=2, num_splits=splits)
 
                 def run_decode(cache=cache, cfg=cfg, dtype=dtype):
-                    DEC.decode(torch.randn(4, 3, 8, 128, dtype=dtype), cache, cache,
+                    dispatch.decode(torch.randn(4, 3, 8, 128, dtype=dtype), cache, cache,
                                torch.full((4,), 200, dtype=torch.int32), None, 0, 200, 0.1, True, config=cfg,
                                window=(64, 0))
                 yield f"window decode {TYPES[dtype]} splits{splits}", run_decode
@@ -244,8 +249,8 @@ def long_cases():
 
                 def run(q=q, k=k, v=v, cfg=cfg, bcfg=bcfg, causal=causal):
                     with forced():
-                        out, lse = F.forward(q, k, v, 0.1, causal, config=cfg)
-                        B.backward(torch.randn_like(q), q, k, v, out, torch.randn(2, q.shape[2], 300), 0.1,
+                        out, lse = dispatch.forward(q, k, v, 0.1, causal, config=cfg)
+                        dispatch.backward(torch.randn_like(q), q, k, v, out, torch.randn(2, q.shape[2], 300), 0.1,
                                    causal, config=bcfg)
                 yield f"long {TYPES[dtype]} D{d} {'causal' if causal else 'full'}", run
         cache = torch.randn(4, 1024, 2, 128, dtype=dtype)
@@ -254,7 +259,7 @@ def long_cases():
 
             def run_decode(cache=cache, cfg=cfg, dtype=dtype):
                 with forced():
-                    DEC.decode(torch.randn(4, 3, 8, 128, dtype=dtype), cache, cache,
+                    dispatch.decode(torch.randn(4, 3, 8, 128, dtype=dtype), cache, cache,
                                torch.full((4,), 200, dtype=torch.int32), None, 0, 200, 0.1, True, config=cfg)
             yield f"long decode {TYPES[dtype]} splits{splits}", run_decode
     assert common.needs_int64_rows(torch.empty(1, 2**19 + 1, 32, 128, device="meta"))
@@ -275,7 +280,7 @@ def backward_cases():
                 cfg = configs.backward_config(head_dim=d, dtype=dtype, device="cuda")
                 yield f"bwd {TYPES[dtype]} D{d} {'causal' if causal else 'full'}", \
                     (lambda q=q, k=k, v=v, out=out, lse=lse, causal=causal, cfg=cfg:
-                     B.backward(torch.randn_like(q), q, k, v, out, lse, 0.1, causal, config=cfg))
+                     dispatch.backward(torch.randn_like(q), q, k, v, out, lse, 0.1, causal, config=cfg))
 
 
 def decode_cases():
@@ -293,12 +298,12 @@ def decode_cases():
                                            num_splits=splits)
                 yield f"decode {TYPES[dtype]} {kind} splits{splits}", \
                     (lambda q=q, c=cache, t=table, s=seqlens, cfg=cfg:
-                     DEC.decode(q, c, c, s, t, 0, 200, 0.1, False, config=cfg))
+                     dispatch.decode(q, c, c, s, t, 0, 200, 0.1, False, config=cfg))
             # What the chooser picks on an H200 for one long sequence and for a batch of 16.
             for batch in (1, 16):
                 yield f"decode {TYPES[dtype]} {kind} auto B{batch}", \
                     (lambda q=q, c=cache, t=table, s=seqlens, b=batch:
-                     DEC.decode(q[:1].expand(b, -1, -1, -1), c, c, s[:1].expand(b), t[:1].expand(b, -1) if t is not None else None,
+                     dispatch.decode(q[:1].expand(b, -1, -1, -1), c, c, s[:1].expand(b), t[:1].expand(b, -1) if t is not None else None,
                                 0, 8192, 0.1, False))
 
 

@@ -7,7 +7,7 @@ launch would add) for ``triton.compile(GluonASTSource(...), target=GPUTarget("cu
 Triton's whole pipeline and ptxas (bundled with the wheel) run; cuobjdump (also bundled) reads the
 cubin. ptxas is run once more on the PTX with -v to surface its wgmma serialization warnings.
 
-    PYTHONPATH=src python scripts/gluon_check.py [--variants pp ws2] [--ptx-dump DIR]
+    PYTHONPATH=src python scripts/gluon_check.py [--variants pp pp_persist] [--ptx-dump DIR]
 """
 
 import argparse
@@ -23,14 +23,14 @@ os.environ.pop("TRITON_INTERPRET", None)
 
 import torch  # noqa: E402
 import triton  # noqa: E402
+from compile_check import Recorder  # noqa: E402  (scripts/ is on sys.path when run as a script)
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.experimental.gluon._runtime import GluonASTSource  # noqa: E402
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTensorDescriptor  # noqa: E402
 
-from compile_check import Recorder  # noqa: E402  (scripts/ is on sys.path when run as a script)
-from triflash.kernels import forward_hopper as FH  # noqa: E402
 from triflash.kernels import backward_hopper as BH  # noqa: E402
 from triflash.kernels import decode_hopper as DH  # noqa: E402
+from triflash.kernels import forward_hopper as FH  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)      # (backend, compute capability, warp size)
 TYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.int32: "i32"}
@@ -93,7 +93,7 @@ def ptxas_warnings(ptx: str) -> list[str]:
         r = subprocess.run([os.path.join(BIN, "ptxas"), "-v", "-arch=sm_90a", src, "-o", os.path.join(d, "k.cubin")],
                            capture_output=True, text=True)
     lines = (r.stdout + r.stderr).splitlines()
-    return [l.strip() for l in lines if "wgmma" in l.lower() or "spill" in l.lower() or "error" in l.lower()]
+    return [line.strip() for line in lines if any(w in line.lower() for w in ("wgmma", "spill", "error"))]
 
 
 def compile_one(label, run, dump_dir=None, module=FH, kernel="_attn_fwd_hopper_kernel"):

@@ -95,3 +95,15 @@ def _seed_and_poison(request):
     torch.utils.deterministic.fill_uninitialized_memory = True
     yield
     torch.use_deterministic_algorithms(prev)
+
+
+@pytest.fixture
+def force_kernels():
+    """``force_kernels(forward=..., backward=...)``: the kernel choice of ``dispatch.force`` for the
+    rest of the test ("triton" or a Gluon variant name)."""
+    import contextlib
+
+    from triflash.kernels import dispatch
+
+    with contextlib.ExitStack() as stack:
+        yield lambda **choice: stack.enter_context(dispatch.force(**choice))

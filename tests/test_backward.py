@@ -15,10 +15,20 @@ import itertools
 import pytest
 import torch
 from conftest import DTYPES, ON_GPU
-from helpers import (DTYPE_ID, HEAD_DIMS, HEADS, HEADS_ID, SEQLENS, assert_20_backward_passes_equal, assert_grads_3x,
-                     assert_no_nan, make_qkv)
+from helpers import (
+    DTYPE_ID,
+    HEAD_DIMS,
+    HEADS,
+    HEADS_ID,
+    SEQLENS,
+    assert_20_backward_passes_equal,
+    assert_grads_3x,
+    assert_no_nan,
+    make_qkv,
+)
 
 import triflash
+from triflash.kernels import dispatch
 
 
 def _cases():
@@ -125,13 +135,13 @@ def test_only_requested_gradients(device, monkeypatch):
     import triflash.autograd as ag
 
     calls = []
-    real = ag._backward_launch
+    real = ag.dispatch.backward
 
     def spy(*args, **kwargs):
         calls.append((kwargs["need_dq"], kwargs["need_dkdv"]))
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(ag, "_backward_launch", spy)
+    monkeypatch.setattr(ag.dispatch, "backward", spy)
     q = torch.randn(1, 40, 2, 32, dtype=torch.float16, device=device, requires_grad=True)
     k = torch.randn(1, 40, 2, 32, dtype=torch.float16, device=device)
     v = torch.randn(1, 40, 2, 32, dtype=torch.float16, device=device)
@@ -180,7 +190,7 @@ def test_backward_tile_paths_agree(device, causal, tma, monkeypatch):
     (40 in 64 lanes) and a GQA group, against the reference."""
     import triflash.kernels.backward as bwd
     from triflash.kernels.configs import BwdConfig
-    from triflash.kernels.forward import forward
+    from triflash.kernels.dispatch import forward
 
     q, k, v = make_qkv(2, 75, 101, 4, 2, 40, torch.float16, device)
     dout = torch.randn_like(q)
@@ -195,7 +205,7 @@ def test_backward_tile_paths_agree(device, causal, tma, monkeypatch):
 
     monkeypatch.setattr(bwd, "host_descriptors", counting)
     config = (BwdConfig(32, 64, 4, 2, tma), BwdConfig(64, 32, 4, 2, tma))
-    grads = bwd.backward(dout, q, k, v, out, lse, scale, causal, config=config)
+    grads = dispatch.backward(dout, q, k, v, out, lse, scale, causal, config=config)
     assert len(built) == (4 if tma else 0)        # Q, dO for dK/dV; K, V for dQ
     assert_grads_3x(grads, q, k, v, dout, causal, torch.float16)
 
@@ -211,12 +221,12 @@ def test_backward_tile_paths_agree(device, causal, tma, monkeypatch):
 HOPPER = ON_GPU and torch.cuda.get_device_capability() == (9, 0)
 
 
-def _force_hopper_backward(monkeypatch, variant):
+def _force_hopper_backward(monkeypatch, force_kernels, variant):
     """Make the backward take the Gluon ``variant`` (None: the Triton kernels). Returns a function
     that asserts, given the number of backward calls made, that each ran exactly the kernels the
     variant names (not a silent fallback): the Gluon dK/dV kernel (or the fused one), and the
     Gluon dQ kernel where the variant's configuration takes it."""
-    from triflash.kernels import backward_hopper, configs
+    from triflash.kernels import backward_hopper
 
     launches = {"backward_hopper": [], "dq_hopper": []}
 
@@ -233,7 +243,7 @@ def _force_hopper_backward(monkeypatch, variant):
 
     recorder("backward_hopper")
     recorder("dq_hopper")
-    monkeypatch.setattr(configs, "hopper_backward_variant", lambda **_: variant)
+    force_kernels(backward=variant or "triton")
 
     def check(calls):
         got = launches["backward_hopper"]
@@ -250,9 +260,8 @@ KEPT_VARIANTS = {64: ("split", None), 128: (None,)}      # not chosen, still tes
 
 
 def _tested(head_dim):
-    from triflash.kernels import configs
 
-    return configs.hopper_backward_candidates(head_dim) + KEPT_VARIANTS.get(head_dim, ())
+    return dispatch.backward_candidates(head_dim) + KEPT_VARIANTS.get(head_dim, ())
 
 
 def _hopper_variants(head_dims=(64, 128)):
@@ -281,9 +290,10 @@ def _hopper_cases():
 
 @pytest.mark.skipif(not HOPPER, reason="the Gluon backward runs on sm_90 only")
 @pytest.mark.parametrize("variant,batch,seqlen_q,seqlen_k,head_dim,causal,dtype,heads", _hopper_cases())
-def test_hopper_backward_matches_reference(device, monkeypatch, variant, batch, seqlen_q, seqlen_k, head_dim,
+def test_hopper_backward_matches_reference(force_kernels, device, monkeypatch, variant, batch, seqlen_q, seqlen_k,
+                                           head_dim,
                                            causal, dtype, heads):
-    check = _force_hopper_backward(monkeypatch, variant)
+    check = _force_hopper_backward(monkeypatch, force_kernels, variant)
     q, k, v = _inputs(batch, seqlen_q, seqlen_k, heads[0], heads[1], head_dim, dtype, device)
     out = triflash.flash_attn_func(q, k, v, causal=causal)
     dout = torch.randn_like(out)
@@ -295,11 +305,12 @@ def test_hopper_backward_matches_reference(device, monkeypatch, variant, batch, 
 @pytest.mark.skipif(not HOPPER, reason="the Gluon backward runs on sm_90 only")
 @pytest.mark.parametrize("variant,head_dim", _hopper_variants())
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_hopper_backward_ragged_keys_with_very_negative_scores(device, monkeypatch, variant, head_dim, causal):
+def test_hopper_backward_ragged_keys_with_very_negative_scores(force_kernels, device, monkeypatch, variant, head_dim,
+                                                               causal):
     """Every score about -24 and a key count that is no multiple of the key tiles: the padded key rows
     (read as zeros, score 0) must not get p = exp2(-lse2) ~ 6e6, whose dS overflows fp16 and turns dQ
     into NaN through inf * 0 (the dK/dV kernels and the dQ kernels each mask them)."""
-    check = _force_hopper_backward(monkeypatch, variant)
+    check = _force_hopper_backward(monkeypatch, force_kernels, variant)
     scale = (64 / head_dim) ** 0.5                   # scores ~ -24 at either head dim
     q = torch.full((1, 4100, 2, head_dim), -3.0 * scale, dtype=torch.float16, device=device)
     q = (q + 0.01 * torch.randn_like(q)).requires_grad_()
@@ -315,10 +326,10 @@ def test_hopper_backward_ragged_keys_with_very_negative_scores(device, monkeypat
 @pytest.mark.skipif(not HOPPER, reason="the Gluon backward runs on sm_90 only")
 @pytest.mark.parametrize("variant,head_dim", _hopper_variants())
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_hopper_backward_is_deterministic(device, monkeypatch, variant, head_dim, causal):
+def test_hopper_backward_is_deterministic(force_kernels, device, monkeypatch, variant, head_dim, causal):
     """33 key blocks of 128 per sequence (for the fused form: 33 CTAs add into every dQ block): 20
     passes give bit-identical gradients."""
-    check = _force_hopper_backward(monkeypatch, variant)
+    check = _force_hopper_backward(monkeypatch, force_kernels, variant)
     _assert_20_passes_equal(*_inputs(2, 4096 + 13, 4096 + 13, 8, 2, head_dim, torch.float16, device), causal=causal)
     check(20)
 
@@ -326,13 +337,13 @@ def test_hopper_backward_is_deterministic(device, monkeypatch, variant, head_dim
 @pytest.mark.skipif(not HOPPER, reason="the Gluon backward runs on sm_90 only")
 @pytest.mark.parametrize("variant,head_dim", _hopper_variants())
 @pytest.mark.parametrize("wanted", ["q", "kv"])
-def test_hopper_backward_partial_gradients(device, monkeypatch, variant, head_dim, wanted):
+def test_hopper_backward_partial_gradients(force_kernels, device, monkeypatch, variant, head_dim, wanted):
     """Only dQ, or only dK and dV: each kernel of the Hopper path run alone (the dQ kernels then read
     the padded statistics without the dK/dV kernel beside them) gives the full backward's gradients
     bit for bit, and the kernels that are not needed do not run."""
     from triflash.kernels import backward_hopper
 
-    check = _force_hopper_backward(monkeypatch, variant)
+    check = _force_hopper_backward(monkeypatch, force_kernels, variant)
     q, k, v = _inputs(1, 1000, 1500, 8, 2, head_dim, torch.float16, device)
     dout = torch.randn_like(q)
     ref = torch.autograd.grad(triflash.flash_attn_func(q, k, v, causal=True), (q, k, v), dout)
@@ -353,15 +364,15 @@ def test_hopper_backward_partial_gradients(device, monkeypatch, variant, head_di
 
 
 def test_hopper_backward_chooser(monkeypatch):
-    """configs.hopper_backward_variant: None off sm_90 (here: a CPU device); with the sm_90 check
+    """dispatch.backward_variant: None off sm_90 (here: a CPU device); with the sm_90 check
     stubbed to pass, the dK/dV-only Gluon kernel at head_dim 64 and 128 at every length, with dQ
     from the Gluon dQ kernel at 128 and, at 64, from 4k keys (``dkdv_long``); its picks are exactly
     the candidates the GPU tests force."""
     from triflash.kernels import backward_hopper, configs
 
-    pick = configs.hopper_backward_variant
+    pick = dispatch.backward_variant
     kw = dict(dtype=torch.float16, device="cpu")
-    assert pick(head_dim=64, causal=True, seqlen_q=4096, seqlen_k=4096, **kw) is None
+    assert pick(head_dim=64, causal=True, seqlen_q=4096, seqlen_k=4096, **kw) == "triton"
     monkeypatch.setattr(configs, "gluon_hopper_applies",
                         lambda *, head_dim, dtype, device: head_dim in (64, 128))
     for d in (64, 128):
@@ -370,7 +381,7 @@ def test_hopper_backward_chooser(monkeypatch):
             for causal in (False, True):
                 want = "dkdv_long" if d == 64 and sk >= 4096 else "dkdv"
                 assert pick(head_dim=d, causal=causal, seqlen_q=sq, seqlen_k=sk, **kw) == want
-    assert pick(head_dim=80, causal=False, seqlen_q=16384, seqlen_k=16384, **kw) is None
+    assert pick(head_dim=80, causal=False, seqlen_q=16384, seqlen_k=16384, **kw) == "triton"
     assert not backward_hopper.computes_dq("dkdv") and backward_hopper.computes_dq("split")
     assert not backward_hopper.computes_dq("dkdv_long")
     assert backward_hopper.dq_on_gluon("dkdv", 128) and not backward_hopper.dq_on_gluon("dkdv", 64)
@@ -381,13 +392,12 @@ def test_hopper_backward_chooser(monkeypatch):
             == {k: v for k, v in backward_hopper.VARIANTS["dkdv"][64].items() if k not in strip})
     lengths = (1, 1000, 4096, 16384)
     for d in (64, 128):
-        names = configs.hopper_backward_candidates(d)
+        names = dispatch.backward_candidates(d)
         assert all(d in backward_hopper.VARIANTS[n] for n in names)
-        assert not set(names) & set(backward_hopper.EXPERIMENTS)
         picks = {pick(head_dim=d, causal=c, seqlen_q=sq, seqlen_k=sk, dtype=dt, device="cpu")
                  for c in (False, True) for sq in lengths for sk in lengths
                  for dt in (torch.float16, torch.bfloat16)}
-        assert picks - {None} == set(names)
+        assert picks - {"triton"} == set(names)
 
 
 def test_preprocess_pads_rows(device):
@@ -409,34 +419,35 @@ def test_preprocess_pads_rows(device):
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_dq_kernel_reads_padded_stats(device, monkeypatch, causal):
+def test_dq_kernel_reads_padded_stats(device, monkeypatch, force_kernels, causal):
     """With a dK/dV-only Gluon variant the preprocess pads delta and lse2 to the Gluon kernel's query
     tile (128 rows at head_dim 64), and the Triton dQ kernel must read them with that row stride. The
     Gluon kernel is replaced here by the Triton dK/dV kernel, so every gradient must equal the plain
     Triton backward's bit for bit (this runs under the interpreter too)."""
-    from triflash.kernels import backward as B, backward_hopper, configs
-    from triflash.kernels.forward import forward
+    from triflash.kernels import backward_hopper, configs
+    from triflash.kernels.dispatch import forward
 
     q, k, v = (t.detach() for t in _inputs(2, 70, 90, 4, 2, 64, torch.float16, device))
     dout = torch.randn_like(q)
     scale = 64 ** -0.5
     out, lse = forward(q, k, v, scale, causal)
     triton_cfg = configs.backward_config(head_dim=64, dtype=q.dtype, device=q.device)
-    ref = B.backward(dout, q, k, v, out, lse, scale, causal, config=triton_cfg)
+    ref = dispatch.backward(dout, q, k, v, out, lse, scale, causal, config=triton_cfg)
 
     calls = []
 
     def dkdv_by_triton(dout_, q_, k_, v_, lse2, delta, sm_scale, causal_, dq, dk, dv, *, variant):
         calls.append((variant, tuple(lse2.shape), dq))
-        _, dk2, dv2 = B.backward(dout_, q_, k_, v_, out, lse, sm_scale, causal_, need_dq=False, config=triton_cfg)
+        _, dk2, dv2 = dispatch.backward(dout_, q_, k_, v_, out, lse, sm_scale, causal_, need_dq=False,
+                                        config=triton_cfg)
         dk.copy_(dk2)
         dv.copy_(dv2)
         return dq, dk, dv
 
-    monkeypatch.setattr(configs, "hopper_backward_variant", lambda **_: "dkdv")
+    force_kernels(backward="dkdv")
     monkeypatch.setattr(backward_hopper, "supported", lambda *args: True)
     monkeypatch.setattr(backward_hopper, "backward_hopper", dkdv_by_triton)
-    got = B.backward(dout, q, k, v, out, lse, scale, causal)
+    got = dispatch.backward(dout, q, k, v, out, lse, scale, causal)
     assert calls == [("dkdv", (2, 4, 128), None)]          # padded rows; dq left to the Triton kernel
     for name, g, r in zip(("dq", "dk", "dv"), got, ref):
         assert_no_nan(name, g)

@@ -17,8 +17,7 @@ import torch
 import triflash
 from triflash.bench import cli
 from triflash.bench import workloads as W
-from triflash.bench.checking import (decode_reference, make_decode_case, make_dense_case,
-                                     reference_forward_backward)
+from triflash.bench.checking import decode_reference, make_decode_case, make_dense_case, reference_forward_backward
 from triflash.bench.decode import SdpaDecode, TriflashKVCache
 from triflash.bench.interpreter import interpreter_blocker, report_without_gpu
 from triflash.bench.providers import FlashAttn2, Naive, Provider, Sdpa, TriflashVarlen
@@ -273,6 +272,30 @@ def test_triflash_varlen_provider_is_checked_and_timed(device, mode, monkeypatch
                         progress=lambda line: None)
     assert result.status == "ok", result.detail
     assert seen and not any(seen)
+
+
+@pytest.mark.parametrize("mode", ["fwd", "bwd"])
+def test_forced_kernel_providers(device, mode, monkeypatch):
+    """triflash@triton runs with the choice forced (dispatch.force sees it on every call and it is
+    checked like any provider); an unknown variant is reported unavailable, naming it; the CLI
+    accepts triflash@ names and still refuses unknown ones."""
+    from triflash.bench.providers import forced_provider
+    from triflash.kernels import dispatch
+
+    seen = []
+    real = dispatch.forward
+    monkeypatch.setattr(dispatch, "forward", lambda *a, **kw: seen.append(dispatch._forced_variant("forward"))
+                        or real(*a, **kw))
+    results = run_all([small(mode, causal=True)], [forced_provider("triflash@triton"),
+                                                   forced_provider("triflash@no_such_variant")],
+                      FakeTimer(), device, progress=lambda line: None)
+    assert results[0].status == "ok", results[0].detail
+    assert seen and set(seen) == {"triton"}
+    assert dispatch._forced_variant("forward") is None          # the force ends with the provider's run
+    assert results[1].status == "unavailable" and "no_such_variant" in results[1].detail
+    assert forced_provider("triflash") is None and forced_provider("triflash@") is None
+    args = cli.parse_args(["--providers", "triflash,triflash@triton"])
+    assert args.provider_names == ["triflash", "triflash@triton"]
 
 
 class Spy(Naive):

@@ -17,7 +17,7 @@ from helpers import DTYPE_ID, LSE_FLOOR, assert_2x_rule, assert_no_nan, assert_r
 import triflash.kvcache as kvcache
 from triflash.kernels import configs
 from triflash.kernels.configs import DecodeConfig
-from triflash.kernels.decode import decode
+from triflash.kernels.dispatch import decode
 from triflash.kvcache import flash_attn_with_kvcache
 from triflash.reference import kvcache_ref
 
@@ -371,7 +371,7 @@ def no_launch(monkeypatch):
     """Fail the test if a bad input reaches the cache append or the kernel launcher."""
     def boom(*args, **kwargs):
         raise AssertionError("the cache was written or a kernel launched before the bad input was rejected")
-    monkeypatch.setattr(kvcache, "_decode_launch", boom)
+    monkeypatch.setattr(kvcache.dispatch, "decode", boom)
     monkeypatch.setattr(kvcache, "_append_kv", boom)
 
 

@@ -16,7 +16,7 @@ from test_decode import HEADS, HEADS_ID, _page_id, check_against_references, mak
 
 from triflash.kernels import configs, decode_hopper
 from triflash.kernels.configs import DecodeConfig
-from triflash.kernels.decode import decode
+from triflash.kernels.dispatch import decode
 from triflash.kvcache import flash_attn_with_kvcache
 
 HOPPER = ON_GPU and torch.cuda.get_device_capability() == (9, 0)

@@ -13,9 +13,9 @@ from conftest import DTYPES, ON_GPU
 from helpers import DTYPE_ID, HEAD_DIMS, HEADS, HEADS_ID, SEQLENS, assert_matches_reference, make_qkv
 
 import triflash
-from triflash.kernels import configs
+from triflash.kernels import configs, dispatch
 from triflash.kernels.configs import FwdConfig
-from triflash.kernels.forward import forward
+from triflash.kernels.dispatch import forward
 
 # On an sm_90 GPU, fp16/bf16 at head_dim 64 and 128 has two forward kernels: the Gluon Hopper kernel
 # (several variants, chosen by shape) and the Triton kernel (every other GPU, the interpreter). Those
@@ -25,20 +25,15 @@ HOPPER = ON_GPU and torch.cuda.get_device_capability() == (9, 0)
 
 def _paths(head_dim, dtype):
     if HOPPER and configs.gluon_hopper_applies(head_dim=head_dim, dtype=dtype, device="cuda"):
-        return ["triton"] + [f"gluon:{v}" for v in configs.hopper_forward_candidates(head_dim, dtype)]
+        return ["triton"] + [f"gluon:{v}" for v in dispatch.forward_candidates(head_dim, dtype)]
     return ["default"]
 
 
-def _force_path(monkeypatch, path):
-    """Replace the forward's kernel chooser: "triton" runs the Triton kernel, "gluon:NAME" the Gluon
-    variant NAME wherever the Gluon kernel can run, "default" leaves the chooser alone."""
-    if path == "default":
-        return
-    variant = path.split(":", 1)[1] if path.startswith("gluon:") else None
-    applies = configs.gluon_hopper_applies
-    monkeypatch.setattr(configs, "hopper_forward_variant",
-                        lambda *, head_dim, dtype, device, **_: variant
-                        if variant and applies(head_dim=head_dim, dtype=dtype, device=device) else None)
+def _force_path(force_kernels, path):
+    """Force the forward's kernel: "triton" runs the Triton kernel, "gluon:NAME" the Gluon variant NAME
+    wherever the Gluon kernel can run, "default" leaves the chooser alone."""
+    if path != "default":
+        force_kernels(forward=path.split(":", 1)[1] if path.startswith("gluon:") else "triton")
 
 
 def _cases():
@@ -65,9 +60,9 @@ def _cases():
 
 
 @pytest.mark.parametrize("batch,seqlen_q,seqlen_k,head_dim,causal,dtype,heads,path", _cases())
-def test_forward_matches_reference(device, monkeypatch, batch, seqlen_q, seqlen_k, head_dim, causal,
+def test_forward_matches_reference(force_kernels, device, monkeypatch, batch, seqlen_q, seqlen_k, head_dim, causal,
                                    dtype, heads, path):
-    _force_path(monkeypatch, path)
+    _force_path(force_kernels, path)
     hq, hkv = heads
     q, k, v = make_qkv(batch, seqlen_q, seqlen_k, hq, hkv, head_dim, dtype, device)
 
@@ -130,7 +125,7 @@ def test_forward_block_shapes(device, config, causal, seqlen_q, seqlen_k):
 
 @pytest.mark.skipif(not HOPPER, reason="the Gluon Hopper kernel runs on sm_90 GPUs only")
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
-def test_hopper_kernel_is_taken_where_it_applies(device, monkeypatch, dtype):
+def test_hopper_kernel_is_taken_where_it_applies(force_kernels, device, monkeypatch, dtype):
     """On sm_90 the forward runs the Gluon variant the chooser names (checked against the reference
     like any other); where it names none (head_dim 64, causal, short), the Triton kernel runs."""
     from triflash.kernels import forward_hopper
@@ -154,7 +149,7 @@ def test_hopper_kernel_is_taken_where_it_applies(device, monkeypatch, dtype):
     out, lse = triflash.flash_attn_func(q64, k64, v64, return_lse=True)
     assert calls[2:] == ["pp3_persist_ltc" if dtype == torch.float16 else "pp3_persist"]
     assert_matches_reference(out, lse, q64, k64, v64)
-    _force_path(monkeypatch, "triton")
+    _force_path(force_kernels, "triton")
     triflash.flash_attn_func(q, k, v, causal=True)
     assert len(calls) == 3
 
@@ -162,10 +157,10 @@ def test_hopper_kernel_is_taken_where_it_applies(device, monkeypatch, dtype):
 @pytest.mark.skipif(not HOPPER, reason="the Gluon Hopper kernel runs on sm_90 GPUs only")
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("dtype, head_dim, variant", [
-    (dtype, d, v) for d in configs.HOPPER_FORWARD_VARIANTS for dtype in (torch.float16, torch.bfloat16)
-    for v in configs.hopper_forward_candidates(d, dtype)],
+    (dtype, d, v) for d in dispatch.HOPPER_FORWARD_VARIANTS for dtype in (torch.float16, torch.bfloat16)
+    for v in dispatch.forward_candidates(d, dtype)],
     ids=lambda x: DTYPE_ID[x] if isinstance(x, torch.dtype) else str(x))
-def test_hopper_many_tiles_per_cta(device, monkeypatch, dtype, head_dim, variant, causal):
+def test_hopper_many_tiles_per_cta(force_kernels, device, monkeypatch, dtype, head_dim, variant, causal):
     """Every variant the forward takes (per dtype and head dim), with more work items than SMs, so a
     persistent CTA runs several tiles: the K/V ring position, the
     ping-pong turn and the query barriers' phase carry over from tile to tile, and each O tile is
@@ -174,7 +169,7 @@ def test_hopper_many_tiles_per_cta(device, monkeypatch, dtype, head_dim, variant
     96 items, fewer than the 132 SMs."""
     from triflash.kernels import forward_hopper
 
-    _force_path(monkeypatch, f"gluon:{variant}")
+    _force_path(force_kernels, f"gluon:{variant}")
     cfg = forward_hopper.variant_config(variant, head_dim)
     batch, hq, hkv, seqlen_q, seqlen_k = 2, 16, 4, 2100, 2300
     num_m_blocks = -(-seqlen_q // cfg["block_m"])
@@ -188,22 +183,26 @@ def test_hopper_many_tiles_per_cta(device, monkeypatch, dtype, head_dim, variant
 
 @pytest.mark.skipif(not HOPPER, reason="the Gluon Hopper kernel runs on sm_90 GPUs only")
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("variant", ["pp3", "pp3_persist", "pp3_ltc", "pp3_persist_ltc"])
+@pytest.mark.parametrize("persistent", [True, False], ids=["persistent", "one-tile"])
+@pytest.mark.parametrize("variant", ["pp3_persist", "pp3_persist_ltc"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
-def test_hopper_split_loops_match_one_loop(device, monkeypatch, dtype, variant, causal):
+def test_hopper_split_loops_match_one_loop(device, monkeypatch, dtype, variant, persistent, causal):
     """The split-loop schedule (overlap=2: unmasked steps, then masked ones, in two loops) does the same
     arithmetic in the same order as the one-loop body (overlap=True), step for step: the outputs and
     LSEs are equal bit for bit. (Causal, the split forms also skip the key blocks a warpgroup does
-    not see, ``forward_hopper`` point 7, and the one-loop form walks them all: the same bits still.)
+    not see, docs/hopper.md#skipping-blocks-a-warpgroup-does-not-see, and the one-loop form walks them
+    all: the same bits still.)
     Shapes with tiles of no masked step, of masked steps only (causal, the first query block) and of
     both, with a key tail, so an off-by-one in the loops' ranges (a step run twice, skipped, or
     masked the wrong way) changes the result."""
     from triflash.kernels import forward_hopper
 
-    cfg = forward_hopper.VARIANTS[variant][64]
+    cfg = dict(forward_hopper.VARIANTS[variant][64], persistent=persistent)
     if cfg.get("ltc") and dtype != torch.float16:
         pytest.skip("LTC variants take fp16 only")
     assert cfg["overlap"] == 2
+    variant = "split_loops"
+    monkeypatch.setitem(forward_hopper.VARIANTS, variant, {64: cfg})
     monkeypatch.setitem(forward_hopper.VARIANTS, "one_loop", {64: dict(cfg, overlap=True)})
     for seqlen_q, seqlen_k in ((700, 1000), (1100, 1100), (2100, 2300)):
         q, k, v = make_qkv(2, seqlen_q, seqlen_k, 4, 2, 64, dtype, device)
@@ -215,8 +214,8 @@ def test_hopper_split_loops_match_one_loop(device, monkeypatch, dtype, variant, 
 
 @pytest.mark.skipif(not HOPPER, reason="the Gluon Hopper kernel runs on sm_90 GPUs only")
 @pytest.mark.parametrize("dtype, variant", [
-    (torch.float16, "pp3_persist_ltc"), (torch.float16, "pp3_ltc"), (torch.float16, "pp3_persist"),
-    (torch.bfloat16, "pp3_persist"), (torch.bfloat16, "pp3")], ids=lambda x: DTYPE_ID.get(x, str(x)))
+    (torch.float16, "pp3_persist_ltc"), (torch.float16, "pp3_persist"), (torch.bfloat16, "pp3_persist")],
+    ids=lambda x: DTYPE_ID.get(x, str(x)))
 def test_hopper_skipped_blocks_match_walking_all(device, monkeypatch, dtype, variant):
     """Causal, 192-row tiles: a warpgroup computes only on the key blocks its own rows see
     (``_blocks_seen``) and passes the rest of its tile's blocks on (``_pass_blocks``). The blocks
@@ -259,7 +258,7 @@ def test_hopper_skipped_blocks_match_walking_all(device, monkeypatch, dtype, var
 
 @pytest.mark.skipif(not HOPPER, reason="the Gluon Hopper kernel runs on sm_90 GPUs only")
 @pytest.mark.parametrize("head_dim, variant", [(64, "pp_persist"), (128, "pp_persist"), (64, "pp3_persist"),
-                                               (64, "pp3_persist_ltc"), (64, "pp3_ltc"), (128, "pp")])
+                                               (64, "pp3_persist_ltc"), (128, "pp")])
 def test_hopper_tile_orders_match(device, head_dim, variant):
     """The persistent loop's tile orders (plain, paired, snake, and plain and snake in sections of 2
     and 3 heads, the last section smaller) only change which CTA runs which tile and when; each
@@ -373,20 +372,20 @@ def test_hopper_order_argument_is_checked():
 
 
 def test_hopper_variant_chooser(monkeypatch):
-    """The chooser's rules (configs.hopper_forward_variant): None off sm_90 (here: a CPU device), and
+    """The chooser's rules (dispatch.forward_variant): None off sm_90 (here: a CPU device), and
     with the sm_90 check stubbed to pass, the variant per head dim, causality and length."""
     from triflash.kernels import forward_hopper
 
-    pick = configs.hopper_forward_variant
+    pick = dispatch.forward_variant
     kw = dict(dtype=torch.float16, device="cpu")
-    assert pick(head_dim=128, causal=False, seqlen_q=4096, seqlen_k=4096, **kw) is None
+    assert pick(head_dim=128, causal=False, seqlen_q=4096, seqlen_k=4096, **kw) == "triton"
     monkeypatch.setattr(configs, "gluon_hopper_applies",
                         lambda *, head_dim, dtype, device: head_dim in (64, 128))
     assert pick(head_dim=128, causal=False, seqlen_q=1024, seqlen_k=1024, **kw) == "pp_persist"
     assert pick(head_dim=128, causal=False, seqlen_q=16384, seqlen_k=16384, **kw) == "pp"
     assert pick(head_dim=128, causal=True, seqlen_q=16384, seqlen_k=16384, **kw) == "pp_persist"
-    assert pick(head_dim=64, causal=True, seqlen_q=1024, seqlen_k=1024, **kw) is None
-    assert pick(head_dim=64, causal=True, seqlen_q=2047, seqlen_k=2047, **kw) is None
+    assert pick(head_dim=64, causal=True, seqlen_q=1024, seqlen_k=1024, **kw) == "triton"
+    assert pick(head_dim=64, causal=True, seqlen_q=2047, seqlen_k=2047, **kw) == "triton"
     assert pick(head_dim=64, causal=True, seqlen_q=2048, seqlen_k=2048, **kw) == "pp3_persist_ltc"
     assert pick(head_dim=64, causal=True, seqlen_q=4096, seqlen_k=4096, **kw) == "pp3_persist_ltc"
     # fp16 at D=64: the row sums on the tensor cores; bf16 keeps fp32 row sums (its LSE).
@@ -403,16 +402,16 @@ def test_hopper_variant_chooser(monkeypatch):
     assert pick(head_dim=64, causal=True, seqlen_q=4096, seqlen_k=4096, **bf16) == "pp3_persist"
     assert pick(head_dim=64, causal=True, seqlen_q=8192, seqlen_k=8192, **bf16) == "pp3_persist"
     assert pick(head_dim=64, causal=True, seqlen_q=16384, seqlen_k=16384, **bf16) == "pp3_persist"
-    assert pick(head_dim=80, causal=False, seqlen_q=4096, seqlen_k=4096, **kw) is None
+    assert pick(head_dim=80, causal=False, seqlen_q=4096, seqlen_k=4096, **kw) == "triton"
     assert pick(head_dim=64, causal=True, seqlen_q=2048, seqlen_k=16384, **kw) == "pp3_persist_ltc"
     # Causal from 2k queries with fewer keys: untimed, so 128-row tiles as before.
     assert pick(head_dim=64, causal=True, seqlen_q=4096, seqlen_k=2047, **kw) == "pp_persist"
     assert pick(head_dim=64, causal=True, seqlen_q=4096, seqlen_k=2047, **bf16) == "pp_persist"
     assert pick(head_dim=64, causal=False, seqlen_q=512, seqlen_k=16384, **kw) == "pp_persist"
     lengths = (1, 512, 1000, 1024, 2048, 8192, 16384, 65536)
-    for d in configs.HOPPER_FORWARD_VARIANTS:
+    for d in dispatch.HOPPER_FORWARD_VARIANTS:
         for dtype in (torch.float16, torch.bfloat16):
-            names = configs.hopper_forward_candidates(d, dtype)
+            names = dispatch.forward_candidates(d, dtype)
             assert all(d in forward_hopper.VARIANTS[n] for n in names)
             # LTC variants take fp16 only (forward_hopper refuses bf16).
             assert dtype == torch.float16 or not any(forward_hopper.variant_config(n, d)["ltc"] for n in names)
@@ -420,7 +419,7 @@ def test_hopper_variant_chooser(monkeypatch):
             # the GPU, and no candidate is tested without ever being taken.
             picks = {pick(head_dim=d, causal=c, seqlen_q=sq, seqlen_k=sk, **dict(kw, dtype=dtype))
                      for c in (False, True) for sq in lengths for sk in lengths}
-            assert picks - {None} == set(names)
+            assert picks - {"triton"} == set(names)
 
 
 def test_hopper_ltc_variant_refuses_bf16():
@@ -429,8 +428,8 @@ def test_hopper_ltc_variant_refuses_bf16():
     from triflash.kernels import forward_hopper
 
     q, k, v = make_qkv(1, 64, 64, 2, 2, 64, torch.bfloat16, "cpu")
-    with pytest.raises(ValueError, match=r"pp3_ltc.*float16.*bfloat16"):
-        forward_hopper.forward_hopper(q, k, v, 0.125, False, variant="pp3_ltc")
+    with pytest.raises(ValueError, match=r"pp3_persist_ltc.*float16.*bfloat16"):
+        forward_hopper.forward_hopper(q, k, v, 0.125, False, variant="pp3_persist_ltc")
 
 
 def test_bfloat16_is_computed_correctly_everywhere(device):

@@ -14,7 +14,7 @@ from helpers import FLOOR, assert_matches_reference, max_err, relative
 
 import triflash
 from triflash.kernels import backward as B
-from triflash.kernels import configs
+from triflash.kernels import configs, dispatch
 from triflash.kernels import forward as F
 from triflash.kernels.common import Varlen, needs_int64_rows
 from triflash.reference import flash_attn_ref
@@ -67,8 +67,8 @@ def test_forced_int64_offsets_give_the_same_bits(device, monkeypatch, causal, va
     dout = torch.randn_like(q)
 
     def run():
-        out, lse = F.forward(q, k, v, 0.125, causal, config=fwd_cfg, **kw)
-        grads = B.backward(dout, q, k, v, out, lse, 0.125, causal, config=bwd_cfg, **kw)
+        out, lse = dispatch.forward(q, k, v, 0.125, causal, config=fwd_cfg, **kw)
+        grads = dispatch.backward(dout, q, k, v, out, lse, 0.125, causal, config=bwd_cfg, **kw)
         return (out, lse, *grads)
 
     plain = run()
@@ -95,7 +95,7 @@ def test_forced_int64_offsets_in_decode(device, monkeypatch, num_splits):
     cfg = configs.DecodeConfig(block_m=16, block_n=32, num_warps=4, num_stages=2, num_splits=num_splits)
 
     def run():
-        return DEC.decode(q, cache, cache, lengths, None, 0, 100, 0.125, True, config=cfg)
+        return dispatch.decode(q, cache, cache, lengths, None, 0, 100, 0.125, True, config=cfg)
     plain = run()
     seen = []
     monkeypatch.setattr(DEC, "_decode_kernel", _Spy(DEC._decode_kernel, seen))
@@ -127,9 +127,9 @@ def test_keys_past_2_31_elements_in_one_head(tma):
     assert needs_int64_rows(k) and not needs_int64_rows(k_bhsd)
     config = None if tma == "chooser" else configs.FwdConfig(64, 64, 4, 2, tma="none")
     for causal in (False, True):
-        out, lse = F.forward(q, k, v, d ** -0.5, causal, config=config)
+        out, lse = dispatch.forward(q, k, v, d ** -0.5, causal, config=config)
         assert_matches_reference(out, lse, q, k, v, causal=causal)
-        out2, lse2 = F.forward(q, k_bhsd, v_bhsd, d ** -0.5, causal, config=config)
+        out2, lse2 = dispatch.forward(q, k_bhsd, v_bhsd, d ** -0.5, causal, config=config)
         assert torch.equal(out, out2) and torch.equal(lse, lse2)
 
 

@@ -165,7 +165,7 @@ def test_empty_shapes(device):
 def no_launch(monkeypatch):
     def boom(*args, **kwargs):
         raise AssertionError("the merge kernel was launched before the bad input was rejected")
-    monkeypatch.setattr(kvcache, "_merge_launch", boom)
+    monkeypatch.setattr(kvcache.dispatch, "merge", boom)
 
 
 def _bad_inputs(device):
@@ -224,8 +224,8 @@ def test_merge_gradients(device, dtype, n, empty_parts, empty_rows):
 
     def reference(fn, cast):
         leaves = [t.detach().to(cast).requires_grad_() for t in (out_p, lse_p)]
-        o, l = fn(*leaves)
-        return torch.autograd.grad((o, l), leaves, (dout.to(o.dtype), dlse.to(l.dtype)))
+        o, lse = fn(*leaves)
+        return torch.autograd.grad((o, lse), leaves, (dout.to(o.dtype), dlse.to(lse.dtype)))
     ref = reference(merge_attn_states_ref, torch.float64)
     same = reference(merge_same_dtype, torch.float32)
     empty = torch.isneginf(torch.logsumexp(lse_p.detach().double(), 0))          # [B, H, S]

@@ -24,6 +24,7 @@ def test_readme_example_runs(index, monkeypatch):
 
 def test_readme_has_the_examples():
     text = "\n".join(BLOCKS)
-    for api in ("flash_attn_func", "attention", "flash_attn_varlen_func", "flash_attn_with_kvcache", "merge_attn_states",
+    for api in ("flash_attn_func", "attention", "flash_attn_varlen_func", "flash_attn_with_kvcache",
+                "merge_attn_states",
                 "torch.compile", "backward()"):
         assert api in text

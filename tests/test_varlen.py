@@ -10,8 +10,14 @@ one-row sequences, tails that are no multiple of a block, and causal with more q
 import pytest
 import torch
 from conftest import DTYPES, ON_GPU
-from helpers import (DTYPE_ID, assert_20_backward_passes_equal, assert_grads_3x, assert_matches_reference,
-                     assert_no_nan, assert_raises_naming)
+from helpers import (
+    DTYPE_ID,
+    assert_20_backward_passes_equal,
+    assert_grads_3x,
+    assert_matches_reference,
+    assert_no_nan,
+    assert_raises_naming,
+)
 
 import triflash
 from triflash import api

@@ -7,8 +7,14 @@ edge, whole blocks, masked right edge) and the rows that see no key occur."""
 import pytest
 import torch
 from conftest import DTYPES, ON_GPU
-from helpers import DTYPE_ID, assert_20_backward_passes_equal, assert_grads_3x, assert_matches_reference
-from helpers import assert_raises_naming, make_qkv
+from helpers import (
+    DTYPE_ID,
+    assert_20_backward_passes_equal,
+    assert_grads_3x,
+    assert_matches_reference,
+    assert_raises_naming,
+    make_qkv,
+)
 
 import triflash
 
@@ -104,16 +110,15 @@ def test_huge_windows_are_unbounded(device):
 
 
 def test_a_gluon_variant_given_with_a_window_is_not_taken(device):
-    """backward(..., hopper=variant) with a window runs the Triton kernels (the Gluon ones have no
+    """backward(..., variant=variant) with a window runs the Triton kernels (the Gluon ones have no
     windows): the same bits as without the variant."""
-    from triflash.kernels.backward import backward
-    from triflash.kernels.forward import forward
+    from triflash.kernels.dispatch import backward, forward
 
     q, k, v = make_qkv(1, 40, 40, 2, 1, 64, torch.float16, device)
     out, lse = forward(q, k, v, 0.125, True, window=(8, 0))
     dout = torch.randn_like(out)
     plain = backward(dout, q, k, v, out, lse, 0.125, True, window=(8, 0))
-    forced = backward(dout, q, k, v, out, lse, 0.125, True, window=(8, 0), hopper="dkdv")
+    forced = backward(dout, q, k, v, out, lse, 0.125, True, window=(8, 0), variant="dkdv")
     for a, b in zip(plain, forced):
         assert torch.equal(a, b)
 

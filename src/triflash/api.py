@@ -18,156 +18,33 @@ the returned lse) and work under torch.compile.
 
 from __future__ import annotations
 
-import math
-import numbers
-from typing import NamedTuple
-
 import torch
 
 from . import autograd as _autograd
-from .kernels import configs, launch
+from .kernels import launch
 from .kernels.common import Varlen
 from .kernels.common import last_dim_contiguous as _last_dim_contiguous
-
-SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-MAX_HEAD_DIM = 256
-
-_LAYOUTS = {
-    # layout name -> (dim names in order, index of seqlen, index of heads)
-    "bshd": ("[batch, seqlen, heads, head_dim]", 1, 2),
-    "bhsd": ("[batch, heads, seqlen, head_dim]", 2, 1),
-}
-
-
-class _Shape(NamedTuple):
-    batch: int
-    seqlen: int
-    heads: int
-    head_dim: int
-
-
-def _dims(t: torch.Tensor, layout: str) -> _Shape:
-    _, s_dim, h_dim = _LAYOUTS[layout]
-    return _Shape(t.shape[0], t.shape[s_dim], t.shape[h_dim], t.shape[3])
-
-
-# -- argument checks shared by every public entry point (here, and kvcache.py) ------------------
-
-def _require_tensor(name: str, t) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-
-
-def _require_rank(name: str, t: torch.Tensor, rank: int, doc: str) -> None:
-    if t.dim() != rank:
-        raise ValueError(f"{name} must be {rank}-D {doc}, got {t.dim()}-D tensor of shape "
-                         f"{tuple(t.shape)}")
-
-
-def _require_float_dtype(name: str, t: torch.Tensor) -> None:
-    if t.dtype not in SUPPORTED_DTYPES:
-        raise TypeError(f"{name}.dtype must be one of float16, bfloat16, float32, got {t.dtype}")
-
-
-def _require_like_q(name: str, t: torch.Tensor, q: torch.Tensor) -> None:
-    """Same dtype and device as q."""
-    if t.dtype != q.dtype:
-        raise TypeError(f"{name}.dtype must match q.dtype ({q.dtype}), got {t.dtype}")
-    _require_same_device(name, t, q)
-
-
-def _require_same_device(name: str, t: torch.Tensor, q: torch.Tensor) -> None:
-    if t.device != q.device:
-        raise ValueError(f"{name} must be on the same device as q ({q.device}), got {t.device}")
-
-
-def _type_name(value) -> str:
-    """The type's name, with its module when it is not a builtin (numpy.bool, not a bare "bool")."""
-    kind = type(value)
-    return kind.__name__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__name__}"
-
-
-def _require_bool(name: str, value) -> None:
-    if not isinstance(value, bool):
-        raise TypeError(f"{name} must be a bool, got {_type_name(value)}")
-
-
-def _check_head_dim(head_dim: int) -> None:
-    if not 1 <= head_dim <= MAX_HEAD_DIM:
-        raise ValueError(f"head_dim must be between 1 and {MAX_HEAD_DIM}, got {head_dim}")
-
-
-def _check_heads(heads_q: int, heads_kv: int) -> None:
-    if heads_q == 0 and heads_kv == 0:
-        return                            # no heads at all: an empty result, as in SDPA
-    if heads_kv == 0 or heads_q % heads_kv != 0:
-        raise ValueError(f"the number of query heads must be a multiple of the number of key/value "
-                         f"heads (GQA/MQA): expected Hq % Hkv == 0, got Hq={heads_q}, Hkv={heads_kv}")
-
-
-def _check_device(name: str, t: torch.Tensor) -> None:
-    if t.device.type == "cuda":
-        return
-    if t.device.type == "cpu" and configs.INTERPRET:
-        return
-    if t.device.type == "cpu":
-        raise ValueError(
-            f"{name} is on the CPU, but triflash needs a CUDA GPU (expected a tensor on 'cuda', got "
-            f"device '{t.device}'). To run the kernels on the CPU through Triton's interpreter (slow, "
-            f"for tests and learning), set TRITON_INTERPRET=1 before importing triton.")
-    raise ValueError(f"{name} must be on a CUDA device, got device '{t.device}'")
-
+from .validation import (
+    LAYOUTS,
+    NO_WINDOW,
+    check_dropout,
+    check_head_dim,
+    check_heads,
+    check_scale,
+    check_window,
+    dims,
+    require_bool,
+    require_int,
+    require_qkv,
+    require_rank,
+    require_same_device,
+    require_tensor,
+    type_name,
+    window_key,
+)
 
 # The kernels take the scale, and scale * log2(e), as float32: both must be normal float32 numbers (a
 # scale that rounds to 0 or to inf there would turn every probability into 0 * inf = NaN).
-_SCALE_RANGE = (2.0**-126, 2.0**127)
-
-
-def _check_scale(softmax_scale, name: str, head_dim: int) -> float:
-    if softmax_scale is None:
-        return 1.0 / math.sqrt(head_dim)
-    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real):
-        raise TypeError(f"{name} must be a real number or None, got {_type_name(softmax_scale)}")
-    try:
-        scale = float(softmax_scale)
-    except OverflowError:
-        scale = math.inf
-    if not (math.isfinite(scale) and scale > 0):
-        raise ValueError(f"{name} must be a finite number > 0, got {softmax_scale!r}")
-    if not _SCALE_RANGE[0] <= scale <= _SCALE_RANGE[1]:
-        raise ValueError(f"{name} must be between 2^-126 and 2^127 (a normal float32 number, as the "
-                         f"kernels use it), got {softmax_scale!r}")
-    return scale
-
-
-def _require_qkv(q, k, v, rank: int, q_doc: str, kv_doc: str, causal) -> None:
-    """The checks every attention entry point starts with: tensors of ``rank`` dims, q's dtype one
-    triflash computes, k and v like q, a device that runs the kernels, causal a bool."""
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        _require_tensor(name, t)
-    for name, t, doc in (("q", q, q_doc), ("k", k, kv_doc), ("v", v, kv_doc)):
-        _require_rank(name, t, rank, doc)
-    _require_float_dtype("q", q)
-    for name, t in (("k", k), ("v", v)):
-        _require_like_q(name, t, q)
-    _check_device("q", q)
-    _require_bool("causal", causal)
-
-
-def _check_window(window_size, causal: bool) -> tuple[int, int]:
-    """window_size as (left, right) ints >= -1 (-1: no bound on that side). With causal the right
-    bound is 0: a right of -1 or 0 is accepted, any other raises (it would contradict causal)."""
-    if (not isinstance(window_size, (tuple, list)) or len(window_size) != 2
-            or any(isinstance(w, bool) or not isinstance(w, numbers.Integral) for w in window_size)):
-        raise TypeError(f"window_size must be a pair of ints (left, right), -1 for no bound, got "
-                        f"{window_size!r}")
-    left, right = (int(w) for w in window_size)
-    if left < -1 or right < -1:
-        raise ValueError(f"window_size entries must be >= -1 (-1: no bound on that side), got {window_size!r}")
-    if causal and right > 0:
-        raise ValueError(f"window_size[1] must be -1 or 0 with causal=True (causal sees no later key), got "
-                         f"{right}")
-    return left, right
 
 
 def validate_qkv(q, k, v, layout: str, scale_name: str = "softmax_scale", softmax_scale=None,
@@ -177,10 +54,10 @@ def validate_qkv(q, k, v, layout: str, scale_name: str = "softmax_scale", softma
     Raises TypeError (wrong types or dtypes) or ValueError (shapes, devices, values), naming the
     argument with what was expected and what was received.
     """
-    dims_doc = _LAYOUTS[layout][0]
-    _require_qkv(q, k, v, 4, dims_doc, dims_doc, causal)
+    dims_doc = LAYOUTS[layout][0]
+    require_qkv(q, k, v, 4, dims_doc, dims_doc, causal)
 
-    qs, ks = _dims(q, layout), _dims(k, layout)
+    qs, ks = dims(q, layout), dims(k, layout)
     if tuple(v.shape) != tuple(k.shape):
         raise ValueError(f"v must have the same shape as k {tuple(k.shape)} {dims_doc}, got "
                          f"{tuple(v.shape)}")
@@ -188,11 +65,9 @@ def validate_qkv(q, k, v, layout: str, scale_name: str = "softmax_scale", softma
         raise ValueError(f"k and v batch size must equal q's ({qs.batch}), got {ks.batch}")
     if ks.head_dim != qs.head_dim:
         raise ValueError(f"k and v head_dim must equal q's head_dim ({qs.head_dim}), got {ks.head_dim}")
-    _check_head_dim(qs.head_dim)
-    _check_heads(qs.heads, ks.heads)
-    return _check_scale(softmax_scale, scale_name, qs.head_dim)
-
-
+    check_head_dim(qs.head_dim)
+    check_heads(qs.heads, ks.heads)
+    return check_scale(softmax_scale, scale_name, qs.head_dim)
 
 
 # -- the call cache -------------------------------------------------------------------------------
@@ -204,46 +79,33 @@ def validate_qkv(q, k, v, layout: str, scale_name: str = "softmax_scale", softma
 # whose key cannot be formed (a non-tensor where a tensor belongs, a list window) is validated every
 # time, so every error still fires.
 
-_NO_WINDOW = (-1, -1)
 _DENSE = launch.cache()
-
-
-def _window_key(window_size):
-    return window_size if window_size is _NO_WINDOW else (window_size, tuple(map(type, window_size)))
-
-
-def _check_dropout(dropout_p) -> None:
-    """FlashAttention's ``dropout_p``, accepted for drop-in use: only 0 (triflash has no dropout)."""
-    if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real):
-        raise TypeError(f"dropout_p must be a number (0.0: triflash has no dropout), got {_type_name(dropout_p)}")
-    if dropout_p != 0:
-        raise ValueError(f"dropout_p must be 0.0: triflash has no attention dropout, got {dropout_p!r} (apply "
-                         f"dropout outside the attention call, or use PyTorch's scaled_dot_product_attention)")
 
 
 def _positional_options(name: str, options: str, extra: tuple) -> TypeError:
     """The error for options passed by position (see flash_attn_func's docstring)."""
     return TypeError(
         f"{name} takes q, k and v by position and every option by keyword ({options}), got "
-        f"{len(extra)} more positional argument(s): {', '.join(_type_name(x) for x in extra)}. A positional "
+        f"{len(extra)} more positional argument(s): {', '.join(type_name(x) for x in extra)}. A positional "
         f"option is refused because the signatures differ: FlashAttention 2's fourth argument is dropout_p "
         f"where triflash's was softmax_scale, so a ported call would silently mean something else")
 
 
 def _validate_dense(q, k, v, layout, scale_name, softmax_scale, causal, return_lse, window_size, dropout_p):
     scale = validate_qkv(q, k, v, layout, scale_name, softmax_scale, causal)
-    _require_bool("return_lse", return_lse)
-    _check_dropout(dropout_p)
-    return scale, _check_window(window_size, causal)
+    require_bool("return_lse", return_lse)
+    check_dropout(dropout_p)
+    return scale, check_window(window_size, causal)
 
 
-def _dense(q, k, v, layout, scale_name, softmax_scale, causal, return_lse, window_size, dropout_p=0.0):
-    """flash_attn_func and attention: validate (once per key), then the forward."""
+def dense_call(q, k, v, layout, scale_name, softmax_scale, causal, return_lse, window_size, dropout_p=0.0):
+    """flash_attn_func and attention (and integrations' SDPA signature): validate (once per call key),
+    then the forward. ``layout`` is "bshd" or "bhsd"; ``scale_name`` names the scale argument in errors."""
     key = None
     if not torch.compiler.is_compiling():      # traced calls: no keys (data_ptr is opaque)
         try:
             key = (layout, launch.meta(q), launch.meta(k), launch.meta(v), softmax_scale, softmax_scale.__class__,
-                   causal, causal.__class__, return_lse, return_lse.__class__, _window_key(window_size),
+                   causal, causal.__class__, return_lse, return_lse.__class__, window_key(window_size),
                    dropout_p, dropout_p.__class__)
         except (AttributeError, TypeError, RuntimeError):
             key = None
@@ -257,7 +119,7 @@ def _dense(q, k, v, layout, scale_name, softmax_scale, causal, return_lse, windo
 
 
 def flash_attn_func(q, k, v, *options, softmax_scale=None, causal=False, return_lse=False,
-                    window_size=_NO_WINDOW, dropout_p=0.0):
+                    window_size=NO_WINDOW, dropout_p=0.0):
     """Attention in FlashAttention's layout. Every argument after q, k, v is keyword-only (a
     positional one raises a TypeError: FlashAttention 2's fourth argument is dropout_p).
 
@@ -284,10 +146,10 @@ def flash_attn_func(q, k, v, *options, softmax_scale=None, causal=False, return_
     if options:
         raise _positional_options("flash_attn_func", "softmax_scale=, causal=, return_lse=, window_size=, "
                                   "dropout_p=", options)
-    return _dense(q, k, v, "bshd", "softmax_scale", softmax_scale, causal, return_lse, window_size, dropout_p)
+    return dense_call(q, k, v, "bshd", "softmax_scale", softmax_scale, causal, return_lse, window_size, dropout_p)
 
 
-def attention(q, k, v, *options, causal=False, sm_scale=None, return_lse=False, window_size=_NO_WINDOW):
+def attention(q, k, v, *options, causal=False, sm_scale=None, return_lse=False, window_size=NO_WINDOW):
     """Attention in the seeds' (and SDPA's) layout. Every argument after q, k, v is keyword-only.
 
     Args:
@@ -301,7 +163,7 @@ def attention(q, k, v, *options, causal=False, sm_scale=None, return_lse=False, 
     """
     if options:
         raise _positional_options("attention", "causal=, sm_scale=, return_lse=, window_size=", options)
-    return _dense(q, k, v, "bhsd", "sm_scale", sm_scale, causal, return_lse, window_size)
+    return dense_call(q, k, v, "bhsd", "sm_scale", sm_scale, causal, return_lse, window_size)
 
 
 # -- packed variable-length batches ------------------------------------------------------------------
@@ -316,14 +178,6 @@ _VARLEN = launch.cache()
 
 _PACKED_Q_DOC = "[total_q, heads_q, head_dim] (the sequences packed along dim 0)"
 _PACKED_KV_DOC = "[total_k, heads_kv, head_dim] (the sequences packed along dim 0)"
-
-
-def _require_int(name: str, value, minimum: int = 0) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name} must be an int, got {_type_name(value)}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    return int(value)
 
 
 def _check_cu_seqlens(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, totals: tuple[int, int],
@@ -362,28 +216,28 @@ def validate_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
     """Check flash_attn_varlen_func's arguments before any launch, all but the offsets' values
     (``check_cu_seqlens_values``); return (scale, max_seqlen_q, max_seqlen_k). Raises TypeError /
     ValueError naming the argument, as ``validate_qkv``."""
-    _require_qkv(q, k, v, 3, _PACKED_Q_DOC, _PACKED_KV_DOC, causal)
+    require_qkv(q, k, v, 3, _PACKED_Q_DOC, _PACKED_KV_DOC, causal)
     if tuple(v.shape) != tuple(k.shape):
         raise ValueError(f"v must have the same shape as k {tuple(k.shape)} {_PACKED_KV_DOC}, got "
                          f"{tuple(v.shape)}")
     if k.shape[2] != q.shape[2]:
         raise ValueError(f"k and v head_dim must equal q's head_dim ({q.shape[2]}), got {k.shape[2]}")
-    _check_head_dim(q.shape[2])
-    _check_heads(q.shape[1], k.shape[1])
+    check_head_dim(q.shape[2])
+    check_heads(q.shape[1], k.shape[1])
     for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
-        _require_tensor(name, cu)
+        require_tensor(name, cu)
         if cu.dtype != torch.int32:
             raise TypeError(f"{name}.dtype must be torch.int32, got {cu.dtype}")
-        _require_rank(name, cu, 1, "[batch + 1] (each sequence's first row, then the packed length)")
+        require_rank(name, cu, 1, "[batch + 1] (each sequence's first row, then the packed length)")
         if cu.shape[0] < 1:
             raise ValueError(f"{name} must have batch + 1 >= 1 entries, got 0")
-        _require_same_device(name, cu, q)
+        require_same_device(name, cu, q)
     if cu_seqlens_k.shape[0] != cu_seqlens_q.shape[0]:
         raise ValueError(f"cu_seqlens_k must have as many entries as cu_seqlens_q (batch + 1 = "
                          f"{cu_seqlens_q.shape[0]}), got {cu_seqlens_k.shape[0]}")
-    max_seqlen_q = _require_int("max_seqlen_q", max_seqlen_q)
-    max_seqlen_k = _require_int("max_seqlen_k", max_seqlen_k)
-    scale = _check_scale(softmax_scale, "softmax_scale", q.shape[2])
+    max_seqlen_q = require_int("max_seqlen_q", max_seqlen_q)
+    max_seqlen_k = require_int("max_seqlen_k", max_seqlen_k)
+    scale = check_scale(softmax_scale, "softmax_scale", q.shape[2])
     # No sequence is longer than the packed total: a larger bound would only launch idle programs
     # (or, far larger, a grid past CUDA's limit), so it is cut to the total.
     return scale, min(max_seqlen_q, q.shape[0]), min(max_seqlen_k, k.shape[0])
@@ -402,13 +256,13 @@ def _validate_varlen_call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max
     """Everything flash_attn_varlen_func checks that its key decides (the offsets' values aside)."""
     checked = validate_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
                               causal)
-    _require_bool("return_lse", return_lse)
-    _check_dropout(dropout_p)
-    return checked, _check_window(window_size, causal)
+    require_bool("return_lse", return_lse)
+    check_dropout(dropout_p)
+    return checked, check_window(window_size, causal)
 
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
-                           softmax_scale=None, causal=False, window_size=_NO_WINDOW, return_lse=False,
+                           softmax_scale=None, causal=False, window_size=NO_WINDOW, return_lse=False,
                            dropout_p=0.0):
     """Attention over a batch of sequences of different lengths, packed without padding
     (FlashAttention's varlen layout and argument names).
@@ -447,7 +301,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
             key = (launch.meta(q), launch.meta(k), launch.meta(v), launch.meta(cu_seqlens_q),
                    launch.meta(cu_seqlens_k), max_seqlen_q, max_seqlen_q.__class__, max_seqlen_k,
                    max_seqlen_k.__class__, softmax_scale, softmax_scale.__class__, causal, causal.__class__,
-                   return_lse, return_lse.__class__, _window_key(window_size), dropout_p, dropout_p.__class__)
+                   return_lse, return_lse.__class__, window_key(window_size), dropout_p, dropout_p.__class__)
         except (AttributeError, TypeError, RuntimeError):
             key = None
     entry = launch.lookup(_VARLEN, key, _validate_varlen_call, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,

@@ -10,7 +10,7 @@ The forward saves only q, k, v, out and lse for the backward: no S x S tensor ex
 Eager autograd on plain tensors takes a shorter road to the same implementations: ``_EagerAttention``,
 a ``torch.autograd.Function``. A custom op's Python autograd wrapper (argument binding, redispatch,
 the dynamo guard around it) costs as much host time as the autograd engine itself or more, and at
-short sequences that is longer than the kernels take (docs/performance-notes.md, run 42). Everything that
+short sequences that is longer than the kernels take (docs/performance-notes.md#host-cost-per-call). Everything that
 must see an op (torch.compile, fake tensors, functorch transforms, tracing, dispatch modes) still
 gets ``triflash::attn_fwd``, and a backward that is recorded or watched gets ``triflash::attn_bwd``
 (``_gradients``); both roads give bit-identical results. ``__torch_function__`` modes see neither
@@ -35,10 +35,8 @@ from torch import Tensor
 from torch.autograd import forward_ad
 from torch.utils._python_dispatch import _get_current_dispatch_mode as _current_dispatch_mode
 
-from .kernels import launch
-from .kernels.backward import backward as _backward_launch
+from .kernels import dispatch, launch
 from .kernels.common import Varlen
-from .kernels.forward import forward as _forward_launch
 
 
 def _bshd(t: Tensor, bhsd: bool) -> Tensor:
@@ -50,7 +48,7 @@ def forward_impl(q: Tensor, k: Tensor, v: Tensor, softmax_scale: float, causal: 
     """Forward on validated inputs. Returns (out in q's layout, lse [B, Hq, Sq] float32).
     window_left / window_right: a local window's bounds (-1: none on that side)."""
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    _, lse = _forward_launch(_bshd(q, bhsd), _bshd(k, bhsd), _bshd(v, bhsd), softmax_scale, causal,
+    _, lse = dispatch.forward(_bshd(q, bhsd), _bshd(k, bhsd), _bshd(v, bhsd), softmax_scale, causal,
                              out=_bshd(out, bhsd), window=(window_left, window_right))
     return out, lse
 
@@ -154,7 +152,7 @@ def backward_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, ls
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device) if need_dq else q.new_empty(0)
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device) if need_dkdv else k.new_empty(0)
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device) if need_dkdv else v.new_empty(0)
-    _backward_launch(
+    dispatch.backward(
         _bshd(dout, bhsd), _bshd(q, bhsd), _bshd(k, bhsd), _bshd(v, bhsd), _bshd(out, bhsd), lse,
         softmax_scale, causal, dlse=dlse,
         dq=_bshd(dq, bhsd) if need_dq else None,
@@ -353,7 +351,7 @@ def varlen_impl(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlen
                 max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float, causal: bool,
                 window_left: int = -1, window_right: int = -1) -> tuple[Tensor, Tensor]:
     """Forward on validated packed sequences. Returns (out [total_q, Hq, D], lse [Hq, total_q])."""
-    return _forward_launch(q, k, v, softmax_scale, causal,
+    return dispatch.forward(q, k, v, softmax_scale, causal,
                            varlen=Varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k),
                            window=(window_left, window_right))
 
@@ -380,7 +378,7 @@ def varlen_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: 
                softmax_scale: float, causal: bool, need_dq: bool, need_dkdv: bool,
                window_left: int = -1, window_right: int = -1) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients (dq, dk, dv) of packed sequences. Gradients not asked for come back empty."""
-    dq, dk, dv = _backward_launch(
+    dq, dk, dv = dispatch.backward(
         dout, q, k, v, out, lse, softmax_scale, causal, dlse=dlse, need_dq=need_dq, need_dkdv=need_dkdv,
         varlen=Varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k),
         window=(window_left, window_right))

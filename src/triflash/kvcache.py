@@ -20,12 +20,23 @@ from typing import NamedTuple
 
 import torch
 
-from .api import (_check_device, _check_head_dim, _check_heads, _check_scale, _check_window,
-                  _last_dim_contiguous, _require_bool, _require_float_dtype, _require_like_q, _require_rank,
-                  _require_same_device, _require_tensor, _type_name, _window_key)
-from .kernels import launch
-from .kernels.decode import decode as _decode_launch
-from .kernels.merge import merge as _merge_launch
+from .kernels import dispatch, launch
+from .kernels.common import last_dim_contiguous as _last_dim_contiguous
+from .validation import (
+    check_device,
+    check_head_dim,
+    check_heads,
+    check_scale,
+    check_window,
+    require_bool,
+    require_float_dtype,
+    require_like_q,
+    require_rank,
+    require_same_device,
+    require_tensor,
+    type_name,
+    window_key,
+)
 
 # Set to True to have flash_attn_with_kvcache check the values of cache_seqlens (and the block-table
 # entries they use) on the host: one small device->host synchronisation per call (skipped while a
@@ -207,7 +218,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
                    cache_seqlens if type(cache_seqlens) is int or cache_seqlens is None else launch.meta(cache_seqlens),
                    None if block_table is None else launch.meta(block_table), softmax_scale,
                    softmax_scale.__class__, causal, causal.__class__, num_splits, num_splits.__class__, return_lse,
-                   return_lse.__class__, _window_key(window_size))
+                   return_lse.__class__, window_key(window_size))
             if torch.is_grad_enabled() and (q.requires_grad or k_cache.requires_grad or v_cache.requires_grad
                                             or (k is not None and (k.requires_grad or v.requires_grad))):
                 key = None                                 # validation refuses it, naming the tensor
@@ -243,7 +254,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
     if plan is None:
         plan = entry.sub[max_seqlen] = launch.Entry()
         plan.plan = entry.plan               # False where the key could not be kept
-    out, lse = launch.call(plan, _decode_launch, (q, k_cache, v_cache, cache_seqlens, block_table), seqlen_new,
+    out, lse = launch.call(plan, dispatch.decode, (q, k_cache, v_cache, cache_seqlens, block_table), seqlen_new,
                            max_seqlen, checked.scale, causal, checked.num_splits, None, checked.window)
     return (out, lse) if return_lse else out
 
@@ -253,20 +264,20 @@ def _validate(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_sca
     """Every check of flash_attn_with_kvcache that its arguments' metadata decides (not the values
     in cache_seqlens and block_table). Raises TypeError / ValueError naming the argument."""
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
-        _require_tensor(name, t)
+        require_tensor(name, t)
     paged = block_table is not None
     cache_doc = _PAGED_DOC if paged else _CACHE_DOC
-    _require_rank("q", q, 4, _Q_DOC)
-    _require_rank("k_cache", k_cache, 4, cache_doc)
-    _require_rank("v_cache", v_cache, 4, cache_doc)
-    _require_float_dtype("q", q)
+    require_rank("q", q, 4, _Q_DOC)
+    require_rank("k_cache", k_cache, 4, cache_doc)
+    require_rank("v_cache", v_cache, 4, cache_doc)
+    require_float_dtype("q", q)
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
-        _require_like_q(name, t, q)
-    _check_device("q", q)
-    _require_bool("causal", causal)
-    _require_bool("return_lse", return_lse)
+        require_like_q(name, t, q)
+    check_device("q", q)
+    require_bool("causal", causal)
+    require_bool("return_lse", return_lse)
     if isinstance(num_splits, bool) or not isinstance(num_splits, numbers.Integral):
-        raise TypeError(f"num_splits must be an int, got {_type_name(num_splits)}")
+        raise TypeError(f"num_splits must be an int, got {type_name(num_splits)}")
     num_splits = int(num_splits)                  # numpy integers too
     if num_splits < 0:
         raise ValueError(f"num_splits must be >= 0 (0 = choose automatically), got {num_splits}")
@@ -281,8 +292,8 @@ def _validate(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_sca
     if k_cache.shape[3] != head_dim:
         raise ValueError(f"k_cache and v_cache head_dim must equal q's head_dim ({head_dim}), got "
                          f"{k_cache.shape[3]}")
-    _check_head_dim(head_dim)
-    _check_heads(heads_q, heads_kv)
+    check_head_dim(head_dim)
+    check_heads(heads_q, heads_kv)
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
         if t.stride(-1) != 1 and head_dim > 1:
             raise ValueError(f"{name} must have a contiguous last dimension (stride 1, it is used in "
@@ -290,11 +301,11 @@ def _validate(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_sca
 
     # -- layout of the cache: contiguous or paged --
     if paged:
-        _require_tensor("block_table", block_table)
+        require_tensor("block_table", block_table)
         if block_table.dtype != torch.int32:
             raise TypeError(f"block_table.dtype must be torch.int32, got {block_table.dtype}")
-        _require_rank("block_table", block_table, 2, "[batch, max_pages]")
-        _require_same_device("block_table", block_table, q)
+        require_rank("block_table", block_table, 2, "[batch, max_pages]")
+        require_same_device("block_table", block_table, q)
         if block_table.shape[0] != batch:
             raise ValueError(f"block_table.shape[0] must equal q's batch size ({batch}), got "
                              f"{block_table.shape[0]}")
@@ -323,13 +334,13 @@ def _validate(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_sca
             if seqlens_from_int < 0:
                 raise ValueError(f"cache_seqlens must be >= 0, got {seqlens_from_int}")
     if cache_seqlens is not None and seqlens_from_int is None:
-        _require_tensor("cache_seqlens", cache_seqlens)
+        require_tensor("cache_seqlens", cache_seqlens)
         if cache_seqlens.dtype != torch.int32:
             raise TypeError(f"cache_seqlens.dtype must be torch.int32, got {cache_seqlens.dtype}")
         if tuple(cache_seqlens.shape) != (batch,):
             raise ValueError(f"cache_seqlens must have shape [batch] = ({batch},), got "
                              f"{tuple(cache_seqlens.shape)}")
-        _require_same_device("cache_seqlens", cache_seqlens, q)
+        require_same_device("cache_seqlens", cache_seqlens, q)
 
     # -- new keys and values --
     if (k is None) != (v is None):
@@ -338,9 +349,9 @@ def _validate(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_sca
     seqlen_new = 0
     if k is not None:
         for name, t in (("k", k), ("v", v)):
-            _require_tensor(name, t)
-            _require_rank(name, t, 4, _NEW_DOC)
-            _require_like_q(name, t, q)
+            require_tensor(name, t)
+            require_rank(name, t, 4, _NEW_DOC)
+            require_like_q(name, t, q)
         if tuple(v.shape) != tuple(k.shape):
             raise ValueError(f"v must have the same shape as k {tuple(k.shape)} {_NEW_DOC}, got "
                              f"{tuple(v.shape)}")
@@ -355,8 +366,8 @@ def _validate(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_sca
         for name, t in (("k", k), ("v", v)):
             _require_no_grad(name, t)
 
-    scale = _check_scale(softmax_scale, "softmax_scale", head_dim)
-    window = _check_window(window_size, causal)
+    scale = check_scale(softmax_scale, "softmax_scale", head_dim)
+    window = check_window(window_size, causal)
     if seqlens_from_int is not None and block_table is None and seqlens_from_int + seqlen_new > capacity:
         raise ValueError(f"cache_seqlens + seqlen_new must be <= the cache capacity (k_cache.shape[1] = "
                          f"{capacity}), got {seqlens_from_int} + {seqlen_new} = {seqlens_from_int + seqlen_new}")
@@ -398,20 +409,20 @@ def merge_attn_states(out_partials, lse_partials):
     entry = launch.lookup(_MERGE, key, _validate_merge, out_partials, lse_partials)
     if torch.is_grad_enabled() and (out_partials.requires_grad or lse_partials.requires_grad):
         return _Merge.apply(out_partials, lse_partials, entry)
-    return launch.call(entry, _merge_launch, (_last_dim_contiguous(out_partials), lse_partials))
+    return launch.call(entry, dispatch.merge, (_last_dim_contiguous(out_partials), lse_partials))
 
 
 def _validate_merge(out_partials, lse_partials):
     """merge_attn_states' checks of the stacked partial states (their metadata decides them)."""
-    _require_rank("out_partials", out_partials, 5, "[N, batch, seqlen, heads, head_dim]")
-    _require_rank("lse_partials", lse_partials, 4, "[N, batch, heads, seqlen]")
-    _require_float_dtype("out_partials", out_partials)
+    require_rank("out_partials", out_partials, 5, "[N, batch, seqlen, heads, head_dim]")
+    require_rank("lse_partials", lse_partials, 4, "[N, batch, heads, seqlen]")
+    require_float_dtype("out_partials", out_partials)
     if lse_partials.dtype != torch.float32:
         raise TypeError(f"lse_partials.dtype must be torch.float32, got {lse_partials.dtype}")
     if lse_partials.device != out_partials.device:
         raise ValueError(f"lse_partials must be on the same device as out_partials "
                          f"({out_partials.device}), got {lse_partials.device}")
-    _check_device("out_partials", out_partials)
+    check_device("out_partials", out_partials)
     n, batch, seqlen, heads, head_dim = out_partials.shape
     if n == 0:
         raise ValueError("out_partials must hold at least one partial state (N >= 1), got N = 0")
@@ -428,7 +439,7 @@ class _Merge(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, out_partials, lse_partials, entry=None):
-        out, lse = launch.call(entry, _merge_launch, (_last_dim_contiguous(out_partials), lse_partials))
+        out, lse = launch.call(entry, dispatch.merge, (_last_dim_contiguous(out_partials), lse_partials))
         ctx.save_for_backward(out_partials, lse_partials, lse)
         ctx.set_materialize_grads(False)
         return out, lse
@@ -463,7 +474,7 @@ def _stack_parts(name, parts, doc):
             raise ValueError(f"{name} must hold at least one partial state, got an empty "
                              f"{type(parts).__name__}")
         for i, t in enumerate(parts):
-            _require_tensor(f"{name}[{i}]", t)
+            require_tensor(f"{name}[{i}]", t)
             if tuple(t.shape) != tuple(parts[0].shape) or t.dtype != parts[0].dtype:
                 raise ValueError(f"{name}[{i}] must have the shape and dtype of {name}[0] "
                                  f"({tuple(parts[0].shape)}, {parts[0].dtype}), got "
@@ -471,7 +482,7 @@ def _stack_parts(name, parts, doc):
             if t.device != parts[0].device:
                 raise ValueError(f"{name}[{i}] must be on the device of {name}[0] "
                                  f"({parts[0].device}), got {t.device}")
-            _require_rank(f"{name}[{i}]", t, doc.count(",") + 1, doc)
+            require_rank(f"{name}[{i}]", t, doc.count(",") + 1, doc)
         return torch.stack(list(parts))
-    _require_tensor(name, parts)
+    require_tensor(name, parts)
     return parts

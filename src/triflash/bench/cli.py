@@ -23,7 +23,7 @@ from . import interpreter, report
 from . import workloads as W
 from .decode import decode_providers
 from .plotting import plot_results
-from .providers import dense_providers
+from .providers import dense_providers, forced_provider
 from .runner import DoBench, run_all, stderr_progress
 
 DESCRIPTION = """\
@@ -38,6 +38,8 @@ providers (fwd/bwd/fwdbwd): {dense}
 providers (decode):         {decode}
 Providers whose package is missing are listed as unavailable, with the reason. triflash-varlen
 (flash_attn_varlen_func on the batch packed as equal-length sequences) runs only when named.
+triflash@CHOICE forces the kernels: triflash@triton (the portable Triton kernels), triflash@NAME (a
+Hopper variant, forward or backward), triflash@FWD+BWD (both); only when named (scripts/tune.py).
 
 Outputs: a Markdown report on stdout (also OUT/results.md), every number in OUT/results.json, and PNG
 figures in OUT (with matplotlib: pip install 'triflash[bench]'). Progress goes to stderr.
@@ -137,11 +139,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         parser.error(str(exc))
     known = provider_names(args.mode)
     chosen = args.providers or provider_names(args.mode, defaults_only=True)
-    unknown = [p for p in chosen if p not in known]
+    forced = [p for p in chosen if args.mode != "decode" and forced_provider(p) is not None]
+    unknown = [p for p in chosen if p not in known and p not in forced]
     if unknown:
         parser.error(f"unknown provider(s) for --mode {args.mode}: {', '.join(unknown)}; "
                      f"choose from {', '.join(known)}")
-    args.provider_names = [p for p in known if p in chosen]
+    args.provider_names = [p for p in known if p in chosen] + forced
     return args
 
 
@@ -188,6 +191,7 @@ def run_benchmark(args, argv: list[str], device, timer, env: dict) -> int:
     """
     catalog = decode_providers() if args.mode == "decode" else dense_providers()
     providers = [p for p in catalog if p.name in args.provider_names]
+    providers += [forced_provider(p) for p in args.provider_names if forced_provider(p) is not None]
     print(f"triflash bench on {env['gpu']}: {len(args.workloads)} workload(s) x {len(providers)} "
           f"provider(s)", file=sys.stderr)
     command = shlex.join(["triflash", "bench", *argv])

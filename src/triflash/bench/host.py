@@ -24,7 +24,7 @@ import time
 import torch
 
 from .checking import check, make_dense_case
-from .runner import Progress, _outputs, classify, free_memory, timed_call
+from .runner import Progress, classify, free_memory, outputs, timed_call
 from .workloads import Workload
 
 KINDS = ("fwd no_grad", "fwd grad", "fwd+bwd")
@@ -94,7 +94,7 @@ def _one(provider, case, device, calls, repeats) -> HostResult:
         with provider.context():
             provider.setup(wl, device)
             prepared = provider.prepare(case, requires_grad=True)
-            verdict = check(_outputs(provider, prepared, wl), case.expected)
+            verdict = check(outputs(provider, prepared, wl), case.expected)
             if not verdict.ok:
                 return HostResult(wl, provider.name, "wrong", verdict.detail)
             plain = provider.prepare(case, requires_grad=False)

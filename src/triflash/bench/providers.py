@@ -113,6 +113,46 @@ class Triflash(Provider):
         self.fn = triflash.flash_attn_func
 
 
+class TriflashForced(Triflash):
+    """triflash.flash_attn_func with the kernel choice forced (``dispatch.force``): ``triflash@triton``
+    runs the portable Triton kernels, ``triflash@NAME`` the Gluon forward or backward variant NAME,
+    ``triflash@FWD+BWD`` both. Call plans are off while forced. The variant runner of scripts/tune.py."""
+
+    default = False
+
+    def __init__(self, choice: str):
+        self.choice = choice
+        self.name = f"triflash@{choice}"
+        self.description = f"triflash.flash_attn_func, kernels forced: {choice}"
+
+    def load(self):
+        super().load()
+        from triflash.kernels import dispatch
+
+        forward_names, backward_names = dispatch.variant_names()
+        self.force = {}
+        for part in self.choice.split("+"):
+            if part == dispatch.TRITON:
+                self.force.update(forward=part, backward=part)
+            elif part in forward_names:
+                self.force["forward"] = part
+            elif part in backward_names:
+                self.force["backward"] = part
+            else:
+                raise Unavailable(f"no kernel variant {part!r} here (forward: {', '.join(forward_names) or 'none'}; "
+                                  f"backward: {', '.join(backward_names) or 'none'}; or 'triton')")
+
+    def context(self):
+        from triflash.kernels import dispatch
+
+        return dispatch.force(**self.force)
+
+
+def forced_provider(name: str) -> TriflashForced | None:
+    """The provider a ``triflash@...`` name asks for, or None for any other name."""
+    return TriflashForced(name.split("@", 1)[1]) if name.startswith("triflash@") and len(name) > 9 else None
+
+
 class TriflashVarlen(Provider):
     """triflash.flash_attn_varlen_func on the batch packed as equal-length sequences: what the packed
     path costs against ``triflash`` at the same shapes (the offsets' opt-in host check stays off,
@@ -244,7 +284,22 @@ class FlashInfer(Provider):
         return self.wrapper.run(q, k, v)
 
 
+def _drill_providers() -> list[Provider]:
+    """drill:t5 / drill:t5-solution (drills/bench_hook.py), where the repository's drills/ is present
+    (an installed wheel has none). Run only when named."""
+    import importlib.util
+    from pathlib import Path
+
+    hook = Path(__file__).resolve().parents[3] / "drills" / "bench_hook.py"
+    if not hook.exists():
+        return []
+    spec = importlib.util.spec_from_file_location("triflash_drills_bench_hook", hook)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.drill_providers()
+
+
 def dense_providers() -> list[Provider]:
     """Every fwd/bwd/fwdbwd provider, in the order of the tables."""
     return [Triflash(), TriflashVarlen(), Naive(), *(Sdpa(b) for b in Sdpa.BACKENDS), FlashAttn2(), FlashAttn3(),
-            FlashAttn4(), FlashInfer()]
+            FlashAttn4(), FlashInfer(), *_drill_providers()]

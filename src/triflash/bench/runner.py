@@ -167,7 +167,7 @@ def run_one(provider, case, timer, device) -> Result:
                 warnings.simplefilter("always")
                 provider.setup(wl, device)
                 prepared = provider.prepare(case, requires_grad=wl.mode in ("bwd", "fwdbwd"))
-                verdict = check(_outputs(provider, prepared, wl), case.expected)
+                verdict = check(outputs(provider, prepared, wl), case.expected)
             if not verdict.ok:
                 return Result(wl, provider.name, "wrong", verdict.detail, verdict.max_err, verdict.tol)
             fn = timed_call(provider, prepared, wl.mode)
@@ -182,7 +182,7 @@ def run_one(provider, case, timer, device) -> Result:
     return Result(wl, provider.name, "ok", detail, verdict.max_err, verdict.tol, ms, p20, p80, peak, *eager)
 
 
-def _outputs(provider, prepared, wl: Workload) -> list[torch.Tensor]:
+def outputs(provider, prepared, wl: Workload) -> list[torch.Tensor]:
     """One call: [out] or [out, dq, dk, dv], in the canonical layout, for the check."""
     out = provider.run(*prepared.args)
     if not prepared.leaves:

@@ -8,41 +8,44 @@ With P = softmax(S * scale) recomputed from the saved LSE (no S x S tensor is ev
 
 Three launches, no atomics, so the result is bit-for-bit deterministic:
 
-1. ``_bwd_preprocess_kernel``: delta per query row, and the LSE turned into base 2 (lse * log2(e)) so the
-   recomputation is one FMA and one exp2 per score (fp32 keeps the natural-log LSE, see _recompute_p). Rows that saw no key (lse = -inf) get +inf there,
-   which makes every recomputed p of that row exp2(-inf) = 0: their gradients are 0, never NaN.
-2. ``_bwd_dkdv_kernel``: one program per (batch, KV head, key block). It keeps K, V, dK, dV of its block
-   in registers and walks over the query blocks of every query head in its GQA group, so dK and dV of a
-   shared KV head are sums over the group without any cross-program reduction.
-3. ``_bwd_dq_kernel``: one program per (batch, query head, query block), walking over key blocks.
+1. ``_bwd_preprocess_kernel``: delta per query row, and the LSE turned into base 2 (lse * log2(e))
+   so the recomputation is one FMA and one exp2 per score (fp32 keeps the natural-log LSE, see
+   _recompute_p). Rows that saw no key (lse = -inf) get +inf there, which makes every recomputed p
+   of that row exp2(-inf) = 0: their gradients are 0, never NaN. 2. ``_bwd_dkdv_kernel``: one
+   program per (batch, KV head, key block). It keeps K, V, dK, dV of its block in registers and
+   walks over the query blocks of every query head in its GQA group, so dK and dV of a shared KV
+   head are sums over the group without any cross-program reduction. 3. ``_bwd_dq_kernel``: one
+   program per (batch, query head, query block), walking over key blocks.
 
 Causal blocks are skipped in both loops exactly as in the forward (bottom-right alignment), and only
 blocks on the diagonal or at the ragged end of the keys pay for an element mask.
 
-On sm_90, where ``configs.hopper_backward_variant`` picks it (fp16/bf16 at head_dim 64 and 128), step 2
-runs on a Gluon kernel instead (backward_hopper.py, its dK/dV-only form): the same per-block work on
-Hopper's warpgroup MMAs with a TMA-fed Q/dO ring (run 50: the backward 9-20% faster at head_dim 128,
-and at 64 9-10% faster than these kernels at 1k keys and 9-20% faster than the fused Gluon kernel
-taken there before). At head_dim 128 step 3 runs on backward_hopper.py's Gluon dQ kernel too
-(another 1-12%, run 52), and at 64 from 4k keys (variant ``dkdv_long``: 0-4%, runs 66-79);
-at 64 below that it stays this file's dQ kernel. LSE2/Delta rows are then padded to
-whole 128-row tiles, and both Triton kernels read them with that row stride (``stats_rows``).
+On sm_90, where ``dispatch.backward_variant`` picks it (fp16/bf16 at head_dim 64 and 128), step 2
+runs on a Gluon kernel instead (backward_hopper.py, its dK/dV-only form), and at head_dim 128 (at 64
+from 4k keys) step 3 too; LSE2/Delta rows are then padded to whole 128-row tiles, and both Triton
+kernels read them with that row stride (``stats_rows``). Measurements:
+docs/performance-notes.md#backward.
 """
 
 from __future__ import annotations
-
 
 import torch
 import triton
 import triton.language as tl
 
 from . import configs, launch
-from .common import (LOG2E, LOG2E_K, Varlen, add_rn, causal_key_range, last_dim_contiguous, mul_rn,
-                     needs_int64_rows, on_input_device, sequence_bounds, wide, window_bounds, window_kernel_args,
-                     window_key_range,
-                     window_visible)
+from .block_ranges import (
+    causal_key_range,
+    causal_query_range,
+    sequence_bounds,
+    window_kernel_args,
+    window_key_range,
+    window_query_range,
+    window_visible,
+)
+from .common import LOG2E, LOG2E_K, Varlen, add_rn, mul_rn, needs_int64_rows, wide
 from .configs import BwdConfig
-from .forward import host_descriptors, tma_compatible
+from .launch import host_descriptors, tma_compatible
 
 
 @triton.jit(do_not_specialize=["seqlen_q", "rows_out", "num_m_blocks"])
@@ -151,33 +154,6 @@ def _dkdv_inner(
     return dk, dv
 
 
-@triton.jit
-def window_query_range(start_n, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M: tl.constexpr,
-                       BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
-    """The key block [start_n, start_n + BLOCK_N)'s query rows under a local window (the transpose of
-    ``common.window_key_range``; row i sees key j when i + off - left <= j <= i + off + right).
-    Returns (lo, mid_lo, mid_hi, hi): rows [lo, mid_lo) and [mid_hi, hi) need the mask, the whole
-    BLOCK_M blocks [mid_lo, mid_hi) see every key of the block."""
-    off = seqlen_k - seqlen_q
-    q_end = tl.cdiv(seqlen_q, BLOCK_M) * BLOCK_M
-    last_key = start_n + BLOCK_N - 1
-    if HAS_RIGHT:                   # row i sees key j from i >= j - off - right on
-        lo = tl.minimum(tl.maximum(start_n - off - window_right, 0), q_end) // BLOCK_M * BLOCK_M
-        mid_lo = tl.cdiv(tl.minimum(tl.maximum(last_key - off - window_right, 0), q_end), BLOCK_M) * BLOCK_M
-    else:
-        lo = 0
-        mid_lo = 0
-    if HAS_LEFT:                    # ... up to i <= j - off + left
-        hi = tl.minimum(tl.maximum(last_key - off + window_left + 1, 0), q_end)
-        mid_hi = tl.minimum(tl.maximum(start_n - off + window_left + 1, 0), q_end) // BLOCK_M * BLOCK_M
-    else:
-        hi = q_end
-        mid_hi = q_end
-    mid_lo = tl.maximum(mid_lo, lo)
-    mid_hi = tl.maximum(mid_hi, mid_lo)
-    return lo, mid_lo, mid_hi, hi
-
-
 @triton.jit(do_not_specialize=["seqlen_q", "seqlen_k", "num_n_blocks", "stats_rows"])
 def _bwd_dkdv_kernel(
     Q, K, V, DO, LSE2, Delta, DK, DV,
@@ -230,21 +206,14 @@ def _bwd_dkdv_kernel(
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
 
-    # Query rows that see this key block. Row i sees key j when j <= i + causal_offset.
+    # Query rows that see this key block (block_ranges). Row i sees key j when j <= i + causal_offset.
     causal_offset = seqlen_k - seqlen_q
     q_blocks_end = tl.cdiv(seqlen_q, BLOCK_M) * BLOCK_M
     if HAS_LEFT or HAS_RIGHT:
         lo, mid_lo, mid_hi, hi = window_query_range(start_n, seqlen_q, seqlen_k, window_left, window_right,
                                                     BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
-    elif IS_CAUSAL:
-        # The block's first key is seen from row start_n - causal_offset on; rows from
-        # start_n + BLOCK_N - 1 - causal_offset on see every key of the block (no mask needed).
-        lo = (tl.maximum(start_n - causal_offset, 0) // BLOCK_M) * BLOCK_M
-        full_from = tl.cdiv(tl.maximum(start_n + BLOCK_N - 1 - causal_offset, 0), BLOCK_M) * BLOCK_M
-        full_from = tl.minimum(tl.maximum(full_from, lo), q_blocks_end)
     else:
-        lo = 0
-        full_from = 0
+        lo, full_from = causal_query_range(start_n, seqlen_q, seqlen_k, q_blocks_end, BLOCK_M, BLOCK_N, IS_CAUSAL)
 
     # GQA: every query head of this KV head's group contributes to its dK and dV.
     for g in range(kv_group_size):
@@ -455,99 +424,29 @@ def preprocess(dout, out, lse, dlse, rows_out: int, precise_p: bool):
     return delta, lse2
 
 
-@on_input_device
-def backward(dout, q, k, v, out, lse, sm_scale: float, causal: bool, *, dlse=None,
-             dq=None, dk=None, dv=None, need_dq=True, need_dkdv=True,
-             config: tuple[BwdConfig, BwdConfig] | None = None, hopper: str | None = None,
-             varlen: Varlen | None = None, window: tuple[int, int] | None = None):
-    """Gradients of attention on validated [B, S, H, D] views (last stride 1).
-
-    out / lse are what the forward returned; dlse (optional, [B, Hq, Sq]) is a gradient on the LSE.
-    dq / dk / dv may be preallocated [B, S, H, D] views to write into. Only the requested gradients are
-    computed (need_dq, need_dkdv); the others come back as None. Returns (dq, dk, dv).
-    ``hopper``: a variant of the Gluon kernel (backward_hopper.VARIANTS) to use where it applies; None
-    lets ``configs.hopper_backward_variant`` choose (no ``config`` given; an explicit ``config``
-    runs the Triton kernels). A dK/dV-only variant takes dQ from the Gluon dQ kernel where its
-    configuration says so (``backward_hopper.dq_on_gluon``), else from the Triton dQ kernel.
-    ``varlen``: packed sequences (see ``Varlen``): q / out / dout [total_q, Hq, D], k / v
-    [total_k, Hkv, D], lse / dlse [Hq, total_q]; the Triton kernels run them. ``window``: a local
-    window (left, right) as the forward's; the Triton kernels run it.
-    """
-    if varlen is not None:
-        causal, window = window_bounds(window, causal, varlen.max_seqlen_q, varlen.max_seqlen_k)
-    else:
-        causal, window = window_bounds(window, causal, q.shape[1], k.shape[1])
-    if window is not None:
-        hopper = None                     # the Gluon kernels have no windows
-    dout = last_dim_contiguous(dout)
-    if need_dq and dq is None:
-        dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    if need_dkdv and dk is None:
-        dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
-    if need_dkdv and dv is None:
-        dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
-    if not need_dq:
-        dq = None
-    if not need_dkdv:
-        dk = dv = None
-    if varlen is not None:
-        _backward_varlen(dout, q, k, v, out, lse, sm_scale, causal, dlse, dq, dk, dv, config, varlen, window)
-        return dq, dk, dv
+def run_dkdv(q, k, v, dout, lse2, delta, dk, dv, sm_scale: float, causal: bool, config: BwdConfig,
+             stats_rows: int, window=None):
+    """The Triton dK/dV kernel on [B, S, H, D] views (last stride 1), with ``preprocess``'s delta and
+    lse2 ([B, Hq, stats_rows]). Writes dk and dv."""
     batch, seqlen_q, heads_q, head_dim = q.shape
     _, seqlen_k, heads_k, _ = k.shape
-    if seqlen_q == 0 or seqlen_k == 0 or batch == 0 or heads_q == 0:
-        # No score exists, so every gradient is zero.
-        for t in (dq, dk, dv):
-            if t is not None:
-                t.zero_()
-        return dq, dk, dv
+    tma = config.tma and tma_compatible(q, dout)
+    Q, DO = host_descriptors(config.block_m, configs.head_dim_block(head_dim), q, dout) if tma else (q, dout)
+    _launch_dkdv(Q, k, v, DO, lse2, delta, dk, dv, [_s(t) for t in (q, k, v, dout, dk, dv)],
+                 batch, heads_q, heads_k, head_dim, seqlen_q, seqlen_k, seqlen_k, stats_rows,
+                 sm_scale, causal, config, q.dtype, tma, window=window)
 
-    block_d = configs.head_dim_block(head_dim)
-    if hopper is None and config is None and window is None:
-        hopper = configs.hopper_backward_variant(head_dim=head_dim, dtype=q.dtype, device=q.device,
-                                                 causal=causal, seqlen_q=seqlen_q, seqlen_k=seqlen_k)
-    if config is None:
-        config = configs.backward_config(head_dim=head_dim, dtype=q.dtype, device=q.device)
-    dkdv_cfg, dq_cfg = config
-    # fp32 gradients are compared with fp32 PyTorch: recompute P without the base-2 round trip.
-    precise_p = q.dtype == torch.float32
 
-    if hopper is not None:
-        from . import backward_hopper     # imported here: Gluon is only needed on this path
-        if not backward_hopper.supported(q, k, v, dout, hopper):
-            hopper = None
-    # The Hopper kernel reads delta and lse2 in whole tiles: their rows are padded to a tile multiple.
-    rows_out = backward_hopper.padded_rows(seqlen_q) if hopper is not None else seqlen_q
-    delta, lse2 = preprocess(dout, out, lse, dlse, rows_out, precise_p)
-    if hopper is not None and backward_hopper.computes_dq(hopper):
-        # The fused kernel computes all three gradients; unrequested ones go to scratch tensors.
-        backward_hopper.backward_hopper(
-            dout, q, k, v, lse2, delta, sm_scale, causal,
-            dq if need_dq else torch.empty_like(q), dk if need_dkdv else torch.empty_like(k),
-            dv if need_dkdv else torch.empty_like(v), variant=hopper)
-        return dq, dk, dv
-    if hopper is not None:
-        # dK and dV from the Gluon kernel (its dK/dV-only variants); dQ from the Gluon dQ kernel where
-        # the variant says so, else from the Triton kernel below.
-        if need_dkdv:
-            backward_hopper.backward_hopper(dout, q, k, v, lse2, delta, sm_scale, causal, None, dk, dv,
-                                            variant=hopper)
-        if need_dq and backward_hopper.dq_on_gluon(hopper, head_dim):
-            backward_hopper.dq_hopper(dout, q, k, v, lse2, delta, sm_scale, causal, dq, variant=hopper)
-            need_dq = False
-    elif need_dkdv:
-        tma = dkdv_cfg.tma and tma_compatible(q, dout)
-        Q, DO = host_descriptors(dkdv_cfg.block_m, block_d, q, dout) if tma else (q, dout)
-        _launch_dkdv(Q, k, v, DO, lse2, delta, dk, dv, [_s(t) for t in (q, k, v, dout, dk, dv)],
-                     batch, heads_q, heads_k, head_dim, seqlen_q, seqlen_k, seqlen_k, rows_out,
-                     sm_scale, causal, dkdv_cfg, q.dtype, tma, window=window)
-    if need_dq:
-        tma = dq_cfg.tma and tma_compatible(k, v)
-        K, V = host_descriptors(dq_cfg.block_n, block_d, k, v) if tma else (k, v)
-        _launch_dq(q, K, V, dout, lse2, delta, dq, [_s(t) for t in (q, k, v, dout, dq)],
-                   batch, heads_q, heads_k, head_dim, seqlen_q, seqlen_k, seqlen_q, rows_out,
-                   sm_scale, causal, dq_cfg, q.dtype, tma, window=window)
-    return dq, dk, dv
+def run_dq(q, k, v, dout, lse2, delta, dq, sm_scale: float, causal: bool, config: BwdConfig,
+           stats_rows: int, window=None):
+    """The Triton dQ kernel, as ``run_dkdv``. Writes dq."""
+    batch, seqlen_q, heads_q, head_dim = q.shape
+    _, seqlen_k, heads_k, _ = k.shape
+    tma = config.tma and tma_compatible(k, v)
+    K, V = host_descriptors(config.block_n, configs.head_dim_block(head_dim), k, v) if tma else (k, v)
+    _launch_dq(q, K, V, dout, lse2, delta, dq, [_s(t) for t in (q, k, v, dout, dq)],
+               batch, heads_q, heads_k, head_dim, seqlen_q, seqlen_k, seqlen_q, stats_rows,
+               sm_scale, causal, config, q.dtype, tma, window=window)
 
 
 def _launch_dkdv(Q, K, V, DO, lse2, delta, dk, dv, strides, batch, heads_q, heads_k, head_dim,
@@ -598,11 +497,11 @@ def _precision(dtype):
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-def _backward_varlen(dout, q, k, v, out, lse, sm_scale, causal, dlse, dq, dk, dv, config, varlen: Varlen,
-                     window):
-    """``backward()`` on packed sequences (see ``Varlen``): q / out / dout / dq [total_q, Hq, D],
-    k / v / dk / dv [total_k, Hkv, D], lse / dlse [Hq, total_q]. Triton kernels with pointer loads,
-    the same per-block work as the padded case; dq / dk / dv are those given or None."""
+def run_varlen(dout, q, k, v, out, lse, sm_scale, causal, dlse, dq, dk, dv,
+               config: tuple[BwdConfig, BwdConfig], varlen: Varlen, window=None):
+    """The Triton backward on packed sequences (see ``Varlen``): q / out / dout / dq [total_q, Hq, D],
+    k / v / dk / dv [total_k, Hkv, D], lse / dlse [Hq, total_q]; the same per-block work as the
+    padded case. dq / dk / dv are those to compute, or None."""
     total_q, heads_q, head_dim = q.shape
     total_k, heads_k, _ = k.shape
     grads = [t for t in (dq, dk, dv) if t is not None]
@@ -610,8 +509,6 @@ def _backward_varlen(dout, q, k, v, out, lse, sm_scale, causal, dlse, dq, dk, dv
         for t in grads:
             t.zero_()                  # no score exists
         return
-    if config is None:
-        config = configs.backward_config(head_dim=head_dim, dtype=q.dtype, device=q.device)
     dkdv_cfg, dq_cfg = config
     # delta and lse2 are per row: the packed rows are one batch entry of total_q rows.
     delta, lse2 = preprocess(dout[None], out[None], lse[None], dlse[None] if dlse is not None else None,

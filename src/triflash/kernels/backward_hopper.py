@@ -1,95 +1,27 @@
 """FlashAttention backward for Hopper (sm_90) in Gluon: dK and dV on the tensor cores, with or
 without dQ.
 
-One kernel, two forms
----------------------
 A CTA keeps one 128-key block of one (batch, KV head): K and V in shared memory, dK and dV in
-registers. It walks the query blocks that see those keys and, per block, does
+registers. It walks the query blocks that see those keys (every query head of the GQA group, so dK
+and dV need no reduction across CTAs) and per block computes
 
-    per key block n (one CTA) and each query block m that sees it:
-        S^T  = K Q^T            dP^T = V dO^T             (keys on the rows, queries on the columns)
-        P^T  = exp2(S^T * scale * log2(e) - lse2)          dS^T = P^T * (dP^T - delta)
-        dV  += P^T dO           dK  += dS^T Q             (kept in registers for the whole CTA)
-        dQ_m += dS K            (fused form only: a [BLOCK_M, D] partial, added into an fp32 workspace)
+    S^T = K Q^T,  P^T = exp2(S^T * scale * log2(e) - lse2),  dP^T = V dO^T,  dS^T = P^T * (dP^T - delta)
+    dV += P^T dO,  dK += dS^T Q,  and in the fused form dQ_m += dS K.
 
-* **dK and dV only** (``dq=False``, variants ``dkdv`` and ``dkdv_long``: what
-  ``configs.hopper_backward_variant`` takes). dQ then comes from a kernel that keeps a query block
-  and recomputes S and dP: at head_dim 128 this file's Gluon dQ kernel
-  (``_attn_bwd_dq_hopper_kernel``, below), at 64 the portable Triton one (backward.py), or from 4k
-  keys (``dkdv_long``) the Gluon one in 128-key tiles, each where it was faster (runs 52, 66, 77 and
-  79). That is 7 tile products per (query block, key block) pair, as in the portable backward, but
-  on wgmma. Without a writer partition the two consumer warpgroups get 240 registers a thread:
-  enough for head_dim 128's dK and dV (128) beside S^T and dP^T, and at head_dim 64 for 128 queries
-  per step. At head_dim 128 the dK/dV part ran at about 590 TFLOP/s where the Triton dK/dV kernel
-  ran at about 425 (run 50).
-* **Fused** (``dq=True``, variant ``split``): all three gradients in one pass, 5 tile products per
-  pair, FlashAttention-3's count. The catch is dQ: every key block adds a partial into the same dQ
-  rows, and the backward may not use atomics. The sections below describe how the partials are added
-  in a fixed order. That order and the partials' fp32 read-add-write through L2 cost about 25% of the
-  kernel's time (runs 30-31), more than the two products the other form recomputes: run 50 measured
-  ``dkdv`` 9-20% ahead of it at head_dim 64, so it is no longer chosen. It stays as the deterministic
-  5-product design that a cheaper cross-CTA sum (through a cluster's distributed shared memory, say)
-  would start from, and the GPU tests still run it.
+* **dK and dV only** (variants ``dkdv``, ``dkdv_long``: what ``dispatch.backward_variant`` takes): dQ
+  comes from a kernel that keeps a query block and recomputes S and dP, the Gluon dQ kernel below
+  (``_attn_bwd_dq_hopper_kernel``) or the portable Triton one (docs/hopper.md#backward-dk-and-dv-kernel,
+  docs/hopper.md#backward-dq-kernel).
+* **Fused** (variant ``split``): all three gradients in one pass, dQ partials added in a fixed order
+  through per-block turn counters and a writer partition, so the result is bit-reproducible without
+  atomics (docs/hopper.md#deterministic-dq-in-one-pass). Not chosen (slower than ``dkdv``); kept as
+  the deterministic one-pass design and still tested on the GPU.
 
-Deterministic dQ without atomic additions
------------------------------------------
-Every key block adds a partial into the same dQ rows. With atomic additions the order of those
-additions, and so the rounding, changes from run to run. Here the additions into query block m of a
-(batch, head) happen in a fixed order: from the last key block that sees a row of m (n_max(m): the
-last one, or causal, the last one at or below the diagonal) down to key block 0. A turn counter per
-query block (``SEM``, int32, zeroed by the launcher, one 128-byte line each) says how many key
-blocks have added theirs; key block n waits until it reads n_max(m) - n, reads the workspace rows,
-adds, writes them back and stores n_max(m) - n + 1. The counters are the only memory touched with
-acquire/release semantics; the data are plain loads and stores. So the result is the same bit for bit
-on every run.
-
-What keeps that safe and cheap:
-
-* *No deadlock, whatever else runs on the GPU.* A CTA only ever waits for CTAs of the same (batch, KV
-  head) with a larger key block index, which get smaller program ids (``_bwd_coords``); CUDA
-  dispatches a grid's CTAs in program-id order, so every CTA waited for is already running or done
-  (even if only one SM is free).
-* *No wavefront.* Non-causal, all CTAs of a head walk the query blocks in the same order (from the
-  last one down), one block per step: key block n reaches block m in the same step as key block
-  n + 1 and waits only for n + 1's write of it, a lag of a few short critical sections, not of whole
-  steps. Causal, each CTA walks up from its diagonal block, so key block n reaches block m
-  G * BLOCK_N / BLOCK_M steps after key block n + 1 did (fewer where n + 1's first block is clamped
-  to 0): the turns arrive in chain order, with no wait.
-* *The lag is paid once per GPU, not once per wave.* Program ids interleave the heads of about one
-  wave (``heads_per_group``), so the SMs freed by key block n of one group go to key block n of the
-  next, which starts about one turn after the CTA it waits for.
-* *Two steps per round.* The writer takes two steps' partials at a time: two turns awaited, two tiles
-  loaded, summed and stored, two counters released: one L2 round trip serves both.
-
-The dQ partials go through shared memory to a writer partition, so the tensor-core warps never wait on
-the turn counter; a small final kernel scales the workspace by sm_scale into dq's dtype (and writes 0
-for query blocks that no key block reached: rows that see no key).
-
-Partitions
-----------
-* **consumers** (two partitions of one warpgroup each, ``_bwd_consumer``; the first is the default
-  partition): 64 of the key block's 128 rows each, every wgmma, the softmax recomputation, dK and dV
-  in registers, and at the end dK * sm_scale and dV to memory. They are not synchronised with each
-  other, so one's softmax runs under the other's products. In the fused form each hands its own dQ
-  partial (its 64 keys' share) to the writer, which sums the two.
-* **producer** (1 warp, ``_bwd_producer``): TMA loads of the K and V tiles (once) and of the Q and dO
-  tiles of every step into a ring of ``STAGES`` slots.
-* **writer** (4 warps, ``_bwd_writer``; fused form only): per step, takes the dQ partial from shared
-  memory, waits for its turn, adds it into the fp32 workspace and passes the turn on.
-
-mbarriers (as in forward_hopper.py; a barrier's phase flips each time it completes): ``kv_ready`` (the
-K/V tiles landed), ``q_ready[s]`` / ``q_empty[s]`` (the Q and dO tiles of ring slot s), and in the
-fused form ``dq_full[b]`` / ``dq_empty[b]`` (dQ partial buffer b). Step i uses slot i % STAGES (parity
-(i // STAGES) & 1) and buffer i % DQ_BUFS.
-
-Numerics are those of backward.py's fp16/bf16 path: P recomputed with one FMA and exp2 from the base-2
-LSE of the preprocess kernel (+inf for rows that saw no key, so their p and gradients are 0), dK, dV and
-dQ accumulated in fp32, P and dS rounded to the input dtype for their matmuls.
-
-Shapes: q, dO [B, Sq, Hq, D], k, v [B, Sk, Hkv, D] (TMA-compatible strides), read through host-built
-4-D descriptors of [1, rows, 1, D] boxes; rows past the ends read as zeros, and those rows' results
-are never stored. GQA: a CTA owns one KV head's key block and walks the query blocks of every query
-head of its group, so dK and dV are sums over the group with no reduction across CTAs.
+Partitions: two consumer warpgroups (``_bwd_consumer``, 64 of the block's keys each), a producer warp
+(``_bwd_producer``: TMA loads of K/V once and of Q/dO per step into a ring), and in the fused form a
+writer (``_bwd_writer``). Numerics are backward.py's fp16/bf16 path: P recomputed from the base-2 LSE
+(+inf for rows that saw no key, so their gradients are 0), fp32 accumulators, P and dS rounded to the
+input dtype for their products. Rows past the ends read as zeros and are never stored.
 """
 
 from __future__ import annotations
@@ -99,16 +31,19 @@ import triton
 import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
-                                                              warpgroup_mma, warpgroup_mma_wait)
-
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTensorDescriptor
 
 from . import launch
 from .common import LOG2E, on_input_device
-from .configs import cdiv, sm_count
-from .forward_hopper import PLAIN, _descriptor, _row_limits, _tile_coords, shared_layout
-from .forward_hopper import supported as forward_supported
+from .configs import cdiv, gluon_hopper_applies, sm_count
+from .sm90_common import PLAIN, descriptor, row_limits, shared_layout, tile_coords, tma_supported
 
 BLOCK_N = 128              # keys per CTA: 64 per consumer partition
 NUM_WG = 2                 # consumer partitions (one warpgroup each)
@@ -122,33 +57,23 @@ CONSUMER_REGS_3WG = min(240, (65536 - 128 * PRODUCER_REGS) // (128 * 2) // 8 * 8
 
 # name -> head_dim -> config. block_m: query rows per step; stages: Q/dO ring depth;
 # dq_bufs: dQ partial buffers between the consumers and the writer (it takes two per round);
-# writer_regs: the writer's setmaxnreg; writer_mode (timing experiments only, wrong dQ on purpose):
-# 1 = additions in no fixed order, 2 = no workspace traffic at all.
-# (Run 28's first form, one 8-warp consumer partition on all 128 keys, is gone: its two warpgroups
-# did their softmax in step, so the tensor cores waited, and at head_dim 128 it spilled. Runs 28-33.)
-# dq: whether the kernel computes dQ too (the fused form) or dK and dV only.
-_SPLIT = dict(block_m=64, stages=2, dq_bufs=4, writer_regs=80, writer_mode=0, dq=True)
+# writer_regs: the writer's setmaxnreg; dq: whether the kernel computes dQ too (the fused form) or
+# dK and dV only. Measurements: docs/performance-notes.md#backward.
+_SPLIT = dict(block_m=64, stages=2, dq_bufs=4, writer_regs=80, dq=True)
 # dK and dV only: no writer, so the consumers get 240 registers a thread, which hold head_dim 128's dK
-# and dV (128) beside S^T and dP^T, and at head_dim 64 room for 128 queries a step (run 50: 4-8% over
-# 64 rows there; three Q/dO stages were 2-4% slower at 1k-4k keys and 2% faster at 16k).
+# and dV beside S^T and dP^T, and at head_dim 64 room for 128 queries a step.
 _DKDV = dict(stages=2, dq=False)
 VARIANTS = {
-    # The chooser's pick. dq_kernel: where dQ comes from, this file's Gluon dQ kernel (64-key tiles,
-    # three K/V stages) or the Triton one. Run 52: the Gluon one +1-12% at head_dim 128, 0-8% slower
-    # at 64 (where the Triton dQ kernel's 64x64 tiles keep up); 128-key tiles were level at 1k-16k
-    # and 3-5% slower at 4k.
+    # dq_kernel: where dQ comes from, this file's Gluon dQ kernel or the Triton one (faster at head
+    # dim 64 below 4k keys, where its 64x64 tiles keep up).
     "dkdv": {64: dict(_DKDV, block_m=128, dq_kernel="triton"),
              128: dict(_DKDV, block_m=64, dq_kernel="gluon", dq_block_n=64, dq_stages=3)},
-    # The same dK/dV kernel with dQ from the Gluon kernel in 128-key tiles and two stages: the pick
-    # at head_dim 64 from 4k keys, where the backward was +1.6-4.3% non-causal and +0.2-3.4% causal
-    # with that dQ kernel from 8k (runs 66 and 77) and -1.2% to +4.1% at 4k (runs 66, 77 and 79, 0 to
-    # +4.1% in the last two); at 1k it was 2-5% slower (run 66).
+    # dQ from the Gluon kernel in 128-key tiles: head dim 64 from 4k keys.
     "dkdv_long": {64: dict(_DKDV, block_m=128, dq_kernel="gluon", dq_block_n=128, dq_stages=2)},
-    "split": {64: _SPLIT},                      # the fused form (not chosen since run 50)
-    "x_split_unordered": {64: dict(_SPLIT, writer_mode=1)},
-    "x_split_nowrite": {64: dict(_SPLIT, writer_mode=2)},
+    # The fused, deterministic one-pass form (docs/hopper.md#deterministic-dq-in-one-pass): not chosen
+    # (dkdv is faster), kept as the base of a one-pass backward and tested on the GPU.
+    "split": {64: _SPLIT},
 }
-EXPERIMENTS = ("x_split_unordered", "x_split_nowrite")     # wrong dQ on purpose: timing only
 
 
 STATS_TILE = 128      # every query tile of these kernels divides it
@@ -180,7 +105,7 @@ def variant_config(variant: str, head_dim: int) -> dict:
         cfg["consumer_regs"] = spare // NUM_WG // 8 * 8
     else:
         cfg["maxnreg"], cfg["consumer_regs"] = MAXNREG_3WG, CONSUMER_REGS_3WG
-        cfg.update(dq_bufs=2, writer_regs=0, writer_mode=0)     # unused without the writer
+        cfg.update(dq_bufs=2, writer_regs=0)     # unused without the writer
     return cfg
 
 
@@ -276,7 +201,7 @@ def _bwd_step(i, dk, dv, zero_st, zero_dq,
     """One (query block, key block) step of a consumer partition: returns the updated dK, dV and (DQ)
     hands its dQ partial to the writer. MASK (compile time, so a step has no branch): 0 none, 1 the
     causal diagonal, 2 the key rows past seqlen_k (the caller runs each kind of step in its own loop).
-    (Issuing the next step's S^T / dP^T before waiting for this step's products was tried, run 29:
+    (Issuing the next step's S^T / dP^T before waiting for this step's products was tried:
     ptxas then serialises the wgmmas, C7514.)"""
     dtype: gl.constexpr = q_smem.dtype
     s = i % STAGES
@@ -379,7 +304,7 @@ def _bwd_consumer(DK, DV, q_smem, do_smem, k_all, v_all, lse_smem, delta_smem, d
     # Steps by the mask they need, each kind in its own loop (no branch inside a step): causal, the
     # query blocks below m_full (the first steps: they go up from the diagonal); then the rest, with
     # the key-tail mask where this partition holds key rows past seqlen_k. (The three calls written
-    # as one gl.static_range(3) over the mask kind spill 8-16 bytes at head_dim 128: notes, run 62.)
+    # as one gl.static_range(3) over the mask kind spill 8-16 bytes at head_dim 128.)
     if IS_CAUSAL:
         n_masked = gl.minimum(gl.maximum(m_full - m_first, 0) * kv_group_size, n_steps)
         for i in range(0, n_masked):
@@ -478,7 +403,7 @@ def _bwd_writer(DQW, SEM, dq_smem, dq_full, dq_empty,
                 batch, heads_per_group,
                 HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                 DQ_BUFS: gl.constexpr, IS_CAUSAL: gl.constexpr, THREADS: gl.constexpr,
-                WRITER_MODE: gl.constexpr, NUM_WG: gl.constexpr):
+                NUM_WG: gl.constexpr):
     """Adds each step's dQ partial into workspace rows [m * BM, m * BM + BM) of its (batch, query head),
     in key-block order. DQW is [B, Hq, num_m_blocks * BM, D] fp32, SEM [B, Hq, num_m_blocks,
     SEM_STRIDE] int32.
@@ -493,7 +418,7 @@ def _bwd_writer(DQW, SEM, dq_smem, dq_full, dq_empty,
         heads_per_group, BLOCK_M, BLOCK_N, IS_CAUSAL)
     num_heads_q = num_heads_k * kv_group_size
     # 4 fp32 (16 bytes) per thread along D; CHUNK rows at a time (16 values per thread and step: 32 made
-    # no difference, run 34).
+    # no difference).
     TPR: gl.constexpr = HEAD_DIM // 4                     # threads per row
     layout: gl.constexpr = gl.BlockedLayout([1, 4], [32 // TPR, TPR], [THREADS // 32, 1], [1, 0])
     CHUNK: gl.constexpr = (THREADS * 16) // HEAD_DIM
@@ -516,24 +441,21 @@ def _bwd_writer(DQW, SEM, dq_smem, dq_full, dq_empty,
         b1 = j1 % DQ_BUFS
         mbarrier.wait(dq_full.index(b0), (j // DQ_BUFS) & 1)
         mbarrier.wait(dq_full.index(b1), (j1 // DQ_BUFS) & 1, pred=has1)
-        if WRITER_MODE == 0:
-            _wait_turn(sem0, turn0)
-            _wait_turn(sem1, turn1)
+        _wait_turn(sem0, turn0)
+        _wait_turn(sem1, turn1)
         for c in gl.static_range(BLOCK_M // CHUNK):
             ptr0 = base0 + c * CHUNK * HEAD_DIM + offs
             ptr1 = base1 + c * CHUNK * HEAD_DIM + offs
-            if WRITER_MODE < 2:
-                # The first contribution to a block (turn 0) is stored as it is: no load.
-                x0 = gl.load(ptr0, mask=turn0 > 0, other=0.0, cache_modifier=".cg")
-                x1 = gl.load(ptr1, mask=has1 & (turn1 > 0), other=0.0, cache_modifier=".cg")
-                gl.store(ptr0, x0 + _dq_partial(dq_smem, b0, c, CHUNK, NUM_WG, layout))
-                gl.store(ptr1, x1 + _dq_partial(dq_smem, b1, c, CHUNK, NUM_WG, layout), mask=has1)
+            # The first contribution to a block (turn 0) is stored as it is: no load.
+            x0 = gl.load(ptr0, mask=turn0 > 0, other=0.0, cache_modifier=".cg")
+            x1 = gl.load(ptr1, mask=has1 & (turn1 > 0), other=0.0, cache_modifier=".cg")
+            gl.store(ptr0, x0 + _dq_partial(dq_smem, b0, c, CHUNK, NUM_WG, layout))
+            gl.store(ptr1, x1 + _dq_partial(dq_smem, b1, c, CHUNK, NUM_WG, layout), mask=has1)
         # (Gluon's arrive is a barrier of the partition, then one thread's arrive: every warp has read
         # the buffers before the consumers may refill them.)
         mbarrier.arrive(dq_empty.index(b0), count=1)
         mbarrier.arrive(dq_empty.index(b1), count=1, pred=has1)
-        if WRITER_MODE == 0:
-            _pass_turns(sem0, sem1, turn0 + 1, turn1 + 1)
+        _pass_turns(sem0, sem1, turn0 + 1, turn1 + 1)
 
 
 @gluon.jit(do_not_specialize=["num_n_blocks", "num_heads_q", "num_heads_k", "kv_group_size", "seqlen_q",
@@ -544,7 +466,7 @@ def _attn_bwd_hopper_kernel(
     num_n_blocks, num_heads_q, num_heads_k, kv_group_size, seqlen_q, seqlen_k, num_m_blocks,
     batch, heads_per_group, stats_rows, sm_scale, qk_scale,
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-    DQ_BUFS: gl.constexpr, IS_CAUSAL: gl.constexpr, WRITER_MODE: gl.constexpr,
+    DQ_BUFS: gl.constexpr, IS_CAUSAL: gl.constexpr,
     NUM_WG: gl.constexpr, WRITER_REGS_: gl.constexpr, PRODUCER_REGS_: gl.constexpr,
     CONSUMER_REGS_: gl.constexpr, DQ: gl.constexpr,
 ):
@@ -582,7 +504,7 @@ def _attn_bwd_hopper_kernel(
 
     # The partitions' argument lists are spelled out, in both branches (see forward_hopper.py: a tuple
     # built once and reused loses the constexpr-ness of the block sizes in Triton 3.6's warp_specialize;
-    # tried again for these two lists after run 54, and the fused form then failed to compile).
+    # tried again for these two lists later, and the fused form then failed to compile).
     gl.static_assert(NUM_WG == 2, "two consumer partitions")
     if DQ:
         gl.warp_specialize([
@@ -601,7 +523,7 @@ def _attn_bwd_hopper_kernel(
             (_bwd_writer, (DQW, SEM, dq_smem, dq_full, dq_empty,
                            num_n_blocks, num_heads_k, kv_group_size, seqlen_q, seqlen_k, num_m_blocks,
                            batch, heads_per_group, HEAD_DIM, BLOCK_M, BLOCK_N, DQ_BUFS, IS_CAUSAL, 128,
-                           WRITER_MODE, NUM_WG)),
+                           NUM_WG)),
             (_bwd_producer, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc,
                              q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem,
                              kv_ready, q_ready, q_empty,
@@ -675,9 +597,9 @@ def _dq_producer(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc,
                  ROWS: gl.constexpr, NUM_WG: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                  IS_CAUSAL: gl.constexpr):
     """The query side once (one barrier for all of it), then K_j and V_j into ring slot j % STAGES.
-    The tile and its key blocks are the forward's (``_tile_coords``: every key block some row of the
+    The tile and its key blocks are the forward's (``tile_coords``: every key block some row of the
     tile sees; causal, one head after the other, the heaviest query blocks first)."""
-    pid_bh, off_b, off_h, off_hk, start_m, n_blocks, _ = _tile_coords(
+    pid_bh, off_b, off_h, off_hk, start_m, n_blocks, _ = tile_coords(
         gl.program_id(0), 0, num_m_blocks, num_heads_q, kv_group_size, seqlen_q, seqlen_k,
         gl.num_programs(0), 1, ROWS * NUM_WG, BLOCK_N, IS_CAUSAL, PLAIN)
     mbarrier.expect(q_ready, NUM_WG * (q_desc.block_type.nbytes + do_desc.block_type.nbytes
@@ -735,8 +657,7 @@ def _dq_consumer(DQ, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, q_re
     seqlen_q (zero Q and dO, lse2 = +inf) and rows that see no key (lse2 = +inf) get p = 0; key rows
     past seqlen_k and keys after a row's causal diagonal are masked to p = 0 (their zero K rows would
     otherwise give p = exp2(-lse2), see _bwd_step)."""
-    dtype: gl.constexpr = q_smem.dtype
-    pid_bh, off_b, off_h, off_hk, start_m, n_blocks, _ = _tile_coords(
+    pid_bh, off_b, off_h, off_hk, start_m, n_blocks, _ = tile_coords(
         gl.program_id(0), 0, num_m_blocks, num_heads_q, kv_group_size, seqlen_q, seqlen_k,
         gl.num_programs(0), 1, ROWS * NUM_WG, BLOCK_N, IS_CAUSAL, PLAIN)
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -750,7 +671,7 @@ def _dq_consumer(DQ, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, q_re
     cols0 = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
     causal_offset = seqlen_k - seqlen_q
     # Key blocks [0, n_full) are seen in full by every row of this warpgroup: no mask there.
-    n_full, col_limit = _row_limits(row0, rows, causal_offset, seqlen_k, ROWS, BLOCK_N, IS_CAUSAL,
+    n_full, col_limit = row_limits(row0, rows, causal_offset, seqlen_k, ROWS, BLOCK_N, IS_CAUSAL,
                                     row_layout)
     q_tile = q_smem.index(WG)
     do_tile = do_smem.index(WG)
@@ -838,10 +759,11 @@ def _check_stats(lse2, delta, seqlen_q):
 
 
 def supported(q, k, v, dout, variant: str) -> bool:
-    """The forward Hopper kernel's conditions (forward_hopper.supported: CUDA fp16/bf16 [B, S, H, D]
+    """The forward Hopper kernel's conditions (sm90_common.tma_supported: CUDA fp16/bf16 [B, S, H, D]
     views, GQA, TMA-compatible strides; dout checked like its output) and a head dim the variant has a
-    config for."""
-    return q.shape[-1] in VARIANTS[variant] and forward_supported(q, k, v, dout)
+    config for, on an sm_90 GPU."""
+    return (q.shape[-1] in VARIANTS[variant] and tma_supported(q, k, v, dout)
+            and gluon_hopper_applies(head_dim=q.shape[-1], dtype=q.dtype, device=q.device))
 
 
 @on_input_device
@@ -869,10 +791,10 @@ def backward_hopper(dout, q, k, v, lse2, delta, sm_scale: float, causal: bool, d
     # About one wave of CTAs per group of (batch, KV head) pairs (see _bwd_coords).
     sms = sm_count(q.device) if q.is_cuda else 132
     heads_per_group = max(1, sms // num_n_blocks)
-    q_desc = _descriptor(q, block_m, head_dim)
-    do_desc = _descriptor(dout, block_m, head_dim)
-    k_desc = _descriptor(k, BLOCK_N, head_dim)
-    v_desc = _descriptor(v, BLOCK_N, head_dim)
+    q_desc = descriptor(q, block_m, head_dim)
+    do_desc = descriptor(dout, block_m, head_dim)
+    k_desc = descriptor(k, BLOCK_N, head_dim)
+    v_desc = descriptor(v, BLOCK_N, head_dim)
     launch.run(
         _attn_bwd_hopper_kernel, (batch * heads_k * num_n_blocks,),
         q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dk, dv, dq_work, sem,
@@ -880,7 +802,7 @@ def backward_hopper(dout, q, k, v, lse2, delta, sm_scale: float, causal: bool, d
         num_n_blocks, heads_q, heads_k, heads_q // heads_k, seqlen_q, seqlen_k, num_m_blocks,
         batch, heads_per_group, lse2.shape[-1], sm_scale, sm_scale * LOG2E,
         HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=BLOCK_N, STAGES=cfg["stages"], DQ_BUFS=cfg["dq_bufs"],
-        IS_CAUSAL=causal, WRITER_MODE=cfg["writer_mode"], NUM_WG=NUM_WG,
+        IS_CAUSAL=causal, NUM_WG=NUM_WG,
         WRITER_REGS_=cfg["writer_regs"], PRODUCER_REGS_=PRODUCER_REGS, CONSUMER_REGS_=cfg["consumer_regs"],
         DQ=cfg["dq"], num_warps=cfg["num_warps"], maxnreg=cfg["maxnreg"],
     )
@@ -913,8 +835,8 @@ def dq_hopper(dout, q, k, v, lse2, delta, sm_scale: float, causal: bool, dq, *, 
     _check_stats(lse2, delta, seqlen_q)
     launch.run(
         _attn_bwd_dq_hopper_kernel, (batch * heads_q * num_m_blocks,),
-        _descriptor(q, rows, head_dim), _descriptor(k, block_n, head_dim), _descriptor(v, block_n, head_dim),
-        _descriptor(dout, rows, head_dim), _row_descriptor(lse2, rows), _row_descriptor(delta, rows), dq,
+        descriptor(q, rows, head_dim), descriptor(k, block_n, head_dim), descriptor(v, block_n, head_dim),
+        descriptor(dout, rows, head_dim), _row_descriptor(lse2, rows), _row_descriptor(delta, rows), dq,
         dq.stride(0), dq.stride(1), dq.stride(2),
         heads_q, heads_q // heads_k, seqlen_q, seqlen_k, num_m_blocks, lse2.shape[-1], sm_scale,
         sm_scale * LOG2E,

@@ -11,6 +11,7 @@ from triton.language.extra import libdevice
 
 from . import configs
 
+
 def on_input_device(launcher):
     """Run a launcher with its first tensor argument's GPU as the current device. Triton launches on
     the current device, so without this, tensors on another GPU (cuda:1 while cuda:0 is current)
@@ -55,17 +56,6 @@ def rows_past_int32(rows: int, row_stride: int, width: int) -> bool:
     """Whether the last of ``rows`` rows (``row_stride`` apart, ``width`` lanes each) ends past
     2^31 - 1 elements from the first."""
     return rows > 0 and (rows - 1) * row_stride + width > 2**31 - 1
-
-
-@triton.jit
-def sequence_bounds(CU_Q, CU_K, off_b):
-    """Packed sequences (VARLEN kernels): sequence off_b's first query row and first key row (int64),
-    and its own query and key counts, from the [B + 1] offsets."""
-    q_start = tl.load(CU_Q + off_b).to(tl.int64)
-    k_start = tl.load(CU_K + off_b).to(tl.int64)
-    seqlen_q = (tl.load(CU_Q + off_b + 1) - q_start).to(tl.int32)
-    seqlen_k = (tl.load(CU_K + off_b + 1) - k_start).to(tl.int32)
-    return q_start, k_start, seqlen_q, seqlen_k
 
 
 @triton.jit
@@ -151,7 +141,7 @@ def score_dot(q, k, DOT_PRECISION: tl.constexpr, BLOCKED: tl.constexpr):
     of at most 64 lanes whose products are then added pairwise (``add_rn``). Triton's IEEE fp32 dot on
     the GPU is one sequential FMA chain per score, so at BD = 256 a score carries ~4 ulp of rounding
     where cuBLAS's blocked sum carries ~1; over a few keys of |score| ~ 30 that was the whole fp32
-    error budget of a decode output (docs/performance-notes.md, run 23)."""
+    error budget of a decode output (docs/performance-notes.md#numerics)."""
     BD: tl.constexpr = q.shape[1]
     if BLOCKED and BD >= 128:
         q0, q1 = _halves_of_columns(q)
@@ -191,106 +181,6 @@ def natural_log(x):
         return libdevice.log(x)
     else:
         return tl.log(x)
-
-
-@triton.jit
-def causal_key_range(start_m, seqlen_q, seqlen_k, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     IS_CAUSAL: tl.constexpr):
-    """Key ranges of the query block [start_m, start_m + BLOCK_M): (off_band_end, hi).
-
-    Keys [0, off_band_end) come in whole BLOCK_N blocks that every row of the block sees: no mask.
-    Keys [off_band_end, hi) need the element mask (the causal diagonal, the ragged end of the keys).
-    No key from hi on is visible to any row, so those blocks are never visited. Causal masking is
-    bottom-right aligned: row i sees key j when j <= i + (seqlen_k - seqlen_q)."""
-    causal_offset = seqlen_k - seqlen_q
-    full_blocks_end = (seqlen_k // BLOCK_N) * BLOCK_N
-    if IS_CAUSAL:
-        # Off-band: keys the first row of the block already sees, so every row sees them.
-        first_row_end = tl.maximum(start_m + causal_offset + 1, 0)
-        off_band_end = tl.minimum((first_row_end // BLOCK_N) * BLOCK_N, full_blocks_end)
-        # Nothing past the last row's diagonal.
-        hi = tl.minimum(tl.maximum(start_m + BLOCK_M + causal_offset, 0), seqlen_k)
-    else:
-        off_band_end = full_blocks_end
-        hi = seqlen_k
-    return off_band_end, hi
-
-
-def window_bounds(window, causal: bool, max_q: int, max_k: int) -> tuple[bool, tuple[int, int] | None]:
-    """(causal, window) as the kernels take a validated window_size (left, right) (-1: no bound on
-    that side), for at most ``max_q`` queries and ``max_k`` keys per sequence.
-
-    A bound that already reaches every key is no bound: left >= max_k (row i's left edge,
-    i + Sk - Sq - left, is then below key 0) and right >= max_q - 1 (row 0's right edge is then past
-    the last key) become -1, so huge bounds never reach the kernels' sums. Causal is folded in (its
-    right bound is 0), and a right bound of 0 with no left one is causal attention. The window is
-    None where the plain causal / non-causal kernels compute it, which are the fastest."""
-    left, right = window if window is not None else (-1, -1)
-    if left >= max_k:
-        left = -1
-    if right >= max(max_q - 1, 0):
-        right = -1
-    if causal or (left < 0 and right == 0):
-        causal, right = True, 0
-    if left < 0 and (right < 0 or causal):
-        return causal, None
-    return causal, (left, right)
-
-
-def window_kernel_args(window: tuple[int, int] | None) -> tuple[tuple[int, int], dict]:
-    """What a kernel launch takes for ``window_bounds``' window: the bounds (window_left,
-    window_right; placeholders without a window) and the HAS_LEFT / HAS_RIGHT flags."""
-    if window is None:
-        return (0, 0), dict(HAS_LEFT=False, HAS_RIGHT=False)
-    return window, dict(HAS_LEFT=window[0] >= 0, HAS_RIGHT=window[1] >= 0)
-
-
-@triton.jit
-def window_key_range(start_m, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M: tl.constexpr,
-                     BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
-    """Key ranges of the query block [start_m, start_m + BLOCK_M) under a local (sliding) window:
-    row i sees key j when i + off - window_left <= j (HAS_LEFT) and j <= i + off + window_right
-    (HAS_RIGHT), off = seqlen_k - seqlen_q (bottom-right aligned; causal is window_right = 0).
-
-    Returns (lo, mid_lo, mid_hi, hi): keys [lo, mid_lo) and [mid_hi, hi) need the element mask, and
-    [mid_lo, mid_hi) are whole BLOCK_N blocks every row of the block sees. Nothing outside [lo, hi)
-    is visible to any row. lo, mid_lo and mid_hi are multiples of BLOCK_N."""
-    off = seqlen_k - seqlen_q
-    first = start_m + off                                   # the first row's diagonal key
-    last = start_m + BLOCK_M - 1 + off                      # the last row's
-    full_end = (seqlen_k // BLOCK_N) * BLOCK_N
-    if HAS_RIGHT:
-        hi = tl.minimum(tl.maximum(last + window_right + 1, 0), seqlen_k)
-        mid_hi = tl.minimum(tl.maximum(first + window_right + 1, 0) // BLOCK_N * BLOCK_N, full_end)
-    else:
-        hi = seqlen_k
-        mid_hi = full_end
-    if HAS_LEFT:
-        lo = tl.minimum(tl.maximum(first - window_left, 0), seqlen_k) // BLOCK_N * BLOCK_N
-        mid_lo = tl.cdiv(tl.minimum(tl.maximum(last - window_left, 0), seqlen_k), BLOCK_N) * BLOCK_N
-    else:
-        lo = 0
-        mid_lo = 0
-    mid_lo = tl.maximum(mid_lo, lo)
-    mid_hi = tl.maximum(mid_hi, mid_lo)                     # no whole block seen by every row
-    return lo, mid_lo, mid_hi, hi
-
-
-@triton.jit
-def window_visible(rows, cols, off, window_left, window_right, HAS_LEFT: tl.constexpr,
-                   HAS_RIGHT: tl.constexpr):
-    """The mask of a local window (``window_key_range``'s rule) for query rows against key cols,
-    given already broadcast to the tile's orientation ([BM, 1] and [1, BN], or transposed)."""
-    visible = None
-    if HAS_RIGHT:
-        visible = cols <= rows + (off + tl.cast(window_right, tl.int64))
-    if HAS_LEFT:
-        left_ok = cols >= rows + (off - tl.cast(window_left, tl.int64))
-        if HAS_RIGHT:
-            visible = visible & left_ok
-        else:
-            visible = left_ok
-    return visible
 
 
 @triton.jit
@@ -359,3 +249,15 @@ def finish_rows(acc, l_i, m_i, sm_scale, LSE_F64: tl.constexpr = False, PRECISE:
     else:
         lse = m_i * sm_scale + natural_log(l_safe)
     return out, tl.where(empty, float("-inf"), lse)
+
+
+def partial_and_table_strides(o_part, l_part, cache_seqlens, block_table) -> tuple[int, ...]:
+    """The stride arguments both decode kernels (decode.py's and decode_hopper.py's) take after the
+    query's, in their order: o_part's four and l_part's three (the split axis's stride 0 when there
+    is one split: o_part and l_part are then the final out and lse with a leading axis, whose
+    stride may not fit 32 bits), then cache_seqlens' one and block_table's two (0 where absent)."""
+    one = o_part.shape[0] == 1
+    return (0 if one else o_part.stride(0), *o_part.stride()[1:4],
+            0 if one else l_part.stride(0), *l_part.stride()[1:3],
+            cache_seqlens.stride(0) if cache_seqlens is not None else 0,
+            *(block_table.stride() if block_table is not None else (0, 0)))

@@ -41,8 +41,8 @@ class FwdConfig:
             raise ValueError(f"FwdConfig.tma must be one of {sorted(TMA_MODES)}, got {self.tma!r}")
 
 
-# (Descriptors built inside the kernel were measured slower than both on the H200, run 1 of
-# docs/performance-notes.md, and were dropped.)
+# (Descriptors built inside the kernel were measured slower than both on the H200 and were dropped:
+# docs/performance-notes.md#forward-portable-triton-kernel.)
 TMA_MODES = ("none", "host")
 
 
@@ -73,42 +73,6 @@ BWD_PREPROCESS_BLOCK_M = 64
 INTERPRETER_BWD = (BwdConfig(32, 64, 1, 1), BwdConfig(64, 32, 1, 1))
 
 
-# The Gluon backward's variants the backward chooses from (backward_hopper.VARIANTS), per head dim.
-HOPPER_BACKWARD_VARIANTS = {64: ("dkdv", "dkdv_long"), 128: ("dkdv",)}
-# The backward at head_dim 64 takes dQ from the Gluon dQ kernel (``dkdv_long``) from this many keys.
-GLUON_DQ_MIN_KEYS_D64 = 4096
-
-
-def hopper_backward_candidates(head_dim: int) -> tuple[str, ...]:
-    """Every variant ``hopper_backward_variant`` can take at this head dim (the GPU tests force each)."""
-    return HOPPER_BACKWARD_VARIANTS.get(head_dim, ())
-
-
-def hopper_backward_variant(*, head_dim: int, dtype, device, causal: bool, seqlen_q: int,
-                            seqlen_k: int) -> str | None:
-    """The Gluon backward variant (backward_hopper.py) the backward takes, or None for the Triton
-    kernels. ``dkdv`` (dK and dV on the Gluon kernel; dQ on the Gluon dQ kernel at head_dim 128 and
-    on the Triton one at 64) at head_dim 64 and 128, every length, causal or not. Measured on the
-    H200 (performance-notes.md), fp16 backward TFLOP/s. Run 50 (dQ on the Triton kernel then), the
-    Triton kernels -> dkdv: 4,16,4096,128 336.9 -> 405.4 (causal 298.3 -> 347.0), 1,16,16384,128
-    348.8 -> 419.5 (328.8 -> 377.5), 16,16,1024,128 289.6 -> 325.1 (228.1 -> 248.3), 16,32,1024,64
-    287.1 -> 314.1 (222.6 -> 245.4); the fused kernel (``split``, taken at head_dim 64 from 4k keys
-    before) -> dkdv: 4,16,4096,64 333.9 -> 362.9 (292.2 -> 337.1), 16,32,1024,64 280.7 -> 314.1
-    (205.2 -> 245.4). Run 52, the Gluon dQ kernel at head_dim 128: 403.6 -> 425.4 at 4k (causal
-    346.5 -> 370.3), 422.8 -> 452.9 at 16k (377.3 -> 418.6), 326.0 -> 342.4 at 1k (248.6 -> 251.6).
-    At head_dim 64 from GLUON_DQ_MIN_KEYS_D64 keys, ``dkdv_long`` (dQ on the Gluon kernel too, in
-    128-key tiles). Run 66, Triton dQ -> Gluon dQ: 2,16,8192,64 380.5 -> 395.2 (causal 359.2 ->
-    360.0), 1,16,16384,64 385.5 -> 401.9 (371.0 -> 381.0); at 4k level (379.9 -> 381.7, causal
-    332.5 -> 328.5) and at 1k 2-5% slower. Runs 77 and 79 had it ahead at 4k too: 4,16,4096,64
-    381.9 -> 392.6 (causal 331.6 -> 338.5), 4,32,4096,64 382.2 -> 391.2 (342.7 -> 346.9),
-    2,16,4096,64 374.4 -> 389.7 (322.5 -> 322.5), 9 rounds; so the rule starts at 4k (2k untimed)."""
-    if not gluon_hopper_applies(head_dim=head_dim, dtype=dtype, device=device):
-        return None
-    if head_dim == 64 and seqlen_k >= GLUON_DQ_MIN_KEYS_D64:
-        return "dkdv_long"
-    return "dkdv"
-
-
 def backward_config(*, head_dim: int, dtype, device) -> tuple[BwdConfig, BwdConfig]:
     """Pick (dK/dV config, dQ config) for the backward kernels."""
     import torch
@@ -121,7 +85,7 @@ def backward_config(*, head_dim: int, dtype, device) -> tuple[BwdConfig, BwdConf
         if block_d <= 64:
             return BwdConfig(32, 32, 4, 1), BwdConfig(32, 32, 4, 1)
         return BwdConfig(16, 32, 4, 1), BwdConfig(32, 16, 4, 1)
-    # Measured on the H200 (docs/performance-notes.md, runs 2 and 8), fp16 at B4 H16 S4096. TMA
+    # Measured on the H200 (docs/performance-notes.md#backward), fp16 at B4 H16 S4096. TMA
     # descriptors help the dQ kernel's K/V stream by 2-4%; the dK/dV kernel's Q/dO stream is as fast
     # or faster with pointer loads.
     tma = _is_hopper_or_newer(device)
@@ -135,7 +99,7 @@ def backward_config(*, head_dim: int, dtype, device) -> tuple[BwdConfig, BwdConf
 def cdiv(a: int, b: int) -> int:
     """ceil(a / b) of host integers. ``triton.cdiv`` gives the same, but in Triton 3.6 it is a
     constexpr_function, whose call from host code costs ~7 us (it unwraps its arguments as
-    constexprs); the launchers run on every call (docs/performance-notes.md, run 42)."""
+    constexprs); the launchers run on every call (docs/performance-notes.md#host-cost-per-call)."""
     return -(-a // b)
 
 
@@ -149,7 +113,7 @@ def head_dim_block(head_dim: int) -> int:
     return max(16, next_power_of_2(head_dim))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _device_facts(device) -> tuple[int, int]:
     """(compute capability major, multiprocessor count) of a CUDA device, asked once per device:
     the launchers run on every call, and at short sequences their host time is what gets measured."""
@@ -174,12 +138,20 @@ def gluon_hopper_applies(*, head_dim: int, dtype, device) -> bool:
     return torch.device(device).type == "cuda" and _device_facts(device)[0] == 9 and gluon_available()
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def gluon_available() -> bool:
     """Whether this Triton has the Gluon API the Hopper kernels use (Triton 3.4's lacks warpgroup_mma,
     for one). Where it does not, every call takes the portable Triton kernels, with one warning."""
-    try:
-        from . import backward_hopper, decode_hopper, forward_hopper  # noqa: F401
+    try:   # the names the Hopper kernel modules import
+        from triton.experimental import gluon  # noqa: F401
+        from triton.experimental.gluon.language.nvidia.hopper import (  # noqa: F401
+            fence_async_shared,
+            mbarrier,
+            tma,
+            warpgroup_mma,
+            warpgroup_mma_wait,
+        )
+        from triton.experimental.gluon.nvidia.hopper import TensorDescriptor  # noqa: F401
     except ImportError as exc:
         import warnings
 
@@ -190,61 +162,6 @@ def gluon_available() -> bool:
                       f"Triton 3.5 or later has it.", RuntimeWarning, stacklevel=2)
         return False
     return True
-
-
-# The Gluon variants the forward chooses from (forward_hopper.VARIANTS), per head dim and dtype.
-HOPPER_FORWARD_VARIANTS = {
-    64: {"float16": ("pp_persist", "pp3_persist_ltc"), "bfloat16": ("pp_persist", "pp3_persist")},
-    128: {"float16": ("pp", "pp_persist"), "bfloat16": ("pp", "pp_persist")},
-}
-
-
-def hopper_forward_candidates(head_dim: int, dtype) -> tuple[str, ...]:
-    """Every variant ``hopper_forward_variant`` can take for this head dim and dtype (the GPU tests
-    force each one)."""
-    return HOPPER_FORWARD_VARIANTS[head_dim][str(dtype).removeprefix("torch.")]
-
-
-def hopper_forward_variant(*, head_dim: int, dtype, device, causal: bool, seqlen_q: int,
-                           seqlen_k: int) -> str | None:
-    """The Gluon Hopper kernel variant the forward takes, or None for the Triton kernel. Measured on
-    the H200 (performance-notes.md, runs 16-18, 24, 55-57 and 80-81):
-
-    * head_dim 128: persistent (``pp_persist``) everywhere (+9-15% at 1k, causal +5-9% at 4k)
-      except non-causal from 8k keys, where the one-tile-per-CTA launch (``pp``) was level or up to
-      4% faster;
-    * head_dim 64: three consumer warpgroups (192 query rows per CTA) in the split-loop schedule
-      (``forward_hopper``, point 3), persistent (``pp3_persist*``), for non-causal from 1k queries
-      and for causal from 2k queries and 2k keys, causal in ``forward_hopper.tile_order``'s snake
-      order, sectioned by ``snake_section``, each warpgroup skipping the key blocks its rows do not
-      see (``forward_hopper``, point 7); below that ``pp_persist`` (non-causal below 1k queries,
-      causal from 2k queries with fewer than 2k keys: untimed, as it was before).
-      fp16 takes the LTC forms (row sums on the tensor cores, ``*_ltc``: +5-10% in the one-loop
-      schedule, run 24; in the split one 0.5-3% non-causal and level causal, runs
-      57-58); bf16 keeps fp32 row sums (the sums of a bf16 P moved the LSE by up to 1.6e-3, and
-      forward_hopper refuses bf16 for LTC variants). In run 57 the bf16 split-loop forms were
-      +12-13% over the bf16 picks before from 4k and +2% at 1k; at 512 queries the 192-row tiles
-      were 12% slower than ``pp_persist`` (run 25). Causal, run 81 (with the skipping): over
-      ``pp_persist`` (128-row tiles, paired order; taken causal below 4k keys for fp16 and below 8k
-      for bf16 before) +8% at 2k fp16 (365.5 against 338.9 at B8 H16), +14-15% at 3k, and +8%
-      bf16 at 4k (419.6 against 389.8); bf16 at 2k level (+1%, where that ``pp_persist`` carried
-      the skip check, which cost 0.6-3.3% at head dim 128: it may be up to 2% ahead there);
-    * head_dim 64, causal below 2k queries: the Triton kernel, 15-20% faster than the Gluon variants
-      there (315 against 258 TFLOP/s at 1k in run 16; 304 against 264-285 in run 24), and still 9%
-      with the skipping (308.2 against 283.5 at B16 H32 S1k, run 81).
-    """
-    import torch
-
-    if not gluon_hopper_applies(head_dim=head_dim, dtype=dtype, device=device):
-        return None
-    if head_dim == 128:
-        return "pp" if not causal and seqlen_k >= 8192 else "pp_persist"
-    if causal and seqlen_q < 2048:
-        return None
-    ltc = "_ltc" if dtype == torch.float16 else ""
-    if not causal:
-        return f"pp3_persist{ltc}" if seqlen_q >= 1024 else "pp_persist"
-    return f"pp3_persist{ltc}" if seqlen_k >= 2048 else "pp_persist"
 
 
 def sm_count(device) -> int:
@@ -259,14 +176,14 @@ def forward_config(*, head_dim: int, dtype, causal: bool, batch_heads: int, seql
     if INTERPRET:
         return INTERPRETER_FWD
     block_d = head_dim_block(head_dim)
-    # Host-built 4-D descriptors measured fastest on the H200 (docs/performance-notes.md, run 1).
+    # Host-built 4-D descriptors measured fastest on the H200 (docs/performance-notes.md#forward-portable-triton-kernel).
     tma = "host" if _is_hopper_or_newer(device) else "none"
     if dtype == torch.float32:
         # fp32 dots run in IEEE fp32 on the CUDA cores: small tiles keep the registers in check.
         if block_d <= 64:
             return FwdConfig(64, 32, 4, 2, tma=tma)
         return FwdConfig(32, 32, 4, 1, tma=tma)
-    # Measured on the H200 (docs/performance-notes.md, runs 1-2): fp16 at B4 H16 S4096 and B16 H16
+    # Measured on the H200 (docs/performance-notes.md#forward-portable-triton-kernel): fp16 at B4 H16 S4096 and B16 H16
     # S1024. Causal favours 64-row query blocks (less work on the masked diagonal, more programs for
     # the short causal rows); D=128 non-causal favours 128x128 tiles with 8 warps.
     if block_d <= 64:
@@ -344,12 +261,12 @@ class _DecodeTile:
     per_sm: int          # programs of this tile resident per multiprocessor (H200, D=128, fp16)
 
 
-# Measured on the H200 with scripts/tune_decode.py (docs/performance-notes.md, runs 7 and 13-14),
+# Measured on the H200 (docs/performance-notes.md#decode-split-kv-paged),
 # D=128 fp16, Hq=32, Hkv=8. per_sm is read off the timings: a launch of per_sm x 132 programs runs in
 # one wave, one a little larger pays for a second, mostly idle, wave (the odd/even split-count
 # pattern). num_stages counts Triton's pipeline stages, not buffers: the contiguous loop gets
 # num_stages - 1 K/V buffers, the paged loop num_stages - 3 (its block-table read takes stages too),
-# so paged tiles need two more stages for the same buffering (run 14).
+# so paged tiles need two more stages for the same buffering.
 _DECODE_NARROW = _DecodeTile(64, 4, 2, per_sm=4)        # few programs: many splits of a narrow tile
 _DECODE_WIDE = _DecodeTile(128, 4, 2, per_sm=2)         # contiguous caches, many programs
 _DECODE_WIDE_ONE_WAVE = _DecodeTile(128, 4, 3, per_sm=1)  # two K/V buffers, one program per SM
@@ -395,7 +312,7 @@ def effective_splits(num_splits: int, max_seqlen: int, block_n: int) -> int:
     return cdiv(blocks, cdiv(blocks, max(1, num_splits)))
 
 
-# The Gluon decode kernel is taken where it was measured faster than the Triton one (run 70, H200,
+# The Gluon decode kernel is taken where it was measured faster than the Triton one (H200,
 # D=128, Hq=32, Hkv=8): few programs (batch x KV heads x M blocks below a quarter of the SMs, where
 # the sequence is cut into many splits) and at least this many keys. There, at batch 1, it took 2-8%
 # less time than the Triton kernel (8k: 21.8 against 23.5 us); at batch 2-4 it was level (+-1%);

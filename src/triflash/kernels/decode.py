@@ -12,10 +12,6 @@ of at least 16 (padded rows hold zero queries and are never stored). Decode is b
 V, so the loop is a plain stream over key blocks: BLOCK_N keys per step, each key's head_dim row
 loaded as contiguous 16-byte vectors, and num_stages-deep software pipelining of those loads.
 
-Inside a program the math is the forward kernel's (forward.py): fp32 online softmax with the running
-max m_i kept in raw score units, exp2 with sm_scale * log2(e) folded into one FMA, and the natural-log
-LSE m * sm_scale + ln(l) at the end.
-
 Split-KV: a sequence's key blocks are cut into num_splits contiguous ranges of equal size (in whole
 BLOCK_N blocks), one per program, so that a batch of one long sequence still fills the GPU. Each split
 writes a partial (out in fp32, lse) to a workspace laid out exactly like ``merge_attn_states``'
@@ -30,15 +26,12 @@ and the causal band), which also masks keys past the split's end. Rows that see 
 out = 0 and lse = -inf (never NaN).
 
 Paged caches: a cache of [num_pages, PAGE_SIZE, Hkv, D] and block_table [B, max_pages]: key j of
-sequence b lives at page block_table[b, j // PAGE_SIZE], slot j % PAGE_SIZE. When PAGE_SIZE is a
-multiple of BLOCK_N, a key block lies in one page and one block-table entry is read per block;
-otherwise every key gets its own page lookup, so any page size (1 included) works. PAGE_SIZE is a
-compile-time constant (division by it is a multiply and shift). A contiguous cache [B, S_max, Hkv, D]
-is read through its strides, with no block table.
+sequence b lives at page block_table[b, j // PAGE_SIZE], slot j % PAGE_SIZE: one table read per key
+block when pages hold whole blocks, one per key otherwise (any page size works). The math is the
+forward kernel's (forward.py).
 """
 
 from __future__ import annotations
-
 
 import math
 
@@ -47,11 +40,25 @@ import triton
 import triton.language as tl
 
 from . import configs, launch
-from .common import (LOG2E, accumulate_pv, finish_rows, load_kv_tile, needs_int64_rows, on_input_device,
-                     online_softmax_step, score_dot, wide, window_bounds, window_kernel_args,
-                     window_visible)
+from .block_ranges import (
+    split_key_range,
+    split_program,
+    split_window_range,
+    window_kernel_args,
+    window_visible,
+)
+from .common import (
+    LOG2E,
+    accumulate_pv,
+    finish_rows,
+    load_kv_tile,
+    needs_int64_rows,
+    online_softmax_step,
+    partial_and_table_strides,
+    score_dot,
+    wide,
+)
 from .configs import DecodeConfig
-from .merge import merge as _merge_launch
 
 
 @triton.jit
@@ -144,68 +151,6 @@ def _decode_inner(
     return acc, l_i, m_i
 
 
-@triton.jit
-def _program_coords(SEQLENS, stride_sl, heads_kv, seqlen_k, seqlen_new, num_m_blocks, num_splits,
-                    HAS_SEQLENS: tl.constexpr):
-    """Which (M block, split, KV head, batch) this program owns, and its sequence's length (keys
-    attended). Returns (pid_m, split, off_hk, off_b, seqlen). The Gluon decode kernel
-    (decode_hopper.py) calls it and ``_key_ranges`` too, so both kernels cut the work the same way."""
-    # 1-D grid (no 65535 limit); the M blocks of one split are neighbours: they read the same K/V.
-    pid = tl.program_id(0)
-    pid_m = pid % num_m_blocks
-    rest = pid // num_m_blocks
-    split = rest % num_splits
-    rest = rest // num_splits
-    off_hk = rest % heads_kv
-    off_b = rest // heads_kv
-    if HAS_SEQLENS:
-        seqlen = tl.load(SEQLENS + off_b * stride_sl) + seqlen_new
-    else:
-        seqlen = seqlen_k
-    return pid_m, split, off_hk, off_b, seqlen
-
-
-@triton.jit
-def _key_ranges(seqlen, split, num_splits, seqlen_q, BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr):
-    """This split's keys: (lo, mid, hi, causal_offset). [lo, mid) are whole blocks every row sees in
-    full (unmasked); [mid, hi) the rest (masked). causal_offset = seqlen - seqlen_q."""
-    # Equal shares of the sequence's key blocks.
-    n_blocks = tl.cdiv(seqlen, BLOCK_N)
-    blocks_per_split = tl.cdiv(n_blocks, num_splits)
-    lo = split * blocks_per_split * BLOCK_N
-    hi = tl.minimum(lo + blocks_per_split * BLOCK_N, seqlen)
-    # Keys every row sees: all of them, or with causal masking those up to the first row's diagonal.
-    causal_offset = seqlen - seqlen_q
-    if IS_CAUSAL:
-        seen_by_all = tl.maximum(causal_offset + 1, 0)
-    else:
-        seen_by_all = seqlen
-    # mid is a multiple of BLOCK_N: hi is one too unless hi = seqlen, and seen_by_all <= seqlen.
-    # An empty split (lo >= seqlen) gets hi < lo, and both loops run zero times.
-    mid = tl.minimum(tl.maximum((seen_by_all // BLOCK_N) * BLOCK_N, lo), hi)
-    return lo, mid, hi, causal_offset
-
-
-@triton.jit
-def _window_ranges(seqlen, split, num_splits, seqlen_q, window_left, window_right, BLOCK_N: tl.constexpr,
-                   HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
-    """``_key_ranges`` under a local window: the key blocks from the one holding the first row's left
-    edge to the sequence's end (the last row's right edge, L - 1 + right, is never before it), cut
-    into the splits' equal shares of whole blocks; all of it is walked masked (a decode step's rows
-    are few). Returns (lo, hi, causal_offset)."""
-    causal_offset = seqlen - seqlen_q
-    if HAS_LEFT:
-        # int64: with an unchecked capacity (CHECK_SEQLENS off) the bound may be near 2^31.
-        start = tl.maximum(causal_offset - tl.cast(window_left, tl.int64), 0).to(tl.int32) // BLOCK_N * BLOCK_N
-    else:
-        start = 0
-    end = seqlen              # the last row's right edge, L - 1 + right, never falls short of L - 1
-    blocks_per_split = tl.cdiv(tl.cdiv(tl.maximum(end - start, 0), BLOCK_N), num_splits)
-    lo = start + split * blocks_per_split * BLOCK_N
-    hi = tl.minimum(lo + blocks_per_split * BLOCK_N, end)      # below lo: an empty split
-    return lo, hi, causal_offset
-
-
 # Lengths and counts that change from one decode step to the next are not specialised (== 1, % 16):
 # a generation loop would otherwise recompile as its lengths and split counts grow.
 @triton.jit(do_not_specialize=["seqlen_k", "seqlen_new", "num_m_blocks", "num_splits"])
@@ -230,10 +175,10 @@ def _decode_kernel(
     """SEQLENS: cache_seqlens [B] (the keys attended are cache_seqlens[b] + seqlen_new); without it
     every sequence has seqlen_k keys. BLOCK_TABLE: [B, max_pages] int32 when PAGED. LONG: q's and
     out's row offsets in int64 (``common.needs_int64_rows``; the cache's are always). HAS_LEFT /
-    HAS_RIGHT: a local window (``_window_ranges``; IS_CAUSAL is then its right bound of 0)."""
+    HAS_RIGHT: a local window (``split_window_range``; IS_CAUSAL is then its right bound of 0)."""
     stride_qs, stride_os, stride_lh = wide(stride_qs, LONG), wide(stride_os, LONG), wide(stride_lh, LONG)
     # -- which (batch, kv head, split, M block) this program owns --
-    pid_m, split, off_hk, off_b, seqlen = _program_coords(
+    pid_m, split, off_hk, off_b, seqlen = split_program(
         SEQLENS, stride_sl, heads_kv, seqlen_k, seqlen_new, num_m_blocks, num_splits, HAS_SEQLENS)
 
     # -- the packed query tile: row r is query position r // GROUP of head off_hk * GROUP + r % GROUP --
@@ -259,10 +204,10 @@ def _decode_kernel(
         v_base += off_b.to(tl.int64) * stride_vb
 
     if HAS_LEFT or HAS_RIGHT:
-        lo, hi, causal_offset = _window_ranges(seqlen, split, num_splits, seqlen_q, window_left,
+        lo, hi, causal_offset = split_window_range(seqlen, split, num_splits, seqlen_q, window_left,
                                                window_right, BLOCK_N, HAS_LEFT, HAS_RIGHT)
     else:
-        lo, mid, hi, causal_offset = _key_ranges(seqlen, split, num_splits, seqlen_q, BLOCK_N, IS_CAUSAL)
+        lo, mid, hi, causal_offset = split_key_range(seqlen, split, num_splits, seqlen_q, BLOCK_N, IS_CAUSAL)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -300,99 +245,23 @@ def _decode_kernel(
 # Launcher
 # --------------------------------------------------------------------------------------------------
 
-@on_input_device
-def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-           cache_seqlens: torch.Tensor | None, block_table: torch.Tensor | None, seqlen_new: int,
-           max_seqlen: int, sm_scale: float, causal: bool, num_splits: int = 0,
-           config: DecodeConfig | None = None, window: tuple[int, int] | None = None):
-    """Launch decode attention on validated inputs (last stride 1 everywhere, the cache already
-    appended to). Returns (out [B, Sq, Hq, D] in q's dtype, lse [B, Hq, Sq] float32 natural log).
-
-    q [B, Sq, Hq, D]; k_cache / v_cache [B, S_max, Hkv, D], or [num_pages, page_size, Hkv, D] with
-    block_table [B, max_pages] int32; cache_seqlens [B] int32 or None (every sequence S_max long).
-    Sequence b attends to cache_seqlens[b] + seqlen_new keys. ``max_seqlen`` bounds that number (the
-    split heuristic uses it). ``num_splits`` 0 = choose; ``config`` overrides the chooser entirely.
-    ``window``: a local window (left, right), -1 for no bound on a side (``common.window_bounds``);
-    this file's kernel runs it, and the split count follows the keys a window holds.
-    """
-    causal, window = window_bounds(window, causal, q.shape[1], max_seqlen)
+def partials(q: torch.Tensor, splits: int):
+    """Split-KV partial results in merge_attn_states' layout, carved from one allocation (each
+    allocation is host time in every decode step): o_part [N, B, Sq, Hq, D] float32 and l_part
+    [N, B, Hq, Sq]. fp32 inputs get float64 partial LSEs, so a merge weight exp(lse_split - lse_max)
+    carries no fp32 rounding of an LSE (~1e-6 at |lse| ~ 10); fp16/bf16 outputs are far coarser."""
     batch, seqlen_q, heads_q, head_dim = q.shape
-    heads_kv = k_cache.shape[2]
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    lse = torch.empty((batch, heads_q, seqlen_q), dtype=torch.float32, device=q.device)
-    if out.numel() == 0:
-        return out, lse
-    group = heads_q // heads_kv
-
-    rows = group * seqlen_q
-    chosen = config is None
-    if chosen:
-        def gluon_suits():
-            if window is not None or not configs.gluon_available():
-                return False
-            from . import decode_hopper   # imported here: Gluon is only needed on this path
-            return decode_hopper.supported(q, k_cache, v_cache, block_table)
-
-        if window is not None and window[0] >= 0:
-            # The keys some row's window holds: at most left + seqlen_q (+ right) of them.
-            max_seqlen = min(max_seqlen, window[0] + seqlen_q + max(window[1], 0))
-        config = configs.decode_config(head_dim=head_dim, dtype=q.dtype, rows=rows, batch=batch,
-                                       heads_kv=heads_kv, max_seqlen=max_seqlen,
-                                       num_splits=num_splits, paged=block_table is not None,
-                                       device=q.device,
-                                       page_size=k_cache.shape[1] if block_table is not None else None,
-                                       gluon_suits=gluon_suits if q.is_cuda else None)
-    splits = config.num_splits
-    if splits == 1:
-        o_part, l_part = out.unsqueeze(0), lse.unsqueeze(0)
-    else:
-        # Partials in merge_attn_states' layout: [N, B, Sq, Hq, D] fp32, [N, B, Hq, Sq] (LSE dtype below),
-        # carved from one allocation (each allocation is host time in every decode step).
-        # fp32 inputs: the partial LSEs in float64, so a merge weight exp(lse_split - lse_max) carries
-        # no fp32 rounding of an LSE (~1e-6 at |lse| ~ 10); the merge subtracts in float64 and only
-        # then rounds to fp32. fp16/bf16 outputs are far coarser than that: float32 LSEs.
-        l_dtype = torch.float64 if q.dtype == torch.float32 else torch.float32
-        o_shape, l_shape = (splits, batch, seqlen_q, heads_q, head_dim), (splits, batch, heads_q, seqlen_q)
-        o_bytes = 4 * math.prod(o_shape)
-        l_start = configs.cdiv(o_bytes, 256) * 256
-        work = torch.empty(l_start + l_dtype.itemsize * math.prod(l_shape), dtype=torch.uint8, device=q.device)
-        o_part = work[:o_bytes].view(torch.float32).view(o_shape)
-        l_part = work[l_start:].view(l_dtype).view(l_shape)
-
-    if config.kernel == "gluon":
-        from . import decode_hopper       # imported here: Gluon is only needed on this path
-        # The chooser takes it only where gluon_suits() held; a config the caller gave is checked.
-        if not chosen and (window is not None or not decode_hopper.supported(q, k_cache, v_cache, block_table)):
-            raise ValueError("DecodeConfig(kernel='gluon') takes fp16/bf16 inputs on an sm_90 GPU, head_dim "
-                             "64 or 128, TMA-compatible caches and (paged) a power-of-two page size of at "
-                             f"least {decode_hopper.MIN_BOX}, and no window; got q {q.dtype} {tuple(q.shape)} on {q.device}, "
-                             f"k_cache {tuple(k_cache.shape)} strides {k_cache.stride()}")
-        decode_hopper.decode_hopper(q, k_cache, v_cache, o_part, l_part, cache_seqlens, block_table,
-                                    seqlen_new, sm_scale, causal, block_n=config.block_n,
-                                    stages=config.num_stages, num_splits=splits)
-    else:
-        _launch_triton(q, k_cache, v_cache, o_part, l_part, cache_seqlens, block_table, seqlen_new,
-                       sm_scale, causal, config, window)
-    if splits > 1:
-        _merge_launch(o_part, l_part, out=out, lse=lse)
-    return out, lse
+    l_dtype = torch.float64 if q.dtype == torch.float32 else torch.float32
+    o_shape, l_shape = (splits, batch, seqlen_q, heads_q, head_dim), (splits, batch, heads_q, seqlen_q)
+    o_bytes = 4 * math.prod(o_shape)
+    l_start = configs.cdiv(o_bytes, 256) * 256
+    work = torch.empty(l_start + l_dtype.itemsize * math.prod(l_shape), dtype=torch.uint8, device=q.device)
+    return work[:o_bytes].view(torch.float32).view(o_shape), work[l_start:].view(l_dtype).view(l_shape)
 
 
-def partial_and_table_strides(o_part, l_part, cache_seqlens, block_table) -> tuple[int, ...]:
-    """The stride arguments both decode kernels (this file's and decode_hopper.py's) take after the
-    query's, in their order: o_part's four and l_part's three (the split axis's stride 0 when there
-    is one split: o_part and l_part are then the final out and lse with a leading axis, whose
-    stride may not fit 32 bits), then cache_seqlens' one and block_table's two (0 where absent)."""
-    one = o_part.shape[0] == 1
-    return (0 if one else o_part.stride(0), *o_part.stride()[1:4],
-            0 if one else l_part.stride(0), *l_part.stride()[1:3],
-            cache_seqlens.stride(0) if cache_seqlens is not None else 0,
-            *(block_table.stride() if block_table is not None else (0, 0)))
-
-
-def _launch_triton(q, k_cache, v_cache, o_part, l_part, cache_seqlens, block_table, seqlen_new,
-                   sm_scale, causal, config, window=None):
-    """The Triton decode kernel on ``decode``'s prepared partials (o_part / l_part: the final out
+def run(q, k_cache, v_cache, o_part, l_part, cache_seqlens, block_table, seqlen_new, sm_scale, causal,
+        config: DecodeConfig, window=None):
+    """The Triton decode kernel on prepared partials (o_part / l_part: the final out
     and lse with a leading axis when config.num_splits is 1)."""
     batch, seqlen_q, heads_q, head_dim = q.shape
     heads_kv = k_cache.shape[2]

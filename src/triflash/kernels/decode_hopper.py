@@ -1,42 +1,21 @@
 """Decode attention over a KV cache for Hopper (sm_90) in Gluon: a TMA-fed K/V ring and wgmma.
 
-Same contract as the Triton decode kernel (decode.py): one program per (batch b, KV head hk, split,
-M block) attends the packed query tile (the GROUP query heads of hk times the Sq query positions) to
-one range of sequence b's keys, and writes either the final (out, lse) or a split's partial for the
-merge kernel. What changes is how K and V reach the tensor cores.
+Same contract as the Triton decode kernel (decode.py): one program per (batch, KV head, split, M
+block) attends the packed query tile (the GROUP query heads of a KV head times the Sq positions) to
+one range of the sequence's keys, and writes the final (out, lse) or a split's partial for the merge.
 
-Why a second decode kernel
---------------------------
-Decode is a stream of K/V bytes: at batch 16 and 8k keys a call reads 537 MB and does almost no
-arithmetic per byte, so a kernel's speed is how many bytes it keeps in flight and how little else it
-does per byte. The Triton kernel loads with ``cp.async``: every thread computes 64-bit addresses for
-its 16-byte pieces of every key (and, paged, looks up each key's page), and the pipeline holds two
-K/V buffers per SM (num_stages counts the block-table read as a stage, so deeper pipelines cost
-registers and shared memory it did not pay back; runs 14 and 36).
+Decode streams K/V bytes, so speed is how many bytes are in flight and how little else happens per
+byte. Here a **producer** warp reads the block table and issues one TMA box per page (``BOX`` = min(page
+size, BLOCK_N) keys, 64 head-dim columns) into a ring of ``STAGES`` slots, computing no per-key address;
+a **consumer** warpgroup computes S = Q K^T and O += P V with wgmma (the query tile padded to 64 rows,
+the wgmma M) and the online softmax in registers (``sm90_common.softmax``). Design and measurements:
+docs/hopper.md#decode-kernel.
 
-Here the copies go to the TMA engine:
-
-* a **producer** warp reads the block table (one entry per page, the next key block's entries
-  loaded while it waits for a free slot) and issues one TMA box per page and per 64 head-dim
-  columns, ``BOX`` = min(page size, BLOCK_N) keys of one KV head, into a ring of ``STAGES`` K/V
-  slots. It computes no per-key address.
-* a **consumer** warpgroup (4 warps) waits for a slot, computes S = Q K^T with wgmma (the query tile
-  padded to 64 rows, the wgmma M; padded rows hold zeros and are never stored), the online softmax
-  in registers (``forward_hopper._softmax``: fp32 state, exp2 with the scale folded into one FMA),
-  and O += P V with wgmma, then releases the slot.
-
-Shared-memory tiles are [BLOCK_N, 64] (128-byte rows, 128-byte swizzle); head_dim 128 takes two per
-K or V block (``HALVES``), so a TMA box never exceeds the 128-byte swizzle span and a page's box
-lands in rows [p * BOX, (p + 1) * BOX) of the tile (BOX a multiple of 8 rows: the swizzle repeats
-every 8 rows). S = sum over halves of Q_h K_h^T; O is two [64, 64] accumulators.
-
-The key ranges (split shares, the unmasked part [lo, mid) and the masked rest [mid, hi)) come from
-decode.py's ``_program_coords`` and ``_key_ranges``, which both kernels call. TMA copies whole
-boxes, so a masked block also brings keys past the end of the range: their scores are masked to
--inf, and, because 0 * NaN is NaN on the tensor cores too, the consumer zeroes those rows of the V
-tile in shared memory before P V (a cache allocated with torch.empty may hold NaN there). Pages past
-the end of the sequence are never looked up in the block table: their boxes read page 0 (any valid
-page; every key of it is masked).
+The key ranges come from block_ranges (``split_program``, ``split_key_range``), as in the Triton
+kernel. TMA copies whole boxes, so a masked block also brings keys past the range's end: their scores
+are -inf, and the consumer zeroes those rows of the V tile before P V (0 * NaN is NaN on the tensor
+cores, and a cache from torch.empty may hold NaN there). Pages past a sequence's end are never looked
+up; their boxes read page 0, whose keys are all masked.
 
 Supported: fp16/bf16, head_dim 64 or 128, TMA-compatible caches (``supported``), contiguous or paged
 with a power-of-two page size of at least 8. Everything else takes the Triton kernel.
@@ -47,15 +26,20 @@ from __future__ import annotations
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
-                                                              warpgroup_mma, warpgroup_mma_wait)
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
 
 from . import launch
-from .common import LOG2E, needs_int64_rows, on_input_device, rows_past_int32
+from .block_ranges import split_key_range, split_program
+from .common import LOG2E, needs_int64_rows, on_input_device, partial_and_table_strides, rows_past_int32
 from .configs import GLUON_DECODE_ROWS, cdiv, gluon_hopper_applies
-from .decode import _key_ranges, _program_coords, partial_and_table_strides
-from .forward import tma_compatible
-from .forward_hopper import _descriptor, _finish_rows, _softmax, _to_operand
+from .launch import tma_compatible
+from .sm90_common import descriptor, finish_rows, softmax, to_operand
 
 ROWS = gl.constexpr(GLUON_DECODE_ROWS)   # query rows per program: the wgmma M of one warpgroup
 HALF = gl.constexpr(64)      # head-dim columns per shared-memory tile (128-byte rows at 16 bits)
@@ -81,9 +65,9 @@ def _producer(k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty
               HALVES: gl.constexpr):
     """One warp: for each key block of [lo, hi), wait for its ring slot, then one TMA box per page
     (BOX keys) and per 64 head-dim columns, for K and for V."""
-    pid_m, split, off_hk, off_b, seqlen = _program_coords(
+    pid_m, split, off_hk, off_b, seqlen = split_program(
         SEQLENS, stride_sl, heads_kv, seqlen_k, seqlen_new, num_m_blocks, num_splits, HAS_SEQLENS)
-    lo, mid, hi, causal_offset = _key_ranges(seqlen, split, num_splits, seqlen_q, BLOCK_N, IS_CAUSAL)
+    lo, mid, hi, causal_offset = split_key_range(seqlen, split, num_splits, seqlen_q, BLOCK_N, IS_CAUSAL)
     PAGES: gl.constexpr = BLOCK_N // BOX
     NBYTES: gl.constexpr = BLOCK_N * HALVES * k_desc.block_type.nbytes // BOX
     p_layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
@@ -152,9 +136,9 @@ def _consume(c, lo, hi, q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_emp
                                 is_async=True)
         sc = warpgroup_mma_wait(0, deps=(tok,))
         mbarrier.arrive(k_empty.index(s), count=1)
-        p, m_i, l_i, alpha = _softmax(sc, m_i, l_i, col_limit, start + cols0, qk_scale, MASKED)
+        p, m_i, l_i, alpha = softmax(sc, m_i, l_i, col_limit, start + cols0, qk_scale, MASKED)
         alpha_o = gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-        p_op = _to_operand(p, dtype, p_layout)
+        p_op = to_operand(p, dtype, p_layout)
         mbarrier.wait(v_ready.index(s), phase)
         if MASKED:
             if start + BLOCK_N > hi:
@@ -180,10 +164,9 @@ def _consumer(Q, O, LSE, q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_em
     """One warpgroup: load the packed query tile (row r: position r // GROUP of query head
     hk * GROUP + r % GROUP) into shared memory, fold the unmasked then the masked key blocks, and
     write out / lse (a split's partial when num_splits > 1)."""
-    pid_m, split, off_hk, off_b, seqlen = _program_coords(
+    pid_m, split, off_hk, off_b, seqlen = split_program(
         SEQLENS, stride_sl, heads_kv, seqlen_k, seqlen_new, num_m_blocks, num_splits, HAS_SEQLENS)
-    lo, mid, hi, causal_offset = _key_ranges(seqlen, split, num_splits, seqlen_q, BLOCK_N, IS_CAUSAL)
-    dtype: gl.constexpr = q_smem.dtype
+    lo, mid, hi, causal_offset = split_key_range(seqlen, split, num_splits, seqlen_q, BLOCK_N, IS_CAUSAL)
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -226,7 +209,7 @@ def _consumer(Q, O, LSE, q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_em
                                        ld_layout)
 
     # -- epilogue: out = acc / l, lse = m * sm_scale + ln(l); no visible key: 0 and -inf --
-    lse, inv_l = _finish_rows(m_i, l_i, sm_scale, o_layout)
+    lse, inv_l = finish_rows(m_i, l_i, sm_scale, o_layout)
     inv_l = inv_l[:, None]
     o_r = pid_m * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, o_layout))
     o_c = gl.arange(0, HALF, layout=gl.SliceLayout(0, o_layout))
@@ -322,7 +305,7 @@ def decode_hopper(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   o_part: torch.Tensor, l_part: torch.Tensor, cache_seqlens: torch.Tensor | None,
                   block_table: torch.Tensor | None, seqlen_new: int, sm_scale: float, causal: bool, *,
                   block_n: int, stages: int, num_splits: int):
-    """Launch on inputs decode.decode() has prepared: o_part [N, B, Sq, Hq, D] and l_part
+    """Launch on inputs dispatch.decode has prepared: o_part [N, B, Sq, Hq, D] and l_part
     [N, B, Hq, Sq] (N = num_splits; with N = 1 the final out and lse seen with a leading axis).
     ``supported`` must hold."""
     batch, seqlen_q, heads_q, head_dim = q.shape
@@ -340,7 +323,7 @@ def decode_hopper(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     maxnreg = 128 if programs_per_sm(head_dim, block_n, stages) == 2 else None
     launch.run(
         _decode_hopper_kernel, grid,
-        q, _descriptor(k_cache, box, HALF.value), _descriptor(v_cache, box, HALF.value), o_part, l_part,
+        q, descriptor(k_cache, box, HALF.value), descriptor(v_cache, box, HALF.value), o_part, l_part,
         cache_seqlens if has_seqlens else l_part, block_table if paged else l_part,
         q.stride(0), q.stride(1), q.stride(2),
         *partial_and_table_strides(o_part, l_part, cache_seqlens, block_table),

@@ -28,18 +28,29 @@ and q/k/v unbound from a packed qkv tensor are all read in place.
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 import triton
 import triton.language as tl
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 from . import configs, launch
-from .common import (LOG2E, Varlen, causal_key_range, finish_rows, load_kv_tile, needs_int64_rows,
-                     on_input_device, online_softmax_step, sequence_bounds, wide, window_bounds,
-                     window_kernel_args, window_key_range, window_visible)
+from .block_ranges import (
+    causal_key_range,
+    sequence_bounds,
+    window_kernel_args,
+    window_key_range,
+    window_visible,
+)
+from .common import (
+    LOG2E,
+    Varlen,
+    finish_rows,
+    load_kv_tile,
+    needs_int64_rows,
+    online_softmax_step,
+    wide,
+)
 from .configs import FwdConfig
+from .launch import host_descriptors, tma_compatible
 
 
 @triton.jit
@@ -228,102 +239,14 @@ def _attn_fwd_kernel(
 # Launcher
 # --------------------------------------------------------------------------------------------------
 
-def host_descriptors(block_rows: int, block_d: int, *tensors: torch.Tensor) -> tuple[TensorDescriptor, ...]:
-    """Host-built TMA descriptors of [B, S, H, D] tensors (which ``tma_compatible`` accepted), each
-    moving [1, block_rows, 1, block_d] boxes: one (batch, head)'s block of rows. Built without
-    TensorDescriptor's own re-validation: at short sequences the forward's host time per call is
-    what a benchmark measures, and the four descriptors' checks were a fifth of it."""
-    block_shape = [1, block_rows, 1, block_d]
-    if not _PLAIN_DESCRIPTOR:
-        return tuple(TensorDescriptor.from_tensor(t, block_shape) for t in tensors)
-    descs = []
-    for t in tensors:
-        desc = object.__new__(TensorDescriptor)
-        desc.base, desc.shape, desc.strides = t, t.shape, t.stride()
-        desc.block_shape, desc.padding = block_shape, "zero"
-        descs.append(desc)
-    return tuple(descs)
-
-
-# The shortcut above fills exactly these fields; a Triton whose descriptor has others takes the
-# validating constructor.
-_PLAIN_DESCRIPTOR = {f.name for f in dataclasses.fields(TensorDescriptor)} == {
-    "base", "shape", "strides", "block_shape", "padding"}
-
-
-def tma_compatible(*tensors: torch.Tensor) -> bool:
-    """TMA needs 16-byte aligned base addresses, unit stride on head_dim and positive 16-byte aligned
-    strides on every other dim. Contiguous tensors, transposed views and packed qkv pass whenever
-    head_dim * element size is a multiple of 16 bytes. (Written as plain loops: it runs on every
-    call, and at short sequences the host time per call is what a benchmark sees.)"""
-    for t in tensors:
-        if t.data_ptr() % 16:
-            return False
-        size = t.element_size()
-        strides = t.stride()
-        if strides[-1] != 1:
-            return False
-        for s in strides[:-1]:
-            if s <= 0 or (s * size) % 16:
-                return False
-    return True
-
-
-# The Gluon kernel of forward_hopper.py is taken on sm_90 where configs.hopper_forward_variant picks a
-# variant and its inputs allow it (TMA strides); everything else, or an explicit ``config``, runs the
-# Triton kernel above. Tests replace the chooser to run the Triton kernel, or one Gluon variant, on
-# Hopper.
-
-
-@on_input_device
-def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float, causal: bool,
-            out: torch.Tensor | None = None, config: FwdConfig | None = None, varlen: Varlen | None = None,
-            window: tuple[int, int] | None = None):
-    """Launch the forward kernel on validated [B, S, H, D] views (last stride 1).
-
-    Returns (out [B, Sq, Hq, D] in q's dtype, lse [B, Hq, Sq] float32 natural log). ``out`` may be a
-    preallocated [B, Sq, Hq, D] view with last stride 1 (the [B, H, S, D] API passes a transposed
-    view so its result comes back contiguous in its own layout).
-
-    ``varlen``: q / out are [total_q, Hq, D] and k / v [total_k, Hkv, D] packed sequences (see
-    ``Varlen``); lse is then [Hq, total_q]. The Triton kernel runs them (pointer loads: a tile
-    descriptor would read across a sequence's end).
-
-    ``window``: a local window (left, right), -1 for no bound on that side (``common.window_bounds``
-    folds causal in); the Triton kernel runs it.
-    """
-    if varlen is not None:
-        causal, window = window_bounds(window, causal, varlen.max_seqlen_q, varlen.max_seqlen_k)
-    else:
-        causal, window = window_bounds(window, causal, q.shape[1], k.shape[1])
-    if varlen is not None:
-        return _forward_varlen(q, k, v, sm_scale, causal, out, config, varlen, window)
+def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, sm_scale: float, causal: bool,
+        config: FwdConfig, window: tuple[int, int] | None = None):
+    """The Triton forward on [B, S, H, D] views (last stride 1) with at least one query and one key
+    (``dispatch.forward`` chooses the kernel and config and handles empty inputs). Writes ``out``;
+    returns (out, lse [B, Hq, Sq] float32 natural log). ``window``: ``window_bounds``' form."""
     batch, seqlen_q, heads_q, head_dim = q.shape
     _, seqlen_k, heads_k, _ = k.shape
-    if out is None:
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    if out.numel() == 0 or seqlen_k == 0:
-        lse = torch.empty((batch, heads_q, seqlen_q), dtype=torch.float32, device=q.device)
-        if out.numel():
-            # No key at all: every row is empty by definition.
-            out.zero_()
-            lse.fill_(float("-inf"))
-        return out, lse
-
-    if config is None and window is None:
-        variant = configs.hopper_forward_variant(head_dim=head_dim, dtype=q.dtype, device=q.device,
-                                                 causal=causal, seqlen_q=seqlen_q, seqlen_k=seqlen_k)
-        if variant is not None:
-            from . import forward_hopper   # imported here: it imports this module (tma_compatible)
-
-            if forward_hopper.supported(q, k, v, out):
-                # It allocates its own lse.
-                return forward_hopper.forward_hopper(q, k, v, sm_scale, causal, out=out, variant=variant)
     lse = torch.empty((batch, heads_q, seqlen_q), dtype=torch.float32, device=q.device)
-    if config is None:
-        config = configs.forward_config(head_dim=head_dim, dtype=q.dtype, causal=causal,
-                                        batch_heads=batch * heads_q, seqlen_q=seqlen_q,
-                                        device=q.device)
     tma = config.tma == "host" and tma_compatible(q, k, v, out)
     block_d = configs.head_dim_block(head_dim)
     Q, K, V, O = q, k, v, out
@@ -366,12 +289,12 @@ def _launch(Q, K, V, O, lse, q_strides, k_strides, v_strides, o_strides, batch, 
     )
 
 
-def _forward_varlen(q, k, v, sm_scale, causal, out, config, varlen: Varlen, window):
-    """``forward()`` on packed sequences: q / out [total_q, Hq, D], k / v [total_k, Hkv, D]."""
+def run_varlen(q, k, v, out, sm_scale, causal, config: FwdConfig, varlen: Varlen, window=None):
+    """The Triton forward on packed sequences (see ``Varlen``): q / out [total_q, Hq, D], k / v
+    [total_k, Hkv, D]; returns (out, lse [Hq, total_q]). Pointer loads: a tile descriptor would
+    read across a sequence's end. Handles empty inputs itself."""
     total_q, heads_q, head_dim = q.shape
     total_k, heads_k, _ = k.shape
-    if out is None:
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty((heads_q, total_q), dtype=torch.float32, device=q.device)
     if out.numel() == 0:
         return out, lse
@@ -379,10 +302,6 @@ def _forward_varlen(q, k, v, sm_scale, causal, out, config, varlen: Varlen, wind
         out.zero_()                    # no key in any sequence: every row is empty
         lse.fill_(float("-inf"))
         return out, lse
-    if config is None:
-        config = configs.forward_config(head_dim=head_dim, dtype=q.dtype, causal=causal,
-                                        batch_heads=varlen.batch * heads_q, seqlen_q=varlen.max_seqlen_q,
-                                        device=q.device)
     # Batch strides 0: the sequence's first row comes from cu_seqlens.
     _launch(q, k, v, out, lse, (0, *q.stride()[:2]), (0, *k.stride()[:2]), (0, *v.stride()[:2]),
             (0, *out.stride()[:2]), varlen.batch, heads_q, heads_k, head_dim, total_q, total_k,

@@ -1,121 +1,28 @@
 """FlashAttention forward for Hopper (sm_90) in Gluon: warp-specialized, TMA-fed, async wgmma.
 
-What this adds over the plain Triton forward (forward.py), and why
--------------------------------------------------------------------
-The plain kernel leaves the scheduling to the compiler: every warp loads, multiplies and does
-softmax in turn. On Hopper the tensor cores (wgmma) and the TMA copy engine are asynchronous, so the
-fastest kernels (FlashAttention-3) schedule by hand:
+Where the portable kernel (forward.py) leaves scheduling to the compiler, this one schedules by hand,
+as FlashAttention-3 does (the design, with the measurements behind each choice: docs/hopper.md):
 
-1. *Warp specialization.* The CTA's warps are split into partitions that run different code:
+* a **producer** warp (``_producer``) only issues TMA copies: the query tiles, then K and V tiles
+  into a ring of ``STAGES`` shared-memory slots, connected to the consumers by mbarriers
+  (docs/hopper.md#rings-and-barriers); it gives its registers to the consumers (setmaxnreg);
+* one to three **consumer** warpgroups (``_consumer``, 64 query rows each) compute S = Q K^T and
+  O += P V with wgmma and the online softmax in registers, overlapping one step's softmax with the
+  previous step's P V (OVERLAP; docs/hopper.md#forward-step-schedule) and taking turns at the tensor
+  cores (PINGPONG; docs/hopper.md#ping-pong);
+* persistent launches (one CTA per SM) walk the tiles in a cost-balancing order (ORDER, ``tile_order``,
+  ``snake_section``; docs/hopper.md#persistent-scheduling-and-tile-orders);
+* optional: row sums on the tensor cores (LTC, fp16 only; docs/hopper.md#row-sums-on-the-tensor-cores)
+  and skipping the key blocks a warpgroup's rows do not see (SKIP;
+  docs/hopper.md#skipping-blocks-a-warpgroup-does-not-see).
 
-   * a **producer** (one warp, ``_producer``): issues TMA copies only. It loads the query tile(s)
-     of a tile, then streams K and V tiles into a ring of ``STAGES`` shared-memory slots. It needs almost
-     no registers, so it gives its registers away (``worker_num_regs``: Hopper's ``setmaxnreg``
-     shrinks the producer's warpgroup to 24 registers per thread and grows the consumers').
-   * one to three **consumers** (a warpgroup of 4 warps each, ``_consumer``): compute
-     S = Q K^T with wgmma, the online softmax in registers, and O += P V with wgmma; then the
-     epilogue (O / l and the LSE) and the TMA store of O.
+``VARIANTS`` names the combinations; ``dispatch.forward_variant`` picks one per shape.
 
-2. *mbarriers* connect them. Each slot s of the ring has four barriers in shared memory:
-
-   * ``k_ready[s]`` / ``v_ready[s]`` (count 1): the producer arms them with ``mbarrier.expect`` (the
-     byte count of one tile, which TMA always transfers in full, zero-filling rows past the end),
-     and the TMA engine completes them when the bytes have landed.
-   * ``k_empty[s]`` / ``v_empty[s]`` (count = number of consumer warpgroups): each consumer arrives
-     once it has finished *reading* the slot (its wgmma has completed), so the producer may refill it.
-
-   A barrier's phase flips each time it completes; waiters pass the parity they expect. The k-th use
-   of slot s (the CTA's K/V tile number c = k * STAGES + s, counted over all of its tiles) waits
-   for parity k & 1 on the ready barriers; the producer waits for parity (k & 1) ^ 1 on the empty
-   barriers, which a freshly initialised barrier already satisfies (so the first STAGES tiles need no
-   consumer release).
-
-   The producer and the consumers walk exactly the same key blocks [0, n_blocks) of each tile, so
-   every wait has its matching arrive (a consumer that skips a block it does not see still waits for
-   it and releases it, point 7); with n_blocks = 0 (query rows above the causal diagonal of a
-   shorter key sequence) no K/V barrier is touched at all.
-
-3. *Intra-warpgroup overlap* (OVERLAP): a consumer issues the wgmma of S_j = Q K_j^T and of
-   O += P_{j-1} V_{j-1} back to back (both asynchronous), waits only for S_j (``warpgroup_mma_wait(1)``:
-   at most one group, the PV one, still in flight), and computes the softmax of S_j while the tensor
-   cores still run P_{j-1} V_{j-1}. Only then does it wait for the PV product and rescale O by
-   alpha_j = exp(m_{j-1} - m_j). (That order is exact: O_j = alpha_j * (O_{j-1} + P_{j-1} V_{j-1}).)
-
-   Two forms of that loop. OVERLAP = 1 (True): one loop over steps 1 .. n-1 whose body branches on
-   whether step j needs the causal / key-end mask. OVERLAP = 2 (``_overlap_step``): the steps that
-   need no mask, then those that do, in two loops, so no step has a branch; V_{j-1} is waited for
-   after S_j is issued (the order of FA4's Hopper kernel, a port of FA3's), and P is converted two
-   values per instruction (``_to_operand``). The SASS then matches FA4's Hopper loop: the
-   exponentials, the O rescale and the row sums form one block after the P V wait, where the branch
-   kept them apart. Measured (runs 55-57), with three warpgroups at head_dim 64: +0-5% non-causal and
-   +6% causal at 16k keys with the row sums on the tensor cores; +7-16% non-causal and +7-12% causal
-   (from 4k keys) with fp32 row sums. With two warpgroups: level within noise at head_dim 128 and 3-6%
-   slower at 1k causal, so the form is per variant.
-
-4. *Ping-pong between consumer warpgroups* (PINGPONG): the CTA owns NUM_WG x 64 query rows (two
-   warpgroups at head_dim 128, three at 64), one warpgroup each, all reading the same K/V slots.
-   One more mbarrier per warpgroup, ``sched[w]``, passes a token round robin: a warpgroup waits for
-   its turn before issuing its wgmmas of one step and hands the turn to the next warpgroup right
-   after issuing them. So the GEMMs of one warpgroup run while the others do their softmax (the exp2
-   unit and the tensor cores are busy at the same time). Warpgroup w > 0 issues its step t after
-   warpgroup w - 1 issued step t; warpgroup 0 issues step t after the last one issued step t - 1.
-
-   Without ping-pong one warpgroup of 4 warps owns 64 rows, or (CONSUMER_WARPS = 8) two
-   warpgroups run the same code on 128 rows as one partition (the compiler's wgmma then spans both
-   warpgroups); there a thread barrier before each release makes sure *both* warpgroups are done
-   with a slot, because wgmma waits are per warpgroup and the release is a single arrive.
-
-5. *Tiles and persistence.* A tile is one block of BLOCK_M = NUM_WG x 64 query rows of one (batch,
-   query head). Every partition loops over the tiles pid, pid + grid, ... (``_tile_coords`` turns
-   a tile index into coordinates, the same in every partition), and the ring position, the
-   ping-pong turn and the query barriers' phase are counted over the whole loop. With grid = the
-   number of tiles each program has one tile (the plain launch); with grid = the number of SMs
-   (``persistent``) a CTA stays resident and its producer loads the next tile's first K tile and
-   its query tiles while the consumers still finish the current one: each consumer releases its
-   query tile (``q_empty``) after its last S product, and writes O through its own shared-memory
-   tile (``o_smem``), waiting for its previous TMA store before reusing it. Causal tiles differ in
-   cost, so the persistent loop takes them in one of two orders (ORDER, picked by ``tile_order``):
-   PAIRED items of a heavy and a light query block of one head (128-row tiles), or SNAKE (taller
-   tiles): the tiles sorted by cost within sections of a few heads (``snake_section``, so that
-   several CTAs read each head's K/V while it is in L2) and dealt out in rounds, every other round
-   in reverse (``_tile_coords``).
-
-6. *Row sums on the tensor cores* (LTC; the forward takes it for fp16 at head_dim 64 with three
-   warpgroups). The softmax's row sum l is the one part of the step's arithmetic that is a plain
-   reduction over keys: 64 additions per thread (two rows' chains of 32, and the quad shuffles) at
-   BLOCK_N 128. With LTC it becomes l = P @ ones: a second, narrow wgmma (N = 8) issued beside
-   P V from the same fp16 P registers, against an [8, BLOCK_N] tile of ones in shared memory, with
-   its [ROWS, 8] accumulator rescaled by alpha like O. l is then the sum of the rounded P that P V
-   uses, so out is as accurate as before. The LSE (and the P the backward recomputes from it) moves
-   with P's rounding: at most 2^-11 relative in l for fp16 (measured up to 1.5e-4), 2^-8 for bf16
-   (measured up to 1.6e-3), so LTC variants take fp16 inputs only (``forward_hopper`` refuses bf16).
-
-7. *Blocks a warpgroup does not see* (SKIP; causal launches of the three-warpgroup split-loop
-   variants, 192 rows of 128-key blocks at head dim 64). A tile's key blocks reach the causal
-   diagonal of its last row, but its upper warpgroups' rows end 64 or 128 rows earlier: with 128-key
-   blocks the first warpgroup sees one block fewer, and half the time the second does too; in the
-   last tile of a head, warpgroups whose rows are all past the end of the queries see none. Such a
-   block is wholly masked for the warpgroup (p = 0, alpha = 1), so computing it changes no bit of
-   the result. With SKIP the warpgroup computes on its own blocks (``_blocks_seen``) and for the
-   rest only releases the ring slots and hands on its ping-pong turns (``_pass_blocks``), which
-   leaves the tensor cores and the issue slots to the warpgroups that need them. Measured (run 80,
-   D=64): +2.6-3.6% at B4 H16 S4k, +1.0-2.3% at B4 H32 S4k, +0.4-0.5% at B1 H32 S16k, +8-9% at B16
-   H32 S1k. Tiles of 128 rows and 128-key blocks have no such blocks where Sq = Sk is a multiple of
-   128 (the shapes timed), and there the check alone cost them 0.6-3.3% (run 81, D=128), so they are
-   compiled without it, as are the other untimed forms and non-causal launches (level within noise,
-   run 80).
-
-Numerics are those of forward.py: fp32 online-softmax state (m in raw score units, l, O), base-2
-exponentials with qk_scale = sm_scale * log2(e) folded into one FMA with the row max, masked scores
-set to -inf, rows that see no key give out = 0 and lse = -inf, LSE = m * sm_scale + ln(l) (natural
-log). Key blocks wholly above the causal diagonal are never loaded; key blocks that every row of a
-warpgroup sees in full skip the mask; causal programs start with the heaviest query blocks.
-
-Shapes and layouts: q [B, Sq, Hq, D], k/v [B, Sk, Hkv, D], any strides with unit stride on D that
-TMA accepts (``tma_compatible``), read through host-built 4-D descriptors moving [1, rows, 1, D]
-boxes of one (batch, head). The shared-memory tiles are 2-D [rows, D] with 128-byte swizzle (the
-same bytes as the 4-D box), which is the operand layout wgmma reads: K is used transposed through a
-permuted view (wgmma transposes 16-bit B operands for free), P goes in registers as the A operand.
+Numerics are forward.py's: fp32 online-softmax state, base-2 exponentials with the scale folded into
+one FMA, masked scores -inf, rows that see no key give out = 0 and lse = -inf, LSE in natural log.
+Key blocks above the causal diagonal are never loaded. Shapes: q [B, Sq, Hq, D], k / v [B, Sk, Hkv, D]
+with strides TMA accepts (``sm90_common.tma_supported``), read through host-built 4-D descriptors of
+[1, rows, 1, D] boxes into 128-byte-swizzled [rows, D] tiles, the operand layout wgmma reads.
 """
 
 from __future__ import annotations
@@ -123,30 +30,46 @@ from __future__ import annotations
 import functools
 
 import torch
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
-                                                              warpgroup_mma, warpgroup_mma_wait)
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTensorDescriptor
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
 
 from . import launch
 from .common import LOG2E, on_input_device
 from .configs import cdiv, sm_count
-from .forward import tma_compatible
+from .sm90_common import (
+    PAIRED,
+    PLAIN,
+    PRODUCER_REGS,
+    REGISTER_FILE,
+    SNAKE,
+    descriptor,
+    finish_rows,
+    row_limits,
+    softmax,
+    tile_coords,
+    to_operand,
+)
 
 # --------------------------------------------------------------------------------------------------
-# Variants: one GPU run times them all. name -> (head_dim -> config dict)
+# Variants: the ones dispatch.forward_variant picks. name -> (head_dim -> config dict)
 # --------------------------------------------------------------------------------------------------
-#   block_n: keys per tile; stages: K/V ring depth; overlap: intra-warpgroup S/PV overlap (False:
-#   none; True: one loop; 2: unmasked and masked steps in two loops, point 3 above);
-#   num_wg: consumer warpgroups, 64 query rows each, each its own partition (1, 2 or 3);
+#   block_n: keys per tile; stages: K/V ring depth; overlap: intra-warpgroup S/PV overlap (True: one
+#   loop; 2: unmasked and masked steps in two loops, docs/hopper.md#forward-step-schedule);
+#   num_wg: consumer warpgroups, 64 query rows each, each its own partition (2 or 3);
 #   pingpong: the num_wg warpgroups take turns issuing their wgmmas (round robin);
-#   consumer_warps: warps of a single consumer partition (num_wg = 1 only; 4: 64 rows, 8: 128 rows);
 #   persistent: one CTA per SM, looping over the (query block, batch, head) tiles;
-#   maxnreg: per-thread register limit of the launch (the consumers get what the producer gives up);
-#   skip: causal launches skip, per warpgroup, the tile's key blocks its rows do not see (point 7;
-#   default: on for three warpgroups in the split-loop schedule, overlap=2).
+#   ltc: row sums on the tensor cores (fp16 only);
+#   skip: causal launches skip, per warpgroup, the tile's key blocks its rows do not see (default: on
+#   for three warpgroups in the split-loop schedule).
+# Variants tried and dropped (one-partition warpgroups, 64-key tiles, no overlap) are described in
+# docs/performance-notes.md#forward-on-hopper.
 
 # Shared memory per CTA (fp16/bf16): Q and O tiles num_wg * 64*D*2 each, plus stages * 2 * BN*D*2.
 #   D=128, BN=128, 2 warpgroups: 32 + 32 KiB + stages * 64 KiB -> 2 stages = 192 KiB;
@@ -160,39 +83,12 @@ VARIANTS = {
                    128: dict(_PP, stages=2, num_wg=2, persistent=True)},
     # Three consumer warpgroups (192 query rows per CTA; FA3's D=64 schedule): the K/V tile in shared
     # memory is read by three warpgroups, so a CTA needs 2/3 of the shared-memory bandwidth per FLOP
-    # that two need. 160 registers per consumer thread (24 for the producer).
-    # At D=64 in the split-loop schedule (overlap=2; point 3 above): +7-16% over the one-loop form,
-    # bf16 and fp16 (run 57). At D=128 (64-key tiles, not chosen) the one-loop form as measured.
-    "pp3": {64: dict(_PP, stages=2, num_wg=3, overlap=2), 128: dict(_PP, block_n=64, stages=2, num_wg=3)},
-    "pp3_persist": {64: dict(_PP, stages=2, num_wg=3, persistent=True, overlap=2),
-                    128: dict(_PP, block_n=64, stages=2, num_wg=3, persistent=True)},
-    # The row sums on the tensor cores (LTC, run 24; point 6 above): fp16 only. +5-10% at D=64 with
-    # three warpgroups; with two, 2-6% slower.
-    # Both in the split-loop schedule (overlap=2, point 3 above): +0-6% at D=64 (run 56). In that
-    # schedule LTC is 0.5-3% ahead of pp3 / pp3_persist non-causal and level causal (runs 57-58).
-    "pp3_ltc": {64: dict(_PP, stages=2, num_wg=3, ltc=True, overlap=2)},
+    # that two need; in the split-loop schedule (overlap=2).
+    "pp3_persist": {64: dict(_PP, stages=2, num_wg=3, persistent=True, overlap=2)},
+    # The same with the row sums on the tensor cores: fp16 only.
     "pp3_persist_ltc": {64: dict(_PP, stages=2, num_wg=3, persistent=True, ltc=True, overlap=2)},
-    # Two warpgroups in one partition (the compiler's wgmma spans both), no turn-taking.
-    "ws2": {64: dict(block_n=128, stages=3, overlap=True, pingpong=False, num_wg=1, consumer_warps=8),
-            128: dict(block_n=128, stages=2, overlap=True, pingpong=False, num_wg=1, consumer_warps=8)},
-    # Ping-pong with 64-key tiles: smaller register footprint, deeper ring.
-    "pp_n64": {64: dict(_PP, block_n=64, stages=4, num_wg=2), 128: dict(_PP, block_n=64, stages=3, num_wg=2)},
-    # The conservative one: one warpgroup, no overlap (load/compute overlap via the producer only).
-    # Two CTAs per SM (maxnreg 128: 8 warps x 128 registers x 2 = 64K), so two CTAs' softmax and
-    # GEMMs interleave through the warp scheduler.
-    "safe": {64: dict(block_n=128, stages=2, overlap=False, pingpong=False, num_wg=1, consumer_warps=4,
-                      maxnreg=128),
-             128: dict(block_n=64, stages=2, overlap=False, pingpong=False, num_wg=1, consumer_warps=4,
-                       maxnreg=128)},
 }
 
-# Tile orders of the persistent loop (``_tile_coords``; ``tile_order`` picks one).
-PLAIN = gl.constexpr(0)
-PAIRED = gl.constexpr(1)
-SNAKE = gl.constexpr(2)
-
-PRODUCER_REGS = 24          # setmaxnreg of the producer's warpgroup (the minimum)
-REGISTER_FILE = 65536       # 32-bit registers per SM (and the most one CTA may use)
 
 
 def variant_config(variant: str, head_dim: int) -> dict:
@@ -200,13 +96,12 @@ def variant_config(variant: str, head_dim: int) -> dict:
     cfg.setdefault("persistent", False)
     cfg.setdefault("ltc", False)
     num_wg = cfg["num_wg"]
-    warps = 4 if num_wg > 1 else cfg["consumer_warps"]
+    warps = 4                                             # one warpgroup per consumer partition
     cfg["rows"] = 16 * warps                              # query rows of one consumer partition
     cfg["block_m"] = cfg["rows"] * num_wg
-    # Causal launches: a consumer warpgroup skips the tile's key blocks its rows do not see (point 7).
-    # On for the three-warpgroup split-loop variants (192 rows of 128-key blocks: head dim 64), where
-    # it was measured and tested (runs 80-81); at 128 rows of 128 keys the check alone cost 0.6-3.3%
-    # (run 81), and the other forms are untimed with it.
+    # Causal launches: a consumer warpgroup skips the tile's key blocks its rows do not see. On for
+    # the three-warpgroup split-loop variants (192 rows of 128-key blocks), where it pays; at 128 rows
+    # of 128 keys the check alone costs more than it saves (docs/hopper.md#skipping-blocks-a-warpgroup-does-not-see).
     cfg.setdefault("skip", num_wg == 3 and cfg["overlap"] == 2)
     cfg["num_warps"] = warps                              # the default partition's warps
     # Warps of the launch, counted in whole warpgroups (registers are reallocated per warpgroup):
@@ -226,98 +121,12 @@ def variant_config(variant: str, head_dim: int) -> dict:
 def _item_bound(num_items, ORDER: gl.constexpr):
     """The end of a program's item loop (items pid, pid + grid, ...). SNAKE: num_items rounded up to
     whole rounds of grid items, so every program walks the same rounds (the last one's overhang is
-    not valid in ``_tile_coords``)."""
+    not valid in ``tile_coords``)."""
     if ORDER == SNAKE:
         grid = gl.num_programs(0)
         return gl.cdiv(num_items, grid) * grid
     else:
         return num_items
-
-
-@gluon.jit
-def _by_cost(tile, num_m_blocks, num_bh, section):
-    """Tile number -> (query block, (batch, head) index) in the order of decreasing cost within
-    sections of ``section`` (batch, head) pairs: section 0's heads first, within it the query blocks
-    from the last (the heaviest, causal) and the heads fastest; the last section may be smaller.
-    section = 1: one head after the other; section = num_bh: all heads' heaviest blocks first.
-    A tile number past the last (SNAKE's overhang, not valid) maps out of range: nothing reads it."""
-    first = (tile // (section * num_m_blocks)) * section              # the section's first head
-    size = gl.maximum(gl.minimum(section, num_bh - first), 1)         # (>= 1 past the last tile)
-    r = tile - first * num_m_blocks                                   # position within the section
-    return num_m_blocks - 1 - r // size, first + r % size
-
-
-@gluon.jit
-def _tile_coords(item, half, num_m_blocks, num_heads_q, kv_group_size, seqlen_q, seqlen_k, num_items,
-                 section, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, IS_CAUSAL: gl.constexpr,
-                 ORDER: gl.constexpr):
-    """Work item (and half of it) -> (pid_bh, batch, query head, kv head, first query row, key blocks
-    to visit, valid). The key blocks are [0, n_blocks): none above the last row's causal diagonal.
-    Every partition calls this with the same arguments, so they all walk the same blocks.
-
-    ORDER (host side: ``tile_order``), num_items tiles or items:
-    * PLAIN: item = tile. Query blocks vary fastest (neighbouring tiles share K/V in L2). Causal:
-      by cost within sections of ``section`` heads (``_by_cost``): the heaviest (last) query
-      blocks of a section's heads first.
-    * PAIRED (causal, persistent): an item is two query blocks of one head, m = M - 1 - p (half 0)
-      and m = p (half 1), whose key-block counts add up to about the same total for every p (exactly
-      when BLOCK_M is a multiple of BLOCK_N). So every item costs about the same, the persistent
-      CTAs stay in step, and the tiles in flight at any moment stay neighbours (their K/V stays in
-      L2). With M odd the middle block pairs with itself: its half 1 is not valid. The CTAs do
-      whole items, so with N items the last round has N mod grid.
-    * SNAKE (causal, persistent): tiles sorted by cost within sections of ``section`` heads
-      (``_by_cost``; one section: query block m from the last, the heads fastest) and dealt in
-      rounds of grid tiles, the even rounds to programs 0, 1, ..., the odd
-      ones in reverse: a program that took a heavy tile in one round takes a light one in the next.
-      The loads even out to within a fraction of a tile (longest-processing-time scheduling, up to
-      the ties), where PAIRED leaves the last round's remainder of whole items."""
-    if ORDER == PAIRED:
-        half_m = (num_m_blocks + 1) // 2
-        pid_bh = item // half_m
-        p = item % half_m
-        pid_m = p + (1 - half) * (num_m_blocks - 1 - 2 * p)
-        valid = (half == 0) | (2 * p != num_m_blocks - 1)
-    elif ORDER == SNAKE:
-        grid = gl.num_programs(0)
-        rnd = item // grid
-        slot = item % grid
-        slot = slot + (rnd % 2) * (grid - 1 - 2 * slot)       # odd rounds: programs in reverse
-        tile = rnd * grid + slot
-        valid = tile < num_items
-        pid_m, pid_bh = _by_cost(tile, num_m_blocks, num_items // num_m_blocks, section)
-    elif IS_CAUSAL:
-        pid_m, pid_bh = _by_cost(item, num_m_blocks, num_items // num_m_blocks, section)
-        valid = True
-    else:
-        pid_m = item % num_m_blocks
-        pid_bh = item // num_m_blocks
-        valid = True
-    off_b = pid_bh // num_heads_q
-    off_h = pid_bh % num_heads_q
-    off_hk = off_h // kv_group_size
-    start_m = pid_m * BLOCK_M
-    if IS_CAUSAL:
-        hi = gl.minimum(gl.maximum(start_m + BLOCK_M + seqlen_k - seqlen_q, 0), seqlen_k)
-    else:
-        hi = seqlen_k
-    n_blocks = gl.cdiv(hi, BLOCK_N)
-    return pid_bh, off_b, off_h, off_hk, start_m, n_blocks, valid
-
-
-@gluon.jit
-def _row_limits(row0, rows, causal_offset, seqlen_k, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
-                IS_CAUSAL: gl.constexpr, row_layout: gl.constexpr):
-    """For query rows ``rows`` (the first is row0): (n_full, col_limit). Key blocks [0, n_full) are
-    seen in full by every row (no mask); row i sees keys < col_limit[i] (the end of the keys, or its
-    causal diagonal + 1, bottom-right aligned: causal_offset = seqlen_k - seqlen_q). The forward's
-    consumers and the backward's dQ consumers use it."""
-    if IS_CAUSAL:
-        n_full = gl.minimum(gl.maximum(row0 + causal_offset + 1, 0) // BLOCK_N, seqlen_k // BLOCK_N)
-        col_limit = gl.minimum(rows + causal_offset + 1, seqlen_k)
-    else:
-        n_full = seqlen_k // BLOCK_N
-        col_limit = gl.full([ROWS], 0, gl.int32, row_layout) + seqlen_k
-    return n_full, col_limit
 
 
 @gluon.jit
@@ -343,7 +152,7 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem,
     n_done = 0
     for item in range(gl.program_id(0), _item_bound(num_items, ORDER), gl.num_programs(0)):
         for half in range(2 if ORDER == PAIRED else 1):
-            pid_bh, off_b, off_h, off_hk, start_m, n_blocks, valid = _tile_coords(
+            pid_bh, off_b, off_h, off_hk, start_m, n_blocks, valid = tile_coords(
                 item, half, num_m_blocks, num_heads_q, kv_group_size, seqlen_q, seqlen_k, num_items,
                 section, ROWS * NUM_WG, BLOCK_N, IS_CAUSAL, ORDER)
             if valid:
@@ -404,37 +213,6 @@ def _release(bar, SYNC: gl.constexpr):
 
 
 @gluon.jit
-def _softmax(s, m_i, l_i, col_limit, cols, qk_scale, MASK: gl.constexpr, SUM: gl.constexpr = True):
-    """Fold one tile of raw scores s [ROWS, BN] into the running (m, l). Returns (p fp32, m_new,
-    l_new, alpha). MASK: scores at columns >= col_limit (a per-row bound: the end of the keys or the
-    causal diagonal) become -inf. Rows that have seen no key keep m = -inf, l = 0 and give p = 0,
-    alpha = 1 (never NaN)."""
-    if MASK:
-        s = gl.where(cols[None, :] < col_limit[:, None], s, float("-inf"))
-    m_new = gl.maximum(m_i, gl.max(s, 1))
-    m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-    # One FMA per score: s * qk_scale - m * qk_scale, then the hardware exp2.
-    p = gl.exp2(s * qk_scale - (m_safe * qk_scale)[:, None])
-    alpha = gl.exp2(gl.where(m_new == float("-inf"), 0.0, (m_i - m_new) * qk_scale))
-    if SUM:
-        l_new = l_i * alpha + gl.sum(p, 1)
-    else:
-        l_new = l_i                      # LTC: the row sums come from the tensor cores instead
-    return p, m_new, l_new, alpha
-
-
-@gluon.jit
-def _finish_rows(m_i, l_i, sm_scale, o_layout: gl.constexpr):
-    """The epilogue's row statistics: (lse = m * sm_scale + ln(l), 1 / l in O's row layout). A row
-    that saw no key (l = 0) gets lse = -inf and 1 / l = 1, so its out (acc = 0) is 0, never NaN.
-    The forward's and the decode kernel's consumers use it."""
-    empty = l_i == 0.0
-    l_safe = gl.where(empty, 1.0, l_i)
-    lse = gl.where(empty, float("-inf"), m_i * sm_scale + gl.log(l_safe))
-    return lse, gl.convert_layout(1.0 / l_safe, gl.SliceLayout(1, o_layout))
-
-
-@gluon.jit
 def _pv_issue(p, v_tile, acc, l_acc, ones_smem, pl_layout: gl.constexpr, LTC: gl.constexpr):
     """Issue O += P V (async) and, LTC, l += P @ ones beside it. Returns the tokens and the operands
     the wait must keep live: (o_tok, l_tok, p_l); without LTC, l_tok and p_l are placeholders."""
@@ -486,20 +264,6 @@ def _pv_finish(o_tok, l_tok, p, p_l, alpha, v_slot_empty, LTC: gl.constexpr, SYN
 
 
 @gluon.jit
-def _to_operand(p, dtype: gl.constexpr, p_layout: gl.constexpr):
-    """fp32 P -> the 16-bit wgmma A operand, two values per instruction into one register
-    (cvt.rn.{f16,bf16}x2.f32). With the plain ``p.to(dtype)`` the split-loop schedule's loop-carried P
-    came out of ptxas with its halves swapped and 32 PRMTs per step to swap them back (run 56)."""
-    if dtype == gl.float16:
-        h = gl.inline_asm_elementwise("cvt.rn.f16x2.f32 $0, $2, $1;", "=r,f,f", [p], dtype=gl.float16,
-                                      is_pure=True, pack=2)
-    else:
-        h = gl.inline_asm_elementwise("cvt.rn.bf16x2.f32 $0, $2, $1;", "=r,f,f", [p], dtype=gl.bfloat16,
-                                      is_pure=True, pack=2)
-    return gl.convert_layout(h, p_layout)
-
-
-@gluon.jit
 def _overlap_step(j, c, t, p, acc, l_acc, m_i, l_i, q_tile, k_smem, v_smem,
                   k_ready, k_empty, v_ready, v_empty, sched, ones_smem, s_zero, col_limit, cols0, qk_scale,
                   MASK: gl.constexpr, WG: gl.constexpr, NUM_WG: gl.constexpr, PINGPONG: gl.constexpr,
@@ -522,8 +286,8 @@ def _overlap_step(j, c, t, p, acc, l_acc, m_i, l_i, q_tile, k_smem, v_smem,
     _turn_end(sched, WG, NUM_WG, PINGPONG)
     s = _s_wait(s_tok, k_empty.index(st), LTC, SYNC)
     cols = j * BLOCK_N + cols0
-    p_new, m_i, l_i, alpha = _softmax(s, m_i, l_i, col_limit, cols, qk_scale, MASK, not LTC)
-    p_new = _to_operand(p_new, dtype, p_layout)
+    p_new, m_i, l_i, alpha = softmax(s, m_i, l_i, col_limit, cols, qk_scale, MASK, not LTC)
+    p_new = to_operand(p_new, dtype, p_layout)
     acc, l_acc = _pv_finish(o_tok, l_tok, p, p_l, alpha, v_empty.index(pst), LTC, SYNC, l_layout, o_layout)
     return p_new, acc, l_acc, m_i, l_i
 
@@ -614,14 +378,14 @@ def _consumer(q_desc, o_desc, LSE, q_smem, o_smem, k_smem, v_smem,
     n_done = 0
     for item in range(gl.program_id(0), _item_bound(num_items, ORDER), gl.num_programs(0)):
         for half in range(2 if ORDER == PAIRED else 1):
-            pid_bh, off_b, off_h, off_hk, start_m, n_blocks, valid = _tile_coords(
+            pid_bh, off_b, off_h, off_hk, start_m, n_blocks, valid = tile_coords(
                 item, half, num_m_blocks, num_heads_q, kv_group_size, seqlen_q, seqlen_k, num_items,
                 section, ROWS * NUM_WG, BLOCK_N, IS_CAUSAL, ORDER)
             if valid:
                 row0 = start_m + WG * ROWS
                 rows = row0 + gl.arange(0, ROWS, layout=row_layout)             # [ROWS] query positions
                 # Key blocks [0, n_full) are seen in full by every row of this warpgroup: no mask.
-                n_full, col_limit = _row_limits(row0, rows, causal_offset, seqlen_k, ROWS, BLOCK_N, IS_CAUSAL,
+                n_full, col_limit = row_limits(row0, rows, causal_offset, seqlen_k, ROWS, BLOCK_N, IS_CAUSAL,
                                                 row_layout)
                 # Key blocks [0, n_mine) hold every key this warpgroup's rows see (SKIP; else all of
                 # the tile's n_blocks, which reach the causal diagonal of the tile's last row).
@@ -649,10 +413,10 @@ def _consumer(q_desc, o_desc, LSE, q_smem, o_smem, k_smem, v_smem,
                         s = warpgroup_mma_wait(0, deps=(s_tok,))
                         _release(k_empty.index(st), SYNC)
                         if n_full > 0:
-                            p, m_i, l_i, alpha = _softmax(s, m_i, l_i, col_limit, cols0, qk_scale, False,
+                            p, m_i, l_i, alpha = softmax(s, m_i, l_i, col_limit, cols0, qk_scale, False,
                                                           not LTC)
                         else:
-                            p, m_i, l_i, alpha = _softmax(s, m_i, l_i, col_limit, cols0, qk_scale, True,
+                            p, m_i, l_i, alpha = softmax(s, m_i, l_i, col_limit, cols0, qk_scale, True,
                                                           not LTC)
                         p = gl.convert_layout(p.to(dtype), p_layout)
                         # -- steps 1 .. n-1: issue S_j and P_{j-1} V_{j-1}; softmax S_j under PV --
@@ -683,10 +447,10 @@ def _consumer(q_desc, o_desc, LSE, q_smem, o_smem, k_smem, v_smem,
                                 s = _s_wait(s_tok, k_empty.index(st), LTC, SYNC)
                                 cols = j * BLOCK_N + cols0
                                 if j < n_full:
-                                    p_new, m_i, l_i, alpha = _softmax(s, m_i, l_i, col_limit, cols, qk_scale,
+                                    p_new, m_i, l_i, alpha = softmax(s, m_i, l_i, col_limit, cols, qk_scale,
                                                                       False, not LTC)
                                 else:
-                                    p_new, m_i, l_i, alpha = _softmax(s, m_i, l_i, col_limit, cols, qk_scale,
+                                    p_new, m_i, l_i, alpha = softmax(s, m_i, l_i, col_limit, cols, qk_scale,
                                                                       True, not LTC)
                                 p_new = gl.convert_layout(p_new.to(dtype), p_layout)
                                 acc, l_acc = _pv_finish(o_tok, l_tok, p, p_l, alpha, v_empty.index(pst), LTC,
@@ -723,9 +487,9 @@ def _consumer(q_desc, o_desc, LSE, q_smem, o_smem, k_smem, v_smem,
                             _release(k_empty.index(st), SYNC)
                             cols = j * BLOCK_N + cols0
                             if j < n_full:
-                                p, m_i, l_i, alpha = _softmax(s, m_i, l_i, col_limit, cols, qk_scale, False)
+                                p, m_i, l_i, alpha = softmax(s, m_i, l_i, col_limit, cols, qk_scale, False)
                             else:
-                                p, m_i, l_i, alpha = _softmax(s, m_i, l_i, col_limit, cols, qk_scale, True)
+                                p, m_i, l_i, alpha = softmax(s, m_i, l_i, col_limit, cols, qk_scale, True)
                             acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
                             p = gl.convert_layout(p.to(dtype), p_layout)
                             mbarrier.wait(v_ready.index(st), ph)
@@ -756,7 +520,7 @@ def _consumer(q_desc, o_desc, LSE, q_smem, o_smem, k_smem, v_smem,
                     kv += n_blocks
 
                 # -- epilogue: out = acc / l, lse = m * sm_scale + ln(l); empty rows (l = 0): 0 and -inf --
-                lse, inv_l = _finish_rows(m_i, l_i, sm_scale, o_layout)
+                lse, inv_l = finish_rows(m_i, l_i, sm_scale, o_layout)
                 out = (acc * inv_l[:, None]).to(dtype)
                 gl.store(LSE + pid_bh.to(gl.int64) * seqlen_q + rows, lse, mask=rows < seqlen_q)
                 # O goes out through this warpgroup's own shared-memory tile and one TMA store, which
@@ -790,7 +554,7 @@ def _attn_fwd_hopper_kernel(
     LTC: gl.constexpr, SKIP: gl.constexpr,
 ):
     """A program takes work items pid, pid + grid, ... of num_items; an item is one tile (BLOCK_M =
-    ROWS * NUM_WG query rows of one (batch, query head)) or, ORDER == PAIRED, two (``_tile_coords``). With
+    ROWS * NUM_WG query rows of one (batch, query head)) or, ORDER == PAIRED, two (``tile_coords``). With
     grid = num_items (not persistent) that is one item per program."""
     WARPS: gl.constexpr = ROWS // 16
     dtype: gl.constexpr = q_desc.dtype
@@ -889,41 +653,19 @@ def _attn_fwd_hopper_kernel(
 # Launcher
 # --------------------------------------------------------------------------------------------------
 
-_GL_DTYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}
-
-
-@functools.lru_cache(maxsize=None)
-def shared_layout(block_shape: tuple[int, ...], dtype) -> gl.NVMMASharedLayout:
-    """The swizzled shared-memory layout of a TMA box, made once per (box, dtype): Gluon's
-    ``get_default_for`` costs ~10 us of host time per call, a sixth of a short forward's launch path
-    (docs/performance-notes.md, run 42). Layouts are frozen dataclasses, safe to share."""
-    return gl.NVMMASharedLayout.get_default_for(list(block_shape), dtype)
-
-
-def _descriptor(t: torch.Tensor, rows: int, cols: int) -> GluonTensorDescriptor:
-    """Host-built 4-D [B, S, H, D] descriptor moving [1, rows, 1, cols] boxes (one (batch, head)'s
-    block of rows; cols is D, or for the decode kernel 64 of its columns), 128-byte swizzled like the
-    kernels' shared-memory tiles. Built without the dataclass's re-validation (``supported`` already
-    checked what TMA needs): host time per call matters at short sequences."""
-    layout = shared_layout((1, rows, 1, cols), _GL_DTYPES[t.dtype])
-    desc = object.__new__(GluonTensorDescriptor)
-    desc.base, desc.shape, desc.strides = t, list(t.shape), list(t.stride())
-    desc.block_shape, desc.layout, desc.padding = [1, rows, 1, cols], layout, "zero"
-    return desc
-
 
 ORDERS = {"plain": PLAIN.value, "paired": PAIRED.value, "snake": SNAKE.value}
 # snake_section's model of the cost of reading K/V with little reuse: when the grid's CTAs run the
 # tiles of h heads' K/V at once (about grid / h CTAs on each), the time grows by about
-# SECTION_REUSE * h / grid (fitted on run 74: 4 CTAs per head ~7% slower than 33, 16 ~1%).
+# SECTION_REUSE * h / grid (fitted on H200 timings: 4 CTAs per head ~7% slower than 33, 16 ~1%).
 SECTION_REUSE = 0.3
 
 
 def tile_order(causal: bool, persistent: bool, block_m: int) -> str:
-    """The persistent loop's tile order (``_tile_coords``): 'plain' unless causal and persistent;
+    """The persistent loop's tile order (``tile_coords``): 'plain' unless causal and persistent;
     there 'paired' for 128-row tiles and 'snake' for taller ones (with ``snake_section``'s sections).
 
-    Measured (runs 61 and 74, causal, every order forced; performance.md has the tables): with
+    Measured on the H200 (causal, every order forced; docs/performance.md has the tables): with
     128-row tiles snake was 5-17% slower than paired in one section at every shape but one (level
     at B16 H32 S1k), and 3-35% slower in sections of 8-128 heads but one (+3% at B16 H32 S1k, where
     the forward takes the Triton kernel). With 192-row tiles, snake in the sections ``snake_section``
@@ -935,7 +677,7 @@ def tile_order(causal: bool, persistent: bool, block_m: int) -> str:
 
 
 def by_cost(tile: torch.Tensor, num_m_blocks: int, num_bh: int, section: int):
-    """``_by_cost`` on the host (the kernel's is Gluon): tile numbers -> (query block, (batch, head)
+    """``tile_by_cost`` on the host (the kernel's is Gluon): tile numbers -> (query block, (batch, head)
     index). ``snake_section`` models the kernel's order with it; a CPU test checks it is a
     bijection and that sections of 1 and of all heads are the plain causal and the old snake order."""
     first = (tile // (section * num_m_blocks)) * section
@@ -947,10 +689,10 @@ def by_cost(tile: torch.Tensor, num_m_blocks: int, num_bh: int, section: int):
 @functools.lru_cache(maxsize=256)
 def snake_section(num_bh: int, num_m_blocks: int, block_m: int, block_n: int, seqlen_q: int,
                   seqlen_k: int, grid: int, kv_group: int = 1) -> int:
-    """The snake order's section (``_by_cost``): how many (batch, head) pairs' tiles are sorted and
+    """The snake order's section (``tile_by_cost``): how many (batch, head) pairs' tiles are sorted and
     dealt together. One section of all heads balances the CTAs' work best, but runs the heaviest
     tiles of up to ``grid`` heads at once, each read by one or two CTAs, where a smaller section
-    keeps grid / section CTAs on each head's K/V while it is in L2 (run 74: B4 H32 S4k at head_dim
+    keeps grid / section CTAs on each head's K/V while it is in L2 (B4 H32 S4k at head_dim
     64, 355.7 TFLOP/s in one section of 128 heads, 408.0 in sections of 8). So each power of two up
     to num_bh (and num_bh) is scored by its busiest CTA's work over the mean (the tiles dealt as
     the kernel deals them; a tile's work is its key blocks plus one) times 1 + SECTION_REUSE * h /
@@ -958,7 +700,7 @@ def snake_section(num_bh: int, num_m_blocks: int, block_m: int, block_n: int, se
     grid) or, when a section has fewer tiles than the grid, grid / num_m_blocks, divided by ``kv_group``
     (the query heads of a GQA group read one K/V; the fit is on groups of 1, GQA picks are
     untimed). The lowest score wins, the larger section on a tie (a tie means the same balance
-    and about the same heads at once; run 74 timed the larger ones)."""
+    and about the same heads at once; the larger ones were timed)."""
     cpu = torch.device("cpu")                        # host arithmetic whatever the default device
     m = torch.arange(num_m_blocks, device=cpu)
     hi = ((m + 1) * block_m + seqlen_k - seqlen_q).clamp(0, seqlen_k)
@@ -981,24 +723,6 @@ def snake_section(num_bh: int, num_m_blocks: int, block_m: int, block_n: int, se
     return best
 
 
-def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor | None = None) -> bool:
-    """True when this Hopper path handles the inputs: CUDA fp16/bf16 [B, S, H, D] views, head_dim 64
-    or 128, same dtype everywhere, Hq a multiple of Hkv, TMA-compatible strides (``tma_compatible``)."""
-    tensors = (q, k, v) if out is None else (q, k, v, out)
-    if any(t.dim() != 4 or not t.is_cuda or t.dtype != q.dtype for t in tensors):
-        return False
-    if q.dtype not in _GL_DTYPES:
-        return False
-    b, sq, hq, d = q.shape
-    if d not in (64, 128) or k.shape[-1] != d or v.shape != k.shape or k.shape[0] != b:
-        return False
-    if k.shape[2] == 0 or hq % k.shape[2]:
-        return False
-    if out is not None and tuple(out.shape) != tuple(q.shape):
-        return False
-    return tma_compatible(*tensors)
-
-
 @on_input_device
 def forward_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float, causal: bool,
                    out: torch.Tensor | None = None, *, variant: str, order: str | None = None,
@@ -1006,9 +730,9 @@ def forward_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: 
     """``forward()``'s contract on the Hopper kernel: q [B, Sq, Hq, D], k/v [B, Sk, Hkv, D];
     returns (out [B, Sq, Hq, D] in q's dtype, lse [B, Hq, Sq] float32, natural log). ``out`` may be a
     preallocated strided view. ``variant``: a key of VARIANTS (the forward takes the one
-    ``configs.hopper_forward_variant`` picks). ``order``: the tile order, a key of ORDERS (any of them
+    ``dispatch.forward_variant`` picks). ``order``: the tile order, a key of ORDERS (any of them
     gives the same result; they differ in how evenly the persistent CTAs share the causal work);
-    None lets ``tile_order`` pick. ``section``: (batch, head) pairs per section of ``_by_cost`` for
+    None lets ``tile_order`` pick. ``section``: (batch, head) pairs per section of ``tile_by_cost`` for
     the causal plain and snake orders (the paired order and non-causal launches do not use it);
     None: 1 for plain, ``snake_section``'s pick for snake."""
     if order is not None and (not isinstance(order, str) or order not in ORDERS):
@@ -1030,10 +754,10 @@ def forward_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: 
     if cfg["ltc"] and q.dtype != torch.float16:
         raise ValueError(f"variant {variant!r} sums the rows of an fp16 P on the tensor cores and takes "
                          f"float16 inputs; got q.dtype={q.dtype}")
-    q_desc = _descriptor(q, cfg["rows"], head_dim)
-    o_desc = _descriptor(out, cfg["rows"], head_dim)
-    k_desc = _descriptor(k, cfg["block_n"], head_dim)
-    v_desc = _descriptor(v, cfg["block_n"], head_dim)
+    q_desc = descriptor(q, cfg["rows"], head_dim)
+    o_desc = descriptor(out, cfg["rows"], head_dim)
+    k_desc = descriptor(k, cfg["block_n"], head_dim)
+    v_desc = descriptor(v, cfg["block_n"], head_dim)
     num_m_blocks = cdiv(seqlen_q, cfg["block_m"])
     num_tiles = batch * heads_q * num_m_blocks
     # Persistent: one program per SM (132 when compiling on a machine without a GPU).

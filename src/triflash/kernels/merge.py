@@ -11,10 +11,10 @@ NaN there cannot leak); a row whose parts are all empty gets O = 0 and LSE = -in
 
 One program merges BLOCK_R consecutive rows (b, s, h) (flattened, h fastest) over all N parts,
 BLOCK_P parts at a time, in two passes: the row max of the N LSEs, then the weighted sum, so each
-part's output is scaled once (no repeated rescaling as in an online merge). Weights are
-exp2((LSE_n - M) * log2(e)), the difference taken in the LSEs' own dtype; sums are fp32. The launcher sizes the tiles so that both a few rows with
-many parts (split-KV decode of one long sequence: 32 rows, ~60 splits) and many rows with two parts
-(merging two prefill results) spread over the whole GPU.
+part's output is scaled once (no repeated rescaling as in an online merge). Weights are exp2((LSE_n
+- M) * log2(e)), the difference taken in the LSEs' own dtype; sums are fp32. The launcher sizes the
+tiles so that both a few rows with many parts (split-KV decode of one long sequence: 32 rows, ~60
+splits) and many rows with two parts (merging two prefill results) spread over the whole GPU.
 
 Layout (merge_attn_states' convention): O_parts [N, B, S, H, D] (FlashAttention's layout per part,
 any float dtype, last stride 1), LSE_parts [N, B, H, S] float32 (what flash_attn_func(...,

@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# The GPU test suites, in three parts that each fit one device call (10 minutes): what a change made
+# on a machine without a GPU owes before it is called verified on one.
+#
+#   bash scripts/gpu_checks.sh fwd   # forward suites, causal and empty rows, packed sequences, windows,
+#                                            # and (one test at a time) the 4 GiB offset tests
+#   bash scripts/gpu_checks.sh bwd   # the backward suite
+#   bash scripts/gpu_checks.sh rest  # decode, merge, SDPA routing, compile, validation, layouts
+#
+# Logs go to $OUT (the device tool's folder that comes back), a short summary to stdout. The hang
+# guard (tests/conftest.py) ends a test that runs past TRIFLASH_TEST_TIMEOUT seconds.
+set -u
+part=${1:?usage: gpu_checks.sh fwd|bwd|rest}
+OUT=${OUT:-/tmp/gpu_checks}
+mkdir -p "$OUT"
+export PYTHONPATH=src TRIFLASH_TEST_TIMEOUT=${TRIFLASH_TEST_TIMEOUT:-240}
+python3 - <<'EOF' | tee "$OUT/versions.txt"
+import torch, triton
+print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton", triton.__version__)
+EOF
+
+run() {   # run NAME PYTEST-ARGS...: one pytest run, its log in $OUT/NAME.log, its summary line here
+    local name=$1
+    shift
+    local start=$SECONDS
+    python3 -m pytest -q -p no:benchmark -ra "$@" > "$OUT/$name.log" 2>&1
+    echo "$name: rc=$? in $((SECONDS - start)) s: $(tail -n 1 "$OUT/$name.log")"
+}
+
+case $part in
+fwd)
+    run fwd -n 16 tests/test_forward.py tests/test_causal_and_empty.py tests/test_varlen.py tests/test_window.py
+    # 4-5 GiB tensors and float64 references (up to ~60 GiB): one test at a time.
+    run int64 -n 1 tests/test_int64_offsets.py tests/test_long_sequences.py
+    ;;
+bwd)
+    run bwd -n 16 tests/test_backward.py
+    ;;
+rest)
+    # test_decode*.py ran with -n 8 before (16 workers crowded its long-context cases).
+    run decode -n 8 tests/test_decode.py tests/test_decode_hopper.py
+    run rest -n 16 tests/test_merge.py tests/test_integrations.py tests/test_compile.py tests/test_validation.py \
+        tests/test_layouts.py tests/test_devices.py tests/test_readme.py
+    ;;
+*)
+    echo "unknown part $part (fwd, bwd or rest)" >&2
+    exit 2
+    ;;
+esac

@@ -1,0 +1,328 @@
+"""Which kernel runs a call: every choice of kernel family, variant and config, in one place.
+
+Layers, one way: public function (api, kvcache) -> custom op / autograd -> this module -> kernel
+modules (leaves: kernels + their launchers) -> launch.run. The kernel modules never import each
+other's launchers and never choose; the Hopper (Gluon) modules are imported here, lazily, because
+Gluon is optional (Triton < 3.5 lacks it: ``configs.gluon_available``).
+
+Kernel families:
+
+* forward: the Gluon Hopper kernel (``forward_hopper``, sm_90, fp16/bf16, head dim 64/128, no
+  window, no packed sequences) in the variant ``forward_variant`` picks; else the portable Triton
+  kernel (``forward``) with ``configs.forward_config``'s tiles;
+* backward: ``preprocess`` (delta, lse2), then dK/dV and dQ from the Gluon kernels
+  (``backward_variant``) or the Triton ones (``configs.backward_config``);
+* decode: the Gluon decode kernel or the Triton one (``configs.decode_config`` chooses both the
+  kernel and the split count), then ``merge`` of the split partials;
+* merge (``merge_attn_states``): one kernel, ``merge``.
+
+``variant`` arguments force a family: ``"triton"`` the portable kernels, a Gluon variant name that
+variant (where its inputs allow it), None the rules below. ``force()`` does the same for calls made
+through the public functions (tests and benchmarks), without replacing any function.
+The measurements behind each rule: docs/performance.md and docs/performance-notes.md.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+
+import torch
+
+from . import backward as triton_backward
+from . import configs, launch
+from . import decode as triton_decode
+from . import forward as triton_forward
+from .block_ranges import window_bounds
+from .common import Varlen, last_dim_contiguous, on_input_device
+from .configs import BwdConfig, DecodeConfig, FwdConfig
+from .merge import merge
+
+TRITON = "triton"
+
+# --------------------------------------------------------------------------------------------------
+# Forced choices (tests, benchmarks)
+# --------------------------------------------------------------------------------------------------
+
+_forced = {"forward": None, "backward": None}
+_force_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def force(*, forward: str | None = None, backward: str | None = None):
+    """Within the block, every call takes the given forward / backward variant (``"triton"`` or a Gluon
+    variant name) wherever the choosers would have been asked. Process-wide, not per thread: autograd
+    runs a GPU backward on its own thread. Call plans are off inside (a plan recorded under one
+    choice must not replay under another)."""
+    with _force_lock:
+        saved = (dict(_forced), launch.ENABLED)
+        _forced.update(forward=forward, backward=backward)
+        launch.ENABLED = False
+    try:
+        yield
+    finally:
+        with _force_lock:
+            _forced.update(saved[0])
+            launch.ENABLED = saved[1]
+
+
+def variant_names() -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(forward, backward) Gluon variant names this Triton can run (none without Gluon's Hopper API)."""
+    if not configs.gluon_available():
+        return (), ()
+    from . import backward_hopper, forward_hopper
+
+    return tuple(forward_hopper.VARIANTS), tuple(backward_hopper.VARIANTS)
+
+
+def _forced_variant(kind: str) -> str | None:
+    return _forced[kind]
+
+
+# --------------------------------------------------------------------------------------------------
+# Forward
+# --------------------------------------------------------------------------------------------------
+
+# The Gluon forward's variants the chooser takes (forward_hopper.VARIANTS), per head dim and dtype.
+HOPPER_FORWARD_VARIANTS = {
+    64: {"float16": ("pp_persist", "pp3_persist_ltc"), "bfloat16": ("pp_persist", "pp3_persist")},
+    128: {"float16": ("pp", "pp_persist"), "bfloat16": ("pp", "pp_persist")},
+}
+
+
+def forward_candidates(head_dim: int, dtype) -> tuple[str, ...]:
+    """Every variant ``forward_variant`` can take for this head dim and dtype (the GPU tests force each)."""
+    return HOPPER_FORWARD_VARIANTS[head_dim][str(dtype).removeprefix("torch.")]
+
+
+def forward_variant(*, head_dim: int, dtype, device, causal: bool, seqlen_q: int, seqlen_k: int) -> str:
+    """The forward's kernel: a Gluon variant or ``"triton"``. The rule (measured on H200 and H100,
+    docs/performance-notes.md#forward-on-hopper):
+
+    * head dim 128: persistent ``pp_persist``, except non-causal from 8k keys (``pp``, one tile per CTA);
+    * head dim 64: three consumer warpgroups (``pp3_persist``, fp16's ``_ltc`` form sums rows on the
+      tensor cores) non-causal from 1k queries and causal from 2k queries and 2k keys; below that
+      ``pp_persist``; causal below 2k queries the Triton kernel (faster there).
+    """
+    if not configs.gluon_hopper_applies(head_dim=head_dim, dtype=dtype, device=device):
+        return TRITON
+    if head_dim == 128:
+        return "pp" if not causal and seqlen_k >= 8192 else "pp_persist"
+    if causal and seqlen_q < 2048:
+        return TRITON
+    ltc = "_ltc" if dtype == torch.float16 else ""
+    if not causal:
+        return f"pp3_persist{ltc}" if seqlen_q >= 1024 else "pp_persist"
+    return f"pp3_persist{ltc}" if seqlen_k >= 2048 else "pp_persist"
+
+
+@on_input_device
+def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float, causal: bool, *,
+            out: torch.Tensor | None = None, config: FwdConfig | None = None, varlen: Varlen | None = None,
+            window: tuple[int, int] | None = None, variant: str | None = None):
+    """Attention forward on validated [B, S, H, D] views (last stride 1): (out [B, Sq, Hq, D] in q's
+    dtype, lse [B, Hq, Sq] float32 natural log). ``out`` may be a preallocated view with last stride
+    1 (the [B, H, S, D] API passes a transposed one). ``varlen``: packed sequences, q / out
+    [total_q, Hq, D], k / v [total_k, Hkv, D], lse [Hq, total_q]. ``window``: (left, right), -1 for
+    no bound on a side. ``config`` forces the Triton kernel with those tiles; ``variant`` as in the
+    module docstring. Packed sequences and windows run on the Triton kernel."""
+    max_q, max_k = (varlen.max_seqlen_q, varlen.max_seqlen_k) if varlen is not None else (q.shape[1], k.shape[1])
+    causal, window = window_bounds(window, causal, max_q, max_k)
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    head_dim = q.shape[-1]
+    if varlen is not None:
+        if config is None:
+            config = configs.forward_config(head_dim=head_dim, dtype=q.dtype, causal=causal,
+                                            batch_heads=varlen.batch * q.shape[1], seqlen_q=varlen.max_seqlen_q,
+                                            device=q.device)
+        return triton_forward.run_varlen(q, k, v, out, sm_scale, causal, config, varlen, window)
+    batch, seqlen_q, heads_q, _ = q.shape
+    seqlen_k = k.shape[1]
+    if out.numel() == 0 or seqlen_k == 0:
+        lse = torch.empty((batch, heads_q, seqlen_q), dtype=torch.float32, device=q.device)
+        if out.numel():
+            out.zero_()                   # no key at all: every row is empty by definition
+            lse.fill_(float("-inf"))
+        return out, lse
+    if config is None and window is None:
+        variant = variant or _forced_variant("forward") or forward_variant(
+            head_dim=head_dim, dtype=q.dtype, device=q.device, causal=causal, seqlen_q=seqlen_q, seqlen_k=seqlen_k)
+        if variant != TRITON and configs.gluon_hopper_applies(head_dim=head_dim, dtype=q.dtype, device=q.device):
+            from . import forward_hopper, sm90_common
+
+            if sm90_common.tma_supported(q, k, v, out):
+                return forward_hopper.forward_hopper(q, k, v, sm_scale, causal, out=out, variant=variant)
+    if config is None:
+        config = configs.forward_config(head_dim=head_dim, dtype=q.dtype, causal=causal,
+                                        batch_heads=batch * heads_q, seqlen_q=seqlen_q, device=q.device)
+    return triton_forward.run(q, k, v, out, sm_scale, causal, config, window)
+
+
+# --------------------------------------------------------------------------------------------------
+# Backward
+# --------------------------------------------------------------------------------------------------
+
+# The Gluon backward's variants the chooser takes (backward_hopper.VARIANTS), per head dim.
+HOPPER_BACKWARD_VARIANTS = {64: ("dkdv", "dkdv_long"), 128: ("dkdv",)}
+# At head dim 64 dQ comes from the Gluon dQ kernel (``dkdv_long``) from this many keys.
+GLUON_DQ_MIN_KEYS_D64 = 4096
+
+
+def backward_candidates(head_dim: int) -> tuple[str, ...]:
+    """Every variant ``backward_variant`` can take at this head dim (the GPU tests force each)."""
+    return HOPPER_BACKWARD_VARIANTS.get(head_dim, ())
+
+
+def backward_variant(*, head_dim: int, dtype, device, causal: bool, seqlen_q: int, seqlen_k: int) -> str:
+    """The backward's kernels: a Gluon variant or ``"triton"``. ``dkdv`` (dK and dV on the Gluon kernel;
+    dQ on the Gluon dQ kernel at head dim 128, on the Triton one at 64) at head dims 64 and 128;
+    at 64 from ``GLUON_DQ_MIN_KEYS_D64`` keys ``dkdv_long`` (dQ on the Gluon kernel too).
+    Measurements: docs/performance-notes.md#backward."""
+    if not configs.gluon_hopper_applies(head_dim=head_dim, dtype=dtype, device=device):
+        return TRITON
+    if head_dim == 64 and seqlen_k >= GLUON_DQ_MIN_KEYS_D64:
+        return "dkdv_long"
+    return "dkdv"
+
+
+@on_input_device
+def backward(dout, q, k, v, out, lse, sm_scale: float, causal: bool, *, dlse=None,
+             dq=None, dk=None, dv=None, need_dq=True, need_dkdv=True,
+             config: tuple[BwdConfig, BwdConfig] | None = None, variant: str | None = None,
+             varlen: Varlen | None = None, window: tuple[int, int] | None = None):
+    """Gradients of attention on validated [B, S, H, D] views (last stride 1): (dq, dk, dv), None for
+    those not requested (need_dq, need_dkdv). out / lse are what the forward returned; dlse
+    (optional, [B, Hq, Sq]) is a gradient on the LSE; dq / dk / dv may be preallocated views.
+    ``config`` forces the Triton kernels with those tiles; ``variant`` as in the module docstring
+    (a dK/dV-only Gluon variant takes dQ from the Gluon dQ kernel where
+    ``backward_hopper.dq_on_gluon`` says so, else from the Triton one). ``varlen``: packed sequences
+    (q / out / dout [total_q, Hq, D], k / v [total_k, Hkv, D], lse / dlse [Hq, total_q]);
+    ``window`` as the forward's. Both run on the Triton kernels."""
+    max_q, max_k = (varlen.max_seqlen_q, varlen.max_seqlen_k) if varlen is not None else (q.shape[1], k.shape[1])
+    causal, window = window_bounds(window, causal, max_q, max_k)
+    dout = last_dim_contiguous(dout)
+    dq = (dq if dq is not None else torch.empty(q.shape, dtype=q.dtype, device=q.device)) if need_dq else None
+    if need_dkdv:
+        dk = dk if dk is not None else torch.empty(k.shape, dtype=k.dtype, device=k.device)
+        dv = dv if dv is not None else torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    else:
+        dk = dv = None
+    head_dim = q.shape[-1]
+    if varlen is not None:
+        if config is None:
+            config = configs.backward_config(head_dim=head_dim, dtype=q.dtype, device=q.device)
+        triton_backward.run_varlen(dout, q, k, v, out, lse, sm_scale, causal, dlse, dq, dk, dv, config, varlen,
+                                   window)
+        return dq, dk, dv
+    batch, seqlen_q, heads_q, _ = q.shape
+    seqlen_k = k.shape[1]
+    if seqlen_q == 0 or seqlen_k == 0 or batch == 0 or heads_q == 0:
+        for t in (dq, dk, dv):            # no score exists, so every gradient is zero
+            if t is not None:
+                t.zero_()
+        return dq, dk, dv
+
+    hopper = None
+    if config is None and window is None:
+        variant = variant or _forced_variant("backward") or backward_variant(
+            head_dim=head_dim, dtype=q.dtype, device=q.device, causal=causal, seqlen_q=seqlen_q, seqlen_k=seqlen_k)
+        if variant != TRITON and configs.gluon_available():
+            from . import backward_hopper
+
+            if backward_hopper.supported(q, k, v, dout, variant):
+                hopper = variant
+    if config is None:
+        config = configs.backward_config(head_dim=head_dim, dtype=q.dtype, device=q.device)
+    dkdv_cfg, dq_cfg = config
+    # fp32 gradients are compared with fp32 PyTorch: recompute P without the base-2 round trip.
+    precise_p = q.dtype == torch.float32
+    # The Hopper kernel reads delta and lse2 in whole tiles: their rows are padded to a tile multiple.
+    rows = backward_hopper.padded_rows(seqlen_q) if hopper is not None else seqlen_q
+    delta, lse2 = triton_backward.preprocess(dout, out, lse, dlse, rows, precise_p)
+    if hopper is not None and backward_hopper.computes_dq(hopper):
+        # The fused kernel computes all three gradients; unrequested ones go to scratch tensors.
+        backward_hopper.backward_hopper(
+            dout, q, k, v, lse2, delta, sm_scale, causal,
+            dq if need_dq else torch.empty_like(q), dk if need_dkdv else torch.empty_like(k),
+            dv if need_dkdv else torch.empty_like(v), variant=hopper)
+        return dq, dk, dv
+    if hopper is not None:
+        if need_dkdv:
+            backward_hopper.backward_hopper(dout, q, k, v, lse2, delta, sm_scale, causal, None, dk, dv,
+                                            variant=hopper)
+        if need_dq and backward_hopper.dq_on_gluon(hopper, head_dim):
+            backward_hopper.dq_hopper(dout, q, k, v, lse2, delta, sm_scale, causal, dq, variant=hopper)
+            need_dq = False
+    elif need_dkdv:
+        triton_backward.run_dkdv(q, k, v, dout, lse2, delta, dk, dv, sm_scale, causal, dkdv_cfg, rows, window)
+    if need_dq:
+        triton_backward.run_dq(q, k, v, dout, lse2, delta, dq, sm_scale, causal, dq_cfg, rows, window)
+    return dq, dk, dv
+
+
+# --------------------------------------------------------------------------------------------------
+# Decode
+# --------------------------------------------------------------------------------------------------
+
+@on_input_device
+def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+           cache_seqlens: torch.Tensor | None, block_table: torch.Tensor | None, seqlen_new: int,
+           max_seqlen: int, sm_scale: float, causal: bool, num_splits: int = 0,
+           config: DecodeConfig | None = None, window: tuple[int, int] | None = None):
+    """Decode attention on validated inputs (last stride 1 everywhere, the cache already appended
+    to): (out [B, Sq, Hq, D] in q's dtype, lse [B, Hq, Sq] float32 natural log).
+
+    q [B, Sq, Hq, D]; k_cache / v_cache [B, S_max, Hkv, D], or [num_pages, page_size, Hkv, D] with
+    block_table [B, max_pages] int32; cache_seqlens [B] int32 or None (every sequence S_max long).
+    Sequence b attends to cache_seqlens[b] + seqlen_new keys; ``max_seqlen`` bounds that number (the
+    split count follows it). ``num_splits`` 0 = choose; ``config`` overrides the chooser entirely.
+    ``window``: (left, right) as the forward's; the Triton kernel runs it.
+    """
+    causal, window = window_bounds(window, causal, q.shape[1], max_seqlen)
+    batch, seqlen_q, heads_q, head_dim = q.shape
+    heads_kv = k_cache.shape[2]
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty((batch, heads_q, seqlen_q), dtype=torch.float32, device=q.device)
+    if out.numel() == 0:
+        return out, lse
+    paged = block_table is not None
+    chosen = config is None
+    if chosen:
+        def gluon_suits():
+            if window is not None or not configs.gluon_available():
+                return False
+            from . import decode_hopper
+            return decode_hopper.supported(q, k_cache, v_cache, block_table)
+
+        if window is not None and window[0] >= 0:
+            # The keys some row's window holds: at most left + seqlen_q (+ right) of them.
+            max_seqlen = min(max_seqlen, window[0] + seqlen_q + max(window[1], 0))
+        config = configs.decode_config(head_dim=head_dim, dtype=q.dtype, rows=heads_q // heads_kv * seqlen_q,
+                                       batch=batch, heads_kv=heads_kv, max_seqlen=max_seqlen,
+                                       num_splits=num_splits, paged=paged, device=q.device,
+                                       page_size=k_cache.shape[1] if paged else None,
+                                       gluon_suits=gluon_suits if q.is_cuda else None)
+    splits = config.num_splits
+    if splits == 1:
+        o_part, l_part = out.unsqueeze(0), lse.unsqueeze(0)
+    else:
+        o_part, l_part = triton_decode.partials(q, splits)
+
+    if config.kernel == "gluon":
+        from . import decode_hopper
+        # The chooser takes it only where gluon_suits() held; a config the caller gave is checked.
+        if not chosen and (window is not None or not decode_hopper.supported(q, k_cache, v_cache, block_table)):
+            raise ValueError("DecodeConfig(kernel='gluon') takes fp16/bf16 inputs on an sm_90 GPU, head_dim "
+                             "64 or 128, TMA-compatible caches and (paged) a power-of-two page size of at "
+                             f"least {decode_hopper.MIN_BOX}, and no window; got q {q.dtype} {tuple(q.shape)} "
+                             f"on {q.device}, k_cache {tuple(k_cache.shape)} strides {k_cache.stride()}")
+        decode_hopper.decode_hopper(q, k_cache, v_cache, o_part, l_part, cache_seqlens, block_table,
+                                    seqlen_new, sm_scale, causal, block_n=config.block_n,
+                                    stages=config.num_stages, num_splits=splits)
+    else:
+        triton_decode.run(q, k_cache, v_cache, o_part, l_part, cache_seqlens, block_table, seqlen_new,
+                          sm_scale, causal, config, window)
+    if splits > 1:
+        merge(o_part, l_part, out=out, lse=lse)
+    return out, lse

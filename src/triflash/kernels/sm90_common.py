@@ -1,0 +1,194 @@
+"""Pieces the Hopper (Gluon, sm_90) kernels share: the forward, backward and decode kernels import
+them from here, never from each other. Tile orders and the persistent tile walk, per-row key limits,
+the online-softmax step on wgmma accumulators, operand conversion, the epilogue's normalisation,
+host-built TMA descriptors and the check of what TMA accepts. The design: docs/hopper.md.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTensorDescriptor
+
+from .launch import tma_compatible
+
+# Tile orders of the persistent loop (``tile_coords``; forward_hopper.tile_order picks one).
+PLAIN = gl.constexpr(0)
+PAIRED = gl.constexpr(1)
+SNAKE = gl.constexpr(2)
+
+PRODUCER_REGS = 24          # setmaxnreg of the producer's warpgroup (the minimum)
+REGISTER_FILE = 65536       # 32-bit registers per SM (and the most one CTA may use)
+GL_DTYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}
+
+
+@gluon.jit
+def tile_by_cost(tile, num_m_blocks, num_bh, section):
+    """Tile number -> (query block, (batch, head) index) in the order of decreasing cost within
+    sections of ``section`` (batch, head) pairs: section 0's heads first, within it the query blocks
+    from the last (the heaviest, causal) and the heads fastest; the last section may be smaller.
+    section = 1: one head after the other; section = num_bh: all heads' heaviest blocks first.
+    A tile number past the last (SNAKE's overhang, not valid) maps out of range: nothing reads it."""
+    first = (tile // (section * num_m_blocks)) * section              # the section's first head
+    size = gl.maximum(gl.minimum(section, num_bh - first), 1)         # (>= 1 past the last tile)
+    r = tile - first * num_m_blocks                                   # position within the section
+    return num_m_blocks - 1 - r // size, first + r % size
+
+
+@gluon.jit
+def tile_coords(item, half, num_m_blocks, num_heads_q, kv_group_size, seqlen_q, seqlen_k, num_items,
+                 section, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, IS_CAUSAL: gl.constexpr,
+                 ORDER: gl.constexpr):
+    """Work item (and half of it) -> (pid_bh, batch, query head, kv head, first query row, key blocks
+    to visit, valid). The key blocks are [0, n_blocks): none above the last row's causal diagonal.
+    Every partition calls this with the same arguments, so they all walk the same blocks.
+
+    ORDER (host side: ``tile_order``), num_items tiles or items:
+    * PLAIN: item = tile. Query blocks vary fastest (neighbouring tiles share K/V in L2). Causal:
+      by cost within sections of ``section`` heads (``tile_by_cost``): the heaviest (last) query
+      blocks of a section's heads first.
+    * PAIRED (causal, persistent): an item is two query blocks of one head, m = M - 1 - p (half 0)
+      and m = p (half 1), whose key-block counts add up to about the same total for every p (exactly
+      when BLOCK_M is a multiple of BLOCK_N). So every item costs about the same, the persistent
+      CTAs stay in step, and the tiles in flight at any moment stay neighbours (their K/V stays in
+      L2). With M odd the middle block pairs with itself: its half 1 is not valid. The CTAs do
+      whole items, so with N items the last round has N mod grid.
+    * SNAKE (causal, persistent): tiles sorted by cost within sections of ``section`` heads
+      (``tile_by_cost``; one section: query block m from the last, the heads fastest) and dealt in
+      rounds of grid tiles, the even rounds to programs 0, 1, ..., the odd
+      ones in reverse: a program that took a heavy tile in one round takes a light one in the next.
+      The loads even out to within a fraction of a tile (longest-processing-time scheduling, up to
+      the ties), where PAIRED leaves the last round's remainder of whole items."""
+    if ORDER == PAIRED:
+        half_m = (num_m_blocks + 1) // 2
+        pid_bh = item // half_m
+        p = item % half_m
+        pid_m = p + (1 - half) * (num_m_blocks - 1 - 2 * p)
+        valid = (half == 0) | (2 * p != num_m_blocks - 1)
+    elif ORDER == SNAKE:
+        grid = gl.num_programs(0)
+        rnd = item // grid
+        slot = item % grid
+        slot = slot + (rnd % 2) * (grid - 1 - 2 * slot)       # odd rounds: programs in reverse
+        tile = rnd * grid + slot
+        valid = tile < num_items
+        pid_m, pid_bh = tile_by_cost(tile, num_m_blocks, num_items // num_m_blocks, section)
+    elif IS_CAUSAL:
+        pid_m, pid_bh = tile_by_cost(item, num_m_blocks, num_items // num_m_blocks, section)
+        valid = True
+    else:
+        pid_m = item % num_m_blocks
+        pid_bh = item // num_m_blocks
+        valid = True
+    off_b = pid_bh // num_heads_q
+    off_h = pid_bh % num_heads_q
+    off_hk = off_h // kv_group_size
+    start_m = pid_m * BLOCK_M
+    if IS_CAUSAL:
+        hi = gl.minimum(gl.maximum(start_m + BLOCK_M + seqlen_k - seqlen_q, 0), seqlen_k)
+    else:
+        hi = seqlen_k
+    n_blocks = gl.cdiv(hi, BLOCK_N)
+    return pid_bh, off_b, off_h, off_hk, start_m, n_blocks, valid
+
+
+@gluon.jit
+def row_limits(row0, rows, causal_offset, seqlen_k, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
+                IS_CAUSAL: gl.constexpr, row_layout: gl.constexpr):
+    """For query rows ``rows`` (the first is row0): (n_full, col_limit). Key blocks [0, n_full) are
+    seen in full by every row (no mask); row i sees keys < col_limit[i] (the end of the keys, or its
+    causal diagonal + 1, bottom-right aligned: causal_offset = seqlen_k - seqlen_q). The forward's
+    consumers and the backward's dQ consumers use it."""
+    if IS_CAUSAL:
+        n_full = gl.minimum(gl.maximum(row0 + causal_offset + 1, 0) // BLOCK_N, seqlen_k // BLOCK_N)
+        col_limit = gl.minimum(rows + causal_offset + 1, seqlen_k)
+    else:
+        n_full = seqlen_k // BLOCK_N
+        col_limit = gl.full([ROWS], 0, gl.int32, row_layout) + seqlen_k
+    return n_full, col_limit
+
+
+@gluon.jit
+def softmax(s, m_i, l_i, col_limit, cols, qk_scale, MASK: gl.constexpr, SUM: gl.constexpr = True):
+    """Fold one tile of raw scores s [ROWS, BN] into the running (m, l). Returns (p fp32, m_new,
+    l_new, alpha). MASK: scores at columns >= col_limit (a per-row bound: the end of the keys or the
+    causal diagonal) become -inf. Rows that have seen no key keep m = -inf, l = 0 and give p = 0,
+    alpha = 1 (never NaN)."""
+    if MASK:
+        s = gl.where(cols[None, :] < col_limit[:, None], s, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(s, 1))
+    m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+    # One FMA per score: s * qk_scale - m * qk_scale, then the hardware exp2.
+    p = gl.exp2(s * qk_scale - (m_safe * qk_scale)[:, None])
+    alpha = gl.exp2(gl.where(m_new == float("-inf"), 0.0, (m_i - m_new) * qk_scale))
+    if SUM:
+        l_new = l_i * alpha + gl.sum(p, 1)
+    else:
+        l_new = l_i                      # LTC: the row sums come from the tensor cores instead
+    return p, m_new, l_new, alpha
+
+
+@gluon.jit
+def finish_rows(m_i, l_i, sm_scale, o_layout: gl.constexpr):
+    """The epilogue's row statistics: (lse = m * sm_scale + ln(l), 1 / l in O's row layout). A row
+    that saw no key (l = 0) gets lse = -inf and 1 / l = 1, so its out (acc = 0) is 0, never NaN.
+    The forward's and the decode kernel's consumers use it."""
+    empty = l_i == 0.0
+    l_safe = gl.where(empty, 1.0, l_i)
+    lse = gl.where(empty, float("-inf"), m_i * sm_scale + gl.log(l_safe))
+    return lse, gl.convert_layout(1.0 / l_safe, gl.SliceLayout(1, o_layout))
+
+
+@gluon.jit
+def to_operand(p, dtype: gl.constexpr, p_layout: gl.constexpr):
+    """fp32 P -> the 16-bit wgmma A operand, two values per instruction into one register
+    (cvt.rn.{f16,bf16}x2.f32). With the plain ``p.to(dtype)`` the split-loop schedule's loop-carried P
+    came out of ptxas with its halves swapped and 32 PRMTs per step to swap them back."""
+    if dtype == gl.float16:
+        h = gl.inline_asm_elementwise("cvt.rn.f16x2.f32 $0, $2, $1;", "=r,f,f", [p], dtype=gl.float16,
+                                      is_pure=True, pack=2)
+    else:
+        h = gl.inline_asm_elementwise("cvt.rn.bf16x2.f32 $0, $2, $1;", "=r,f,f", [p], dtype=gl.bfloat16,
+                                      is_pure=True, pack=2)
+    return gl.convert_layout(h, p_layout)
+
+
+@functools.cache
+def shared_layout(block_shape: tuple[int, ...], dtype) -> gl.NVMMASharedLayout:
+    """The swizzled shared-memory layout of a TMA box, made once per (box, dtype): Gluon's
+    ``get_default_for`` costs ~10 us of host time per call, a sixth of a short forward's launch path
+    (docs/performance-notes.md#host-cost-per-call). Layouts are frozen dataclasses, safe to share."""
+    return gl.NVMMASharedLayout.get_default_for(list(block_shape), dtype)
+
+
+def descriptor(t: torch.Tensor, rows: int, cols: int) -> GluonTensorDescriptor:
+    """Host-built 4-D [B, S, H, D] descriptor moving [1, rows, 1, cols] boxes (one (batch, head)'s
+    block of rows; cols is D, or for the decode kernel 64 of its columns), 128-byte swizzled like the
+    kernels' shared-memory tiles. Built without the dataclass's re-validation (``tma_supported`` already
+    checked what TMA needs): host time per call matters at short sequences."""
+    layout = shared_layout((1, rows, 1, cols), GL_DTYPES[t.dtype])
+    desc = object.__new__(GluonTensorDescriptor)
+    desc.base, desc.shape, desc.strides = t, list(t.shape), list(t.stride())
+    desc.block_shape, desc.layout, desc.padding = [1, rows, 1, cols], layout, "zero"
+    return desc
+
+
+def tma_supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor | None = None) -> bool:
+    """True when this Hopper path handles the inputs: CUDA fp16/bf16 [B, S, H, D] views, head_dim 64
+    or 128, same dtype everywhere, Hq a multiple of Hkv, TMA-compatible strides (``tma_compatible``)."""
+    tensors = (q, k, v) if out is None else (q, k, v, out)
+    if any(t.dim() != 4 or not t.is_cuda or t.dtype != q.dtype for t in tensors):
+        return False
+    if q.dtype not in GL_DTYPES:
+        return False
+    b, sq, hq, d = q.shape
+    if d not in (64, 128) or k.shape[-1] != d or v.shape != k.shape or k.shape[0] != b:
+        return False
+    if k.shape[2] == 0 or hq % k.shape[2]:
+        return False
+    if out is not None and tuple(out.shape) != tuple(q.shape):
+        return False
+    return tma_compatible(*tensors)
