@@ -94,9 +94,11 @@ def test_router_leaves_to_torch_what_triflash_refuses(device):
     q, k, v = _qkv((1, 2, 8, 16), (1, 2, 8, 16), torch.float32, device)
     with sdpa_routed_to_triflash() as counts:
         F.scaled_dot_product_attention(q, k, v, scale=1e-40)
-        with pytest.raises(Exception):
+        with pytest.raises((TypeError, RuntimeError)):
             F.scaled_dot_product_attention(q, k, v, is_causal="yes")
-    assert counts == {"triflash": 0, "torch": 2}
+    assert counts == {"triflash": 0, "torch": 2, "reasons": {
+        "input triflash refuses: scale must be between 2^-126 and 2^127 (a normal float32 number, as the kernels use "
+        "it), got 1e-40": 1, "is_causal not a bool": 1}}
     with pytest.raises(NotImplementedError, match="scale"):
         tf_sdpa(q, k, v, scale=1e39)
 
@@ -118,7 +120,7 @@ def test_routing_sends_supported_calls_to_triflash_and_the_rest_to_torch(device)
         causal = block(q, k, v, causal=True)
         masked = block(q, k, v, mask=mask)
         sliced = block(q, k[:, :, :20], v[:, :, :20], causal=True)       # L != S causal: top-left, torch's
-    assert counts == {"triflash": 1, "torch": 2}
+    assert counts == {"triflash": 1, "torch": 2, "reasons": {"attn_mask": 1, "is_causal with L != S": 1}}
     assert F.scaled_dot_product_attention is original
     assert torch.equal(causal, triflash.attention(q, k, v, causal=True))
     assert torch.equal(masked, original(q, k, v, attn_mask=mask))
@@ -132,3 +134,34 @@ def test_routing_restores_sdpa_after_an_error(device):
             assert F.scaled_dot_product_attention is not original
             raise RuntimeError("inside")
     assert F.scaled_dot_product_attention is original
+
+
+@pytest.mark.parametrize("kwargs,reason", [
+    pytest.param({"attn_mask": "mask"}, "attn_mask", id="mask"),
+    pytest.param({"dropout_p": 0.1}, "dropout_p", id="dropout"),
+    pytest.param({"is_causal": True, "L": 5}, "is_causal with L != S", id="causal-L-ne-S"),
+    pytest.param({"H_kv": 2}, "heads differ without enable_gqa", id="gqa-not-enabled"),
+    pytest.param({"S": 0}, "no keys", id="no-keys"),
+    pytest.param({"dtype": torch.float64}, "input triflash refuses: q.dtype must be one of float16, bfloat16, float32, "
+                 "got torch.float64", id="float64"),
+])
+def test_router_counts_each_reason(device, kwargs, reason):
+    """Every call the router leaves to PyTorch is counted under why, in a short stable phrase (the
+    same for every call of that kind, whatever its shapes)."""
+    kwargs = dict(kwargs)
+    L, S, H_kv = kwargs.pop("L", 8), kwargs.pop("S", 8), kwargs.pop("H_kv", 4)
+    dtype = kwargs.pop("dtype", torch.float32)
+    q = torch.randn(1, 4, L, 16, dtype=dtype, device=device)
+    k, v = (torch.randn(1, H_kv, S, 16, dtype=dtype, device=device) for _ in range(2))
+    if kwargs.get("attn_mask") == "mask":
+        kwargs["attn_mask"] = torch.ones(L, S, dtype=torch.bool, device=device)
+    with sdpa_routed_to_triflash() as counts:
+        for _ in range(2):
+            if H_kv != 4:                    # PyTorch refuses it too: counted, then PyTorch's error
+                with pytest.raises(RuntimeError):
+                    F.scaled_dot_product_attention(q, k, v, **kwargs)
+            else:
+                F.scaled_dot_product_attention(q, k, v, **kwargs)
+    assert counts == {"triflash": 0, "torch": 2, "reasons": {reason: 2}}
+    counts.reset()
+    assert counts == {"triflash": 0, "torch": 0, "reasons": {}}
