@@ -199,11 +199,14 @@ def split_program(SEQLENS, stride_sl, heads_kv, seqlen_k, seqlen_new, num_m_bloc
 def split_key_range(seqlen, split, num_splits, seqlen_q, BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr):
     """This split's keys: (lo, mid, hi, causal_offset). [lo, mid) are whole blocks every row sees in
     full (unmasked); [mid, hi) the rest (masked). causal_offset = seqlen - seqlen_q."""
-    # Equal shares of the sequence's key blocks.
-    n_blocks = tl.cdiv(seqlen, BLOCK_N)
+    # Equal shares of the sequence's key blocks, in int64: with the lengths check off a sequence may
+    # hold nearly 2^31 keys, where the rounded-up shares (and the block count) pass int32. An empty
+    # split (a share past the end) gets lo = hi = seqlen, and both loops run zero times.
+    n_blocks = tl.cdiv(tl.cast(seqlen, tl.int64), BLOCK_N)
     blocks_per_split = tl.cdiv(n_blocks, num_splits)
-    lo = split * blocks_per_split * BLOCK_N
-    hi = tl.minimum(lo + blocks_per_split * BLOCK_N, seqlen)
+    first = split * blocks_per_split * BLOCK_N
+    hi = tl.minimum(first + blocks_per_split * BLOCK_N, seqlen).to(tl.int32)
+    lo = tl.minimum(first, seqlen).to(tl.int32)
     # Keys every row sees: all of them, or with causal masking those up to the first row's diagonal.
     causal_offset = seqlen - seqlen_q
     if IS_CAUSAL:
@@ -211,9 +214,9 @@ def split_key_range(seqlen, split, num_splits, seqlen_q, BLOCK_N: tl.constexpr, 
     else:
         seen_by_all = seqlen
     # mid is a multiple of BLOCK_N: hi is one too unless hi = seqlen, and seen_by_all <= seqlen.
-    # An empty split (lo >= seqlen) gets hi < lo, and both loops run zero times.
     mid = tl.minimum(tl.maximum((seen_by_all // BLOCK_N) * BLOCK_N, lo), hi)
     return lo, mid, hi, causal_offset
+
 
 @triton.jit
 def split_window_range(seqlen, split, num_splits, seqlen_q, window_left, window_right, BLOCK_N: tl.constexpr,
@@ -229,7 +232,9 @@ def split_window_range(seqlen, split, num_splits, seqlen_q, window_left, window_
     else:
         start = 0
     end = seqlen              # the last row's right edge, L - 1 + right, never falls short of L - 1
-    blocks_per_split = tl.cdiv(tl.cdiv(tl.maximum(end - start, 0), BLOCK_N), num_splits)
-    lo = start + split * blocks_per_split * BLOCK_N
-    hi = tl.minimum(lo + blocks_per_split * BLOCK_N, end)      # below lo: an empty split
+    # int64 shares, as in split_key_range; an empty split gets lo = hi = end.
+    blocks_per_split = tl.cdiv(tl.cdiv(tl.maximum(tl.cast(end, tl.int64) - start, 0), BLOCK_N), num_splits)
+    first = start + split * blocks_per_split * BLOCK_N
+    hi = tl.minimum(first + blocks_per_split * BLOCK_N, end).to(tl.int32)
+    lo = tl.minimum(first, end).to(tl.int32)
     return lo, hi, causal_offset
