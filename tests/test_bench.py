@@ -464,6 +464,37 @@ def test_plots_from_fake_results(tmp_path):
         assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and p.stat().st_size > 20_000
 
 
+def test_plot_axes_read_right():
+    """Bar charts of one shape: the latency axis is logarithmic when naive is 2.5x+ slower (a linear
+    one flattened the fast providers' bars), with p20-p80 error bars; a memory axis of nearly equal
+    values starts at 0 (it read 64-66 MiB as a huge gap); panels with nothing to show are left out
+    (there was an empty "not measured" panel)."""
+    pytest.importorskip("matplotlib")
+    from matplotlib.figure import Figure
+
+    from triflash.bench.plotting import _draw_dense
+
+    wl = W.Workload("fwd", 4, 16, 16, 4096, 4096, 64, "fp16", False)
+    res = [Result(wl, "triflash", "ok", "", 1e-3, 3e-3, 1.0, 0.9, 1.1, 64.0),
+           Result(wl, "naive", "ok", "", 1e-3, 3e-3, 40.0, 39.0, 41.0, 66.0)]
+    add_speedups(res)
+    fig = Figure()
+    _draw_dense(fig, res)
+    axes = {ax.get_title(): ax for ax in fig.axes}
+    assert set(axes) == {"Latency (bars: p20-p80)", "Throughput", "Speedup over naive PyTorch",
+                         "Peak extra memory"}
+    latency = axes["Latency (bars: p20-p80)"]
+    assert latency.get_yscale() == "log"
+    assert any(len(c.get_segments()) == 2 for c in latency.collections)       # the two error bars
+    memory = axes["Peak extra memory"]
+    assert memory.get_yscale() == "linear" and memory.get_ylim()[0] == 0
+    for r in res:
+        r.peak_mib = None                                # not measured (the CPU): no memory panel
+    fig = Figure()
+    _draw_dense(fig, res)
+    assert "Peak extra memory" not in {ax.get_title() for ax in fig.axes} and len(fig.axes) == 3
+
+
 def test_plots_skipped_without_matplotlib(tmp_path, monkeypatch):
     from triflash.bench.plotting import plot_results
 

@@ -35,20 +35,24 @@ class Panel(NamedTuple):
     ylabel: str
     value: Callable[[Result], float | None]
     log_y: bool = False
-    when_empty: str = "nothing timed"
     baseline: float | None = None          # a dotted horizontal line (speedup = 1)
+    band: Callable[[Result], tuple[float, float] | None] | None = None    # p20-p80, drawn as error bars
+
+
+def _p20_p80(r: Result, scale: float = 1.0):
+    return (r.ms_p20 * scale, r.ms_p80 * scale) if r.ms_p20 is not None and r.ms_p80 is not None else None
 
 
 DENSE_PANELS = [
-    Panel("Latency", "median ms (lower is better)", lambda r: r.ms, log_y=True),
+    Panel("Latency (bars: p20-p80)", "median ms (lower is better)", lambda r: r.ms, log_y=True, band=_p20_p80),
     Panel("Throughput", "TFLOP/s", lambda r: r.tflops),
-    Panel("Speedup over naive PyTorch", "speedup (x naive)", lambda r: r.speedup_naive,
-          when_empty="naive did not run", baseline=1.0),
-    Panel("Peak extra memory", "MiB", lambda r: r.peak_mib, log_y=True, when_empty="not measured"),
+    Panel("Speedup over naive PyTorch", "speedup (x naive)", lambda r: r.speedup_naive, baseline=1.0),
+    Panel("Peak extra memory", "MiB", lambda r: r.peak_mib, log_y=True),
 ]
 DECODE_PANELS = [
     Panel("K/V read bandwidth", "GB/s", lambda r: r.gbps),
-    Panel("Latency", "us per call (lower is better)", lambda r: r.ms * 1e3, log_y=True),
+    Panel("Latency (bars: p20-p80)", "us per call (lower is better)", lambda r: r.ms * 1e3, log_y=True,
+          band=lambda r: _p20_p80(r, 1e3)),
 ]
 
 
@@ -135,26 +139,37 @@ def _log2_x(ax, values, label: str) -> None:
     ax.set_xlabel(label)
 
 
-def _lines(ax, results, value, x_of) -> bool:
-    """One line per provider; False when there was nothing to draw."""
+def _lines(ax, results, value, x_of, band=None) -> bool:
+    """One line per provider, with p20-p80 error bars where ``band`` gives them; False when there
+    was nothing to draw."""
     drew = False
     for name, rs in _by_provider(results).items():
-        points = [(x_of(r), value(r)) for r in rs if value(r) is not None]
+        points = [(x_of(r), value(r), band(r) if band else None) for r in rs if value(r) is not None]
         if points:
-            xs, ys = zip(*points)
+            xs, ys, bands = zip(*points)
             ax.plot(xs, ys, label=name, markersize=6, **_style(name))
+            if all(b is not None for b in bands):
+                err = [[max(y - lo, 0) for y, (lo, _) in zip(ys, bands)],
+                       [max(hi - y, 0) for y, (_, hi) in zip(ys, bands)]]
+                ax.errorbar(xs, ys, yerr=err, fmt="none", ecolor=_style(name)["color"], elinewidth=1, capsize=3)
             drew = True
     return drew
 
 
-def _bars(ax, results, value) -> bool:
-    """One bar per provider, labelled with its value; False when there was nothing to draw."""
-    rows = [(name, value(rs[0])) for name, rs in _by_provider(results).items() if value(rs[0]) is not None]
+def _bars(ax, results, value, band=None) -> bool:
+    """One bar per provider, labelled with its value, with p20-p80 error bars where ``band`` gives
+    them; False when there was nothing to draw."""
+    rows = [(name, value(rs[0]), band(rs[0]) if band else None) for name, rs in _by_provider(results).items()
+            if value(rs[0]) is not None]
     if not rows:
         return False
-    names, values = zip(*rows)
+    names, values, bands = zip(*rows)
+    err = None
+    if all(b is not None for b in bands):
+        err = [[max(v - lo, 0) for v, (lo, _) in zip(values, bands)],
+               [max(hi - v, 0) for v, (_, hi) in zip(values, bands)]]
     bars = ax.bar(range(len(names)), values, color=[_style(n)["color"] for n in names],
-                  edgecolor="black", linewidth=0.6)
+                  edgecolor="black", linewidth=0.6, yerr=err, capsize=4 if err else 0)
     ax.bar_label(bars, fmt="%.3g", fontsize=8, padding=2)
     ax.set_xticks(range(len(names)))
     ax.set_xticklabels(names, rotation=30, ha="right")
@@ -162,13 +177,20 @@ def _bars(ax, results, value) -> bool:
     return True
 
 
+def _linear_from_zero(ax, values) -> None:
+    """A linear axis from 0 with room above the highest value (a flat line at the top stays visible)."""
+    ax.set_ylim(bottom=0, top=max(values) * 1.12 if values else None)
+
+
 def _log_y(ax, values) -> None:
-    """Log y axis with plain numbers (0.5, 1, 2, 5, ...) instead of 10^x labels; kept linear when the
-    values span less than a factor of 4 (a log axis would show at most one tick)."""
+    """Log y axis with plain numbers (0.5, 1, 2, 5, ...) instead of 10^x labels, where the values span
+    a factor of 4 or more (bars of naive attention 100x slower would flatten the rest on a linear
+    axis); otherwise linear from 0, so that 64 against 66 MiB reads as nearly equal, not as 1 : 30."""
     from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
     values = [v for v in values if v]
     if not values or max(values) < 4 * min(values):
+        _linear_from_zero(ax, values)
         return
     ax.set_yscale("log")
     ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
@@ -176,26 +198,23 @@ def _log_y(ax, values) -> None:
     ax.yaxis.set_minor_formatter(NullFormatter())
 
 
-def _nothing_to_draw(ax, why: str) -> None:
-    ax.text(0.5, 0.5, why, ha="center", va="center", transform=ax.transAxes, color="#555555")
-    ax.set_xticks([])
-    ax.set_yticks([])
-
-
 def _draw_dense(fig, results) -> None:
+    """Only the panels with something to show (no empty "not measured" panel): 2x2, or 1xN."""
     single = len({r.workload.seqlen_q for r in results}) == 1
-    axes = fig.subplots(2, 2).flatten()
-    for ax, panel in zip(axes, DENSE_PANELS):
+    panels = [p for p in DENSE_PANELS if any(p.value(r) is not None for r in results)]
+    axes = fig.subplots(2, 2).flatten() if len(panels) == 4 else fig.subplots(1, len(panels), squeeze=False)[0]
+    for ax, panel in zip(axes, panels):
         ax.set_title(panel.title)
-        drew = (_bars(ax, results, panel.value) if single
-                else _lines(ax, results, panel.value, lambda r: r.workload.seqlen_q))
-        if not drew:
-            _nothing_to_draw(ax, panel.when_empty)
-            continue
-        if not single:
+        if single:
+            _bars(ax, results, panel.value, panel.band)
+        else:
+            _lines(ax, results, panel.value, lambda r: r.workload.seqlen_q, panel.band)
             _log2_x(ax, [r.workload.seqlen_q for r in results], "sequence length S")
-            if panel.log_y:
-                _log_y(ax, [panel.value(r) for r in results])
+        values = [panel.value(r) for r in results if panel.value(r) is not None]
+        if panel.log_y:
+            _log_y(ax, values)
+        else:
+            _linear_from_zero(ax, values)
         if panel.baseline is not None:
             ax.axhline(panel.baseline, color="black", linewidth=0.8, linestyle=":")
         ax.set_ylabel(panel.ylabel)
@@ -210,10 +229,13 @@ def _draw_decode(fig, results) -> None:
         for row, panel in enumerate(DECODE_PANELS):
             ax = axes[row][col]
             ax.set_title(f"{panel.title}, B={batch}")
-            _lines(ax, rs, panel.value, lambda r: r.workload.seqlen_k)
+            _lines(ax, rs, panel.value, lambda r: r.workload.seqlen_k, panel.band)
             _log2_x(ax, [r.workload.seqlen_k for r in rs], "context length")
+            values = [panel.value(r) for r in rs if panel.value(r) is not None]
             if panel.log_y:
-                _log_y(ax, [panel.value(r) for r in rs])
+                _log_y(ax, values)
+            else:
+                _linear_from_zero(ax, values)
             ax.set_ylabel(panel.ylabel)
             ax.grid(True, which="major", alpha=0.35)
 
