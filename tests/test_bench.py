@@ -20,7 +20,7 @@ from triflash.bench import workloads as W
 from triflash.bench.checking import decode_reference, make_decode_case, make_dense_case, reference_forward_backward
 from triflash.bench.decode import SdpaDecode, TriflashKVCache
 from triflash.bench.interpreter import interpreter_blocker, report_without_gpu
-from triflash.bench.providers import FlashAttn2, Naive, Provider, Sdpa, TriflashVarlen
+from triflash.bench.providers import FlashAttn2, Naive, Provider, Sdpa, Triflash, TriflashVarlen
 from triflash.bench.report import markdown, write_json
 from triflash.bench.runner import Result, add_speedups, run_all
 from triflash.reference import attention_ref, flash_attn_ref, naive_attention
@@ -612,3 +612,43 @@ def test_version_fp32_and_progress_clock(capsys):
     clock.start -= 90                          # 1:30 spent on the first two workloads
     assert clock.status(0) == "1:30 elapsed"
     assert clock.status(2) == "1:30 elapsed, ~1:30 left"
+
+
+# --------------------------------------------------------------------------------------------------
+# --window
+# --------------------------------------------------------------------------------------------------
+
+def test_window_workloads_count_the_visible_scores():
+    """--window LEFT,RIGHT: the workloads carry it, TFLOP/s count exactly the visible score entries
+    (brute force over the mask), a causal workload refuses a right bound > 0, decode/host refuse it."""
+    from triflash.reference import causal_visible
+
+    args = cli.parse_args(["--window", "3,0", "--seqlen", "40", "--causal", "yes", "--mode", "bwd"])
+    (wl,) = args.workloads
+    assert wl.window == (3, 0) and "window=3,0" in wl.label()
+    for sq, sk, window, causal in ((40, 40, (3, 0), True), (7, 19, (2, 5), False), (19, 7, (-1, 1), False),
+                                   (10, 10, (100, -1), True), (5, 9, (0, 0), False)):
+        brute = int(causal_visible(sq, sk, window_size=window, causal=causal).sum())
+        assert W.visible_entries(sq, sk, window, causal) == brute, (sq, sk, window, causal)
+    assert wl.flops == pytest.approx(4 * 4 * 16 * W.visible_entries(40, 40, (3, 0), True) * 64 * 2.5)
+    with pytest.raises(SystemExit):
+        cli.parse_args(["--window", "3,2", "--causal", "yes"])
+    with pytest.raises(SystemExit):
+        cli.parse_args(["--window", "3", "--causal", "no"])
+    with pytest.raises(SystemExit):
+        cli.parse_args(["--window", "3,0", "--mode", "decode"])
+
+
+@pytest.mark.parametrize("mode", ["fwd", "bwd"])
+def test_window_providers_checked_and_refused(device, mode):
+    """With a window: triflash is checked against the windowed reference (and passes); a provider
+    without windows (naive) is reported unavailable, not run on the wrong problem."""
+    wl = W.Workload(mode, 1, 2, 1, 48, 48, 32, "fp16", True, window=(5, 0))
+    results = {r.provider: r for r in run_all([wl], [Triflash(), Naive()], FakeTimer(), device,
+                                              progress=lambda line: None)}
+    assert results["triflash"].status == "ok", results["triflash"].detail
+    assert results["naive"].status == "unavailable" and "window" in results["naive"].detail
+    # The reference really is windowed: a full causal reference differs from it.
+    case = make_dense_case(wl, device)
+    full = make_dense_case(W.Workload(mode, 1, 2, 1, 48, 48, 32, "fp16", True), device)
+    assert not torch.allclose(case.expected[0].ref, full.expected[0].ref)

@@ -119,40 +119,44 @@ def make_dense_case(wl: Workload, device) -> DenseCase:
     k = _randn((wl.batch, wl.seqlen_k, wl.heads_kv, wl.head_dim), dtype, device, gen)
     v = _randn((wl.batch, wl.seqlen_k, wl.heads_kv, wl.head_dim), dtype, device, gen)
     ref_dtype = reference_dtype(device)
+    window = wl.window or (-1, -1)
     if wl.mode == "fwd":
-        ref = flash_attn_ref(q, k, v, wl.causal, compute_dtype=ref_dtype)
-        same = flash_attn_ref(q, k, v, wl.causal, compute_dtype=None)
+        ref = flash_attn_ref(q, k, v, wl.causal, compute_dtype=ref_dtype, window_size=window)
+        same = flash_attn_ref(q, k, v, wl.causal, compute_dtype=None, window_size=window)
         return DenseCase(wl, q, k, v, None, [expected("out", ref, same, dtype)])
     dout = _randn(q.shape, dtype, device, gen)
-    refs = reference_forward_backward(q, k, v, dout, wl.causal, ref_dtype)
-    sames = reference_forward_backward(q, k, v, dout, wl.causal, None)
+    refs = reference_forward_backward(q, k, v, dout, wl.causal, ref_dtype, window=window)
+    sames = reference_forward_backward(q, k, v, dout, wl.causal, None, window=window)
     names = ("out", "dq", "dk", "dv")
     return DenseCase(wl, q, k, v, dout, [expected(n, r, s, dtype) for n, r, s in zip(names, refs, sames)])
 
 
 def reference_forward_backward(q, k, v, dout, causal: bool, compute_dtype,
-                               max_scores: int = GRAD_REF_MAX_SCORES):
+                               max_scores: int = GRAD_REF_MAX_SCORES, window=(-1, -1)):
     """(out, dq, dk, dv) of the reference attention on [B, S, H, D] tensors with Sq == Sk.
 
     Autograd runs on a chunk of query rows at a time, so only that chunk's graph exists at once. This
     is exact: each query row depends on K and V only, so dq rows come from their own chunk and dk, dv
     are sums over chunks. A causal chunk ending at row r1 sees keys [0, r1) only, and the reference's
     bottom-right alignment on that (rows, r1) problem is the same mask as on the full square.
-    compute_dtype=None gives PyTorch's same-dtype attention (grads in the input dtype).
+    compute_dtype=None gives PyTorch's same-dtype attention (grads in the input dtype). A local
+    ``window`` whose right side reaches no later key (causal, or right = 0) chunks the same way (its
+    left bound is relative to the row, which the chunk keeps); any other window takes one chunk.
     """
     leaf_dtype = compute_dtype or q.dtype
     qh, kh, vh, doh = (t.transpose(1, 2) for t in (q, k, v, dout))      # [B, H, S, D] views
     batch, heads, seqlen, _ = qh.shape
     out, dq = torch.empty_like(qh, dtype=leaf_dtype), torch.empty_like(qh, dtype=leaf_dtype)
     dk, dv = torch.zeros_like(kh, dtype=leaf_dtype), torch.zeros_like(vh, dtype=leaf_dtype)
-    rows = max(1, max_scores // (batch * heads * seqlen))
+    prefix = causal or window[1] == 0        # rows [r0, r1) see keys [0, r1) at most
+    rows = max(1, max_scores // (batch * heads * seqlen)) if prefix or window == (-1, -1) else seqlen
     for r0 in range(0, seqlen, rows):
         r1 = min(seqlen, r0 + rows)
-        keys = r1 if causal else seqlen
+        keys = r1 if prefix else seqlen
         qc, kc, vc = (t.to(leaf_dtype).detach().requires_grad_()
                       for t in (qh[:, :, r0:r1], kh[:, :, :keys], vh[:, :, :keys]))
         oc = flash_attn_ref(qc.transpose(1, 2), kc.transpose(1, 2), vc.transpose(1, 2), causal,
-                            compute_dtype=compute_dtype).transpose(1, 2)
+                            compute_dtype=compute_dtype, window_size=window).transpose(1, 2)
         gq, gk, gv = torch.autograd.grad(oc, (qc, kc, vc), doh[:, :, r0:r1].to(oc.dtype))
         out[:, :, r0:r1] = oc.detach()
         dq[:, :, r0:r1] = gq

@@ -99,6 +99,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help=f"one or more head dims (default {W.SEED['head_dim']}; decode: "
                              f"{W.DECODE_SHAPE['head_dim']})")
     shapes.add_argument("--dtype", choices=list(W.DTYPES), default="fp16", help="(default: fp16)")
+    shapes.add_argument("--window", type=_window, metavar="LEFT,RIGHT",
+                        help="local (sliding-window) attention: keys within LEFT before and RIGHT after each "
+                             "query's diagonal, -1 for no bound (fwd/bwd/fwdbwd; TFLOP/s count the visible "
+                             "scores). Providers without windows are listed as unavailable")
     shapes.add_argument("--causal", choices=["both", "yes", "no"], default="both",
                         help="causal masking (default: both); ignored for decode")
     parser.add_argument("--version", action="version", version=_version())
@@ -122,6 +126,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.sweep and args.mode in ("decode", "host"):
         parser.error(f"--sweep is for fwd/bwd/fwdbwd; {args.mode} runs its own shapes")
+    if args.window is not None and args.mode in ("decode", "host"):
+        parser.error(f"--window is for fwd/bwd/fwdbwd; got --mode {args.mode}")
     args.causal_flags = {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]
     try:
         if args.mode == "host":
@@ -134,7 +140,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         else:
             args.workloads = W.dense_workloads(args.mode, args.dtype, args.causal_flags, sweep=args.sweep,
                                                batch=args.batch, heads=args.heads, heads_kv=args.heads_kv,
-                                               seqlens=args.seqlen, head_dims=args.headdim)
+                                               seqlens=args.seqlen, head_dims=args.headdim, window=args.window)
     except ValueError as exc:
         parser.error(str(exc))
     known = provider_names(args.mode)
@@ -218,3 +224,14 @@ def run_benchmark(args, argv: list[str], device, timer, env: dict) -> int:
     print("Wrote " + ", ".join(str(p) for p in written), file=sys.stderr)
     triflash_wrong = any(r.status == "wrong" and r.provider.startswith("triflash") for r in results)
     return 1 if triflash_wrong else 0
+
+
+def _window(text: str) -> tuple[int, int]:
+    """--window LEFT,RIGHT: two ints >= -1."""
+    try:
+        left, right = (int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected LEFT,RIGHT (two ints, -1 for no bound), got {text!r}") from None
+    if left < -1 or right < -1:
+        raise argparse.ArgumentTypeError(f"window bounds must be >= -1, got {text!r}")
+    return left, right

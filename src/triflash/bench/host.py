@@ -92,6 +92,7 @@ def _one(provider, case, device, calls, repeats) -> HostResult:
     try:
         provider.load()
         with provider.context():
+            provider.bind(wl)
             provider.setup(wl, device)
             prepared = provider.prepare(case, requires_grad=True)
             verdict = check(outputs(provider, prepared, wl), case.expected)

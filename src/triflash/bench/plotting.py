@@ -104,6 +104,9 @@ def _title(key, results, env) -> str:
         shape = f"B x S = {tokens.pop()} tokens, {heads}"
     else:
         shape = heads
+    windows = {w.window for w in wls if w.window is not None}
+    if windows:
+        shape += ", window " + " / ".join(f"({left}, {right})" for left, right in sorted(windows))
     return f"triflash bench: {group_title(key)}\n{shape} | {env.get('gpu', '')}"
 
 

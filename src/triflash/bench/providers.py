@@ -76,6 +76,8 @@ class Provider:
     description = ""
     layout = "bshd"
     default = True          # run when --providers is not given
+    windows = False         # takes a local window (FlashAttention's window_size); else unavailable there
+    window = None           # the workload's window, set by the runner before setup
 
     def load(self) -> None:
         """Import what the provider needs (once per run); raise ImportError or Unavailable."""
@@ -100,12 +102,23 @@ class Provider:
         return from_layout(t, self.layout, wl.batch)
 
     def run(self, q, k, v, causal: bool) -> torch.Tensor:
-        return first(self.fn(q, k, v, causal=causal))
+        return first(self.fn(q, k, v, causal=causal, **self.window_kwargs()))
+
+    def window_kwargs(self) -> dict:
+        """The window in FlashAttention's ``window_size`` convention (nothing without one)."""
+        return {} if self.window is None else {"window_size": tuple(self.window)}
+
+    def bind(self, wl: Workload) -> None:
+        """Take the workload's window, or refuse it (called before ``setup``)."""
+        if wl.window is not None and not self.windows:
+            raise Unavailable(f"{self.name} takes no local window")
+        self.window = wl.window
 
 
 class Triflash(Provider):
     name = "triflash"
     description = "triflash.flash_attn_func"
+    windows = True
 
     def load(self):
         import triflash
@@ -161,6 +174,7 @@ class TriflashVarlen(Provider):
     name = "triflash-varlen"
     layout = "tokens"
     default = False
+    windows = True
     description = "triflash.flash_attn_varlen_func (equal lengths)"
 
     def load(self):
@@ -174,7 +188,7 @@ class TriflashVarlen(Provider):
         self.max_seqlens = (wl.seqlen_q, wl.seqlen_k)
 
     def run(self, q, k, v, causal):
-        return self.fn(q, k, v, self.cu_q, self.cu_k, *self.max_seqlens, causal=causal)
+        return self.fn(q, k, v, self.cu_q, self.cu_k, *self.max_seqlens, causal=causal, **self.window_kwargs())
 
 
 class Naive(Provider):
@@ -224,6 +238,7 @@ class Sdpa(Provider):
 class FlashAttn2(Provider):
     name = "fa2"
     description = "flash_attn.flash_attn_func (FlashAttention 2)"
+    windows = True
 
     def load(self):
         import flash_attn
@@ -238,6 +253,7 @@ class FlashAttn2(Provider):
 class FlashAttn3(Provider):
     name = "fa3"
     description = "flash_attn_interface.flash_attn_func (FlashAttention 3, Hopper)"
+    windows = True
 
     def load(self):
         from flash_attn_interface import flash_attn_func
@@ -248,11 +264,16 @@ class FlashAttn3(Provider):
 class FlashAttn4(Provider):
     name = "fa4"
     description = "flash_attn.cute.flash_attn_func (FlashAttention 4, CuTe DSL)"
+    windows = True
 
     def load(self):
         from flash_attn.cute import flash_attn_func
 
         self.fn = flash_attn_func
+
+    def window_kwargs(self) -> dict:
+        # FA4's window_size takes None for "no bound" where FA2/3 take -1.
+        return {} if self.window is None else {"window_size": tuple(None if w < 0 else w for w in self.window)}
 
 
 class FlashInfer(Provider):

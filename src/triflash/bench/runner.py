@@ -165,6 +165,7 @@ def run_one(provider, case, timer, device) -> Result:
         with provider.context():
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
+                provider.bind(wl)
                 provider.setup(wl, device)
                 prepared = provider.prepare(case, requires_grad=wl.mode in ("bwd", "fwdbwd"))
                 verdict = check(outputs(provider, prepared, wl), case.expected)

@@ -47,12 +47,28 @@ BYTES_CONVENTION = (
 
 
 def attention_flops(batch: int, heads: int, seqlen_q: int, seqlen_k: int, head_dim: int,
-                    causal: bool, mode: str = "fwd") -> float:
-    """Floating-point operations of one call, by the convention in ``FLOP_CONVENTION``."""
+                    causal: bool, mode: str = "fwd", window: tuple[int, int] | None = None) -> float:
+    """Floating-point operations of one call, by the convention in ``FLOP_CONVENTION``. With a local
+    window the visible score entries are counted exactly (4·D FLOPs each), causal or not."""
+    if window is not None:
+        return 4.0 * batch * heads * visible_entries(seqlen_q, seqlen_k, window, causal) * head_dim \
+            * MODE_FLOP_FACTOR[mode]
     flops = 4.0 * batch * heads * seqlen_q * seqlen_k * head_dim
     if causal:
         flops /= 2
     return flops * MODE_FLOP_FACTOR[mode]
+
+
+def visible_entries(seqlen_q: int, seqlen_k: int, window: tuple[int, int], causal: bool) -> int:
+    """Score entries a local window leaves visible (bottom-right aligned, -1: no bound on a side;
+    causal bounds the right side at 0)."""
+    left, right = window
+    if causal:
+        right = 0 if right < 0 else min(right, 0)
+    rows = torch.arange(seqlen_q, dtype=torch.int64) + (seqlen_k - seqlen_q)
+    lo = (rows - left).clamp(min=0) if left >= 0 else torch.zeros_like(rows)
+    hi = (rows + right).clamp(max=seqlen_k - 1) if right >= 0 else torch.full_like(rows, seqlen_k - 1)
+    return int((hi - lo + 1).clamp(min=0).sum())
 
 
 @dataclass(frozen=True)
@@ -71,6 +87,7 @@ class Workload:
     head_dim: int
     dtype: str
     causal: bool
+    window: tuple[int, int] | None = None      # local window (left, right), -1: no bound on a side
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -82,7 +99,7 @@ class Workload:
         if self.mode == "decode":
             return None
         return attention_flops(self.batch, self.heads, self.seqlen_q, self.seqlen_k, self.head_dim,
-                               self.causal, self.mode)
+                               self.causal, self.mode, self.window)
 
     @property
     def kv_bytes(self) -> int:
@@ -94,11 +111,12 @@ class Workload:
         """Short description for the progress line, e.g. ``S=2048 D=64 causal``."""
         if self.mode == "decode":
             return f"B={self.batch} context={self.seqlen_k} D={self.head_dim}"
-        return f"S={self.seqlen_q} D={self.head_dim} {'causal' if self.causal else 'non-causal'}"
+        window = f" window={self.window[0]},{self.window[1]}" if self.window is not None else ""
+        return f"S={self.seqlen_q} D={self.head_dim} {'causal' if self.causal else 'non-causal'}{window}"
 
 
 def dense_workloads(mode: str, dtype: str, causal_flags, *, sweep: bool = False, batch=None,
-                    heads=None, heads_kv=None, seqlens=None, head_dims=None) -> list[Workload]:
+                    heads=None, heads_kv=None, seqlens=None, head_dims=None, window=None) -> list[Workload]:
     """Workloads for fwd / bwd / fwdbwd. Explicit values win over the seed workload or the sweep.
 
     With ``sweep``, batch = 16384 // S and heads = 2048 // D unless given.
@@ -114,7 +132,7 @@ def dense_workloads(mode: str, dtype: str, causal_flags, *, sweep: bool = False,
             for seqlen in seqlens:
                 b = batch or (max(1, SWEEP_TOKENS // seqlen) if sweep else SEED["batch"])
                 h = heads or (max(1, SWEEP_HIDDEN // head_dim) if sweep else SEED["heads"])
-                out.append(_workload(mode, b, h, heads_kv or h, seqlen, seqlen, head_dim, dtype, causal))
+                out.append(_workload(mode, b, h, heads_kv or h, seqlen, seqlen, head_dim, dtype, causal, window))
     return out
 
 
@@ -141,8 +159,11 @@ def decode_workloads(dtype: str, *, batch=None, heads=None, heads_kv=None, conte
             for context in (contexts or DECODE_CONTEXTS)]
 
 
-def _workload(mode, batch, heads, heads_kv, seqlen_q, seqlen_k, head_dim, dtype, causal) -> Workload:
+def _workload(mode, batch, heads, heads_kv, seqlen_q, seqlen_k, head_dim, dtype, causal, window=None) -> Workload:
     if heads % heads_kv:
         raise ValueError(f"--heads-kv must divide the number of query heads: got {heads_kv} K/V heads "
                          f"for {heads} query heads")
-    return Workload(mode, batch, heads, heads_kv, seqlen_q, seqlen_k, head_dim, dtype, causal)
+    if window is not None and causal and window[1] > 0:
+        raise ValueError(f"--window {window[0]},{window[1]} with a causal workload: the right bound must be "
+                         f"0 or -1 (causal sees no later key); use --causal no")
+    return Workload(mode, batch, heads, heads_kv, seqlen_q, seqlen_k, head_dim, dtype, causal, window)
