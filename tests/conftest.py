@@ -16,9 +16,13 @@ if not ON_GPU:
 
 import pytest  # noqa: E402
 
+# Imported here, not in the fixtures that use them: their first import (triton, torch's compile
+# machinery) takes seconds on a loaded machine, which must not count against a test's hang guard.
+from triflash.kernels import launch  # noqa: E402
+
 DEVICE = "cuda" if ON_GPU else "cpu"
 
-# bf16 runs in the interpreter too: the kernels widen bf16 tiles before tl.dot there (common.dot).
+# bf16 runs in the interpreter too: triflash.kernels.interpreter widens bf16 dot operands there.
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 
 
@@ -76,8 +80,6 @@ def _plans(request):
     first call of a shape runs under the recorder and any repeat replays. A test that replaces
     launchers or choosers (monkeypatch) runs without plans: a plan recorded before the patch would
     replay the unpatched launches."""
-    from triflash.kernels import launch
-
     saved = launch.ENABLED, launch.RECORD_AT
     launch.ENABLED = "monkeypatch" not in request.fixturenames
     launch.RECORD_AT = 1
