@@ -6,7 +6,6 @@ import subprocess
 import sys
 import time
 
-
 # The guard's limit in these runs: 12 s, far below the stuck test's 120 s sleep and well above what the
 # nested pytest's imports take on a loaded 2-core machine (at 3 s they were cut off mid-import).
 

@@ -1,7 +1,7 @@
 """triflash under Hugging Face transformers (integrations.register_transformers), on tiny random-weight
 models built from configs (no downloads): Llama (GQA), Mistral (sliding window), Gemma 2 (sliding and
-full layers; soft-capping runs in PyTorch), gpt-oss (attention sinks run in PyTorch), where the
-installed transformers has them.
+full layers, logit soft-capping), gpt-oss (attention sinks, trained through triflash's dsink), where
+the installed transformers has them.
 
 Each model runs three ways from the same weights: with ``TRANSFORMERS_NAME`` (triflash), with
 transformers' own same-dtype attention ("sdpa", or "eager" where the model refuses sdpa), and in
@@ -90,9 +90,9 @@ def _logits_and_grads(model, ids, mask):
     return out.logits.detach(), grads
 
 
-def _check_step(ours, same, truth, device):
+def _check_step(ours, same, truth, device, batch=None):
     """Logits (real positions) by the 2x rule, every parameter's gradient by the 3x rule."""
-    ids, mask = _padded_batch(device)
+    ids, mask = batch if batch is not None else _padded_batch(device)
     real = mask.bool()
     results = [_logits_and_grads(m.to(device), ids, mask) for m in (ours, same, truth)]
     (got, g_got), (base, g_base), (ref, g_ref) = results
@@ -150,24 +150,38 @@ def test_static_cache_generate_matches(device):
     _check_generate(ours, same, device, new_tokens=3, cache_implementation="static")
 
 
-@pytest.mark.parametrize("kind,reason", [
-    pytest.param("gemma2", "softcap", id="gemma2-softcap"),
-    pytest.param("gpt_oss", "s_aux (attention sinks)", id="gpt_oss-sinks"),
-])
-def test_what_triflash_lacks_runs_in_pytorch(device, kind, reason):
-    """Gemma 2's logit soft-capping and gpt-oss's sinks are not in triflash yet: those calls run in
-    PyTorch, counted by reason, and compute what transformers' eager attention computes (the same
-    steps in the same dtype: compared directly, on the real tokens of a left- and right-padded batch)."""
+VARIANT_MODELS = [pytest.param("gemma2", id="gemma2-softcap"), pytest.param("gpt_oss", id="gpt_oss-sinks")]
+
+
+@pytest.mark.parametrize("kind", VARIANT_MODELS)
+def test_softcap_and_sinks_run_on_triflash(device, kind):
+    """Gemma 2's logit soft-capping and gpt-oss's attention sinks (``s_aux``) run on triflash: one
+    training step's logits by the 2x rule and every parameter's gradient (the sinks' included) by the
+    3x rule, against float64 eager attention (SDPA has neither), every call on triflash. The batch
+    is right-padded only: float64 eager's additive mask turns a row that sees no key (a left-padded
+    query) into NaN."""
+    extra = {"attn_logit_softcapping": 20.0} if kind == "gemma2" else {}
+    counts = register_transformers()
+    ours, same, truth = _models(*_config(kind, **extra))
+    truth.config._attn_implementation = "eager"
+    truth.config._experts_implementation = "eager"      # gpt-oss's grouped_mm experts take no float64
+    ids, mask = _padded_batch(device)
+    mask[0] = 1
+    counts.reset()
+    _check_step(ours, same, truth, device, batch=(ids, mask))
+    assert counts == {"triflash": TINY["num_hidden_layers"], "torch": 0, "reasons": {}}
+
+
+@pytest.mark.parametrize("kind", VARIANT_MODELS)
+def test_softcap_and_sinks_generate(device, kind):
+    """Greedy generation with soft-capping or sinks (prefill of a left-padded batch, then decoding
+    with a KV cache) gives transformers' own tokens, all on triflash."""
     extra = {"attn_logit_softcapping": 20.0} if kind == "gemma2" else {}
     counts = register_transformers()
     counts.reset()
     ours, same, _ = _models(*_config(kind, **extra))
-    ids, mask = _padded_batch(device)
-    real = mask.bool()
-    with torch.no_grad():
-        got, base = (m.to(device).eval()(input_ids=ids, attention_mask=mask).logits for m in (ours, same))
-    assert max_err(got[real], base[real]) <= 1e-5 * max(1.0, base.abs().max().item())
-    assert counts == {"triflash": 0, "torch": TINY["num_hidden_layers"], "reasons": {reason: TINY["num_hidden_layers"]}}
+    _check_generate(ours, same, device)
+    assert counts == {"triflash": 4 * TINY["num_hidden_layers"], "torch": 0, "reasons": {}}
 
 
 def test_padding_with_gaps_runs_in_pytorch(device):

@@ -31,6 +31,7 @@ from .validation import (
     check_head_dim,
     check_heads,
     check_scale,
+    check_score_variants,
     check_window,
     dims,
     require_bool,
@@ -40,6 +41,7 @@ from .validation import (
     require_same_device,
     require_tensor,
     type_name,
+    variant_key,
     window_key,
 )
 
@@ -91,35 +93,47 @@ def _positional_options(name: str, options: str, extra: tuple) -> TypeError:
         f"where triflash's was softmax_scale, so a ported call would silently mean something else")
 
 
-def _validate_dense(q, k, v, layout, scale_name, softmax_scale, causal, return_lse, window_size, dropout_p):
+def _validate_dense(q, k, v, layout, scale_name, softmax_scale, causal, return_lse, window_size, dropout_p,
+                    softcap, alibi_slopes, sinks):
     scale = validate_qkv(q, k, v, layout, scale_name, softmax_scale, causal)
     require_bool("return_lse", return_lse)
     check_dropout(dropout_p)
-    return scale, check_window(window_size, causal)
+    window = check_window(window_size, causal)
+    qs = dims(q, layout)
+    return scale, window, check_score_variants(softcap, alibi_slopes, sinks, q, qs.batch, qs.heads)
 
 
-def dense_call(q, k, v, layout, scale_name, softmax_scale, causal, return_lse, window_size, dropout_p=0.0):
+def _unit_stride(sinks):
+    """The kernels read the sinks with unit stride (a copy of a strided [Hq] vector, differentiable)."""
+    return sinks if sinks is None or sinks.stride(0) == 1 or sinks.shape[0] <= 1 else sinks.contiguous()
+
+
+def dense_call(q, k, v, layout, scale_name, softmax_scale, causal, return_lse, window_size, dropout_p=0.0,
+               softcap=0.0, alibi_slopes=None, sinks=None):
     """flash_attn_func and attention (and integrations' SDPA signature): validate (once per call key),
     then the forward. ``layout`` is "bshd" or "bhsd"; ``scale_name`` names the scale argument in errors."""
     key = None
     if not torch.compiler.is_compiling():      # traced calls: no keys (data_ptr is opaque)
         try:
-            key = (layout, launch.meta(q), launch.meta(k), launch.meta(v), softmax_scale, softmax_scale.__class__,
-                   causal, causal.__class__, return_lse, return_lse.__class__, window_key(window_size),
-                   dropout_p, dropout_p.__class__)
+            variants = variant_key(softcap, alibi_slopes, sinks)
+            key = None if variants is None else (
+                layout, launch.meta(q), launch.meta(k), launch.meta(v), softmax_scale, softmax_scale.__class__,
+                causal, causal.__class__, return_lse, return_lse.__class__, window_key(window_size),
+                dropout_p, dropout_p.__class__, variants)
         except (AttributeError, TypeError, RuntimeError):
             key = None
     entry = launch.lookup(_DENSE, key, _validate_dense, q, k, v, layout, scale_name, softmax_scale, causal,
-                          return_lse, window_size, dropout_p)
-    scale, window = entry.info
+                          return_lse, window_size, dropout_p, softcap, alibi_slopes, sinks)
+    scale, window, softcap = entry.info
     if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
         q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
-    out, lse = _autograd.forward(q, k, v, scale, causal, layout == "bhsd", *window, entry=entry)
+    out, lse = _autograd.forward(q, k, v, scale, causal, layout == "bhsd", *window, softcap, alibi_slopes,
+                                 _unit_stride(sinks), entry=entry)
     return (out, lse) if return_lse else out
 
 
 def flash_attn_func(q, k, v, *options, softmax_scale=None, causal=False, return_lse=False,
-                    window_size=NO_WINDOW, dropout_p=0.0):
+                    window_size=NO_WINDOW, dropout_p=0.0, softcap=0.0, alibi_slopes=None, sinks=None):
     """Attention in FlashAttention's layout. Every argument after q, k, v is keyword-only (a
     positional one raises a TypeError: FlashAttention 2's fourth argument is dropout_p).
 
@@ -138,6 +152,18 @@ def flash_attn_func(q, k, v, *options, softmax_scale=None, causal=False, return_
             accepted). Windows run on the portable Triton kernels on every GPU.
         dropout_p: accepted for drop-in use with FlashAttention's keyword; only 0.0 (anything else
             raises: triflash has no dropout).
+        softcap: logit soft-capping (Gemma 2, Grok): when > 0 the scaled scores s = softmax_scale * q.k
+            become softcap * tanh(s / softcap), before masking and softmax (FlashAttention's definition).
+            0.0: none.
+        alibi_slopes: ALiBi (BLOOM, MPT): float32 [heads_q] or [batch, heads_q]; the bias
+            -slope * |i + seqlen_k - seqlen_q - j| is added to the (capped) score of query i and key j.
+            Not differentiable (a tensor that requires grad raises while autograd records).
+        sinks: attention sinks (gpt-oss): float32 [heads_q], one logit per query head that joins every
+            row's softmax denominator with no value: out_i = sum_j e^{s_ij} v_j / (sum_j e^{s_ij} +
+            e^{sink_h}). Differentiable (it trains). The returned lse includes the sink; a row that
+            sees no key gets out = 0 and lse = sink.
+            The three variants run on the portable Triton kernels on every GPU (not yet on the Gluon
+            Hopper kernels).
 
     Returns:
         out [batch, seqlen_q, heads_q, head_dim] in q's dtype; with ``return_lse``, (out, lse) where
@@ -145,25 +171,30 @@ def flash_attn_func(q, k, v, *options, softmax_scale=None, causal=False, return_
     """
     if options:
         raise _positional_options("flash_attn_func", "softmax_scale=, causal=, return_lse=, window_size=, "
-                                  "dropout_p=", options)
-    return dense_call(q, k, v, "bshd", "softmax_scale", softmax_scale, causal, return_lse, window_size, dropout_p)
+                                  "dropout_p=, softcap=, alibi_slopes=, sinks=", options)
+    return dense_call(q, k, v, "bshd", "softmax_scale", softmax_scale, causal, return_lse, window_size, dropout_p,
+                      softcap, alibi_slopes, sinks)
 
 
-def attention(q, k, v, *options, causal=False, sm_scale=None, return_lse=False, window_size=NO_WINDOW):
+def attention(q, k, v, *options, causal=False, sm_scale=None, return_lse=False, window_size=NO_WINDOW,
+              softcap=0.0, alibi_slopes=None, sinks=None):
     """Attention in the seeds' (and SDPA's) layout. Every argument after q, k, v is keyword-only.
 
     Args:
         q: [batch, heads_q, seqlen_q, head_dim]; k, v: [batch, heads_kv, seqlen_k, head_dim].
-        causal, sm_scale, return_lse, window_size: as ``flash_attn_func``'s causal, softmax_scale,
-            return_lse, window_size.
+        causal, sm_scale, return_lse, window_size, softcap, alibi_slopes, sinks: as
+            ``flash_attn_func``'s causal, softmax_scale, return_lse, window_size, softcap, alibi_slopes,
+            sinks.
 
     Returns:
         out [batch, heads_q, seqlen_q, head_dim] (contiguous) in q's dtype; with ``return_lse``,
         (out, lse) with lse [batch, heads_q, seqlen_q] float32, natural log.
     """
     if options:
-        raise _positional_options("attention", "causal=, sm_scale=, return_lse=, window_size=", options)
-    return dense_call(q, k, v, "bhsd", "sm_scale", sm_scale, causal, return_lse, window_size)
+        raise _positional_options("attention", "causal=, sm_scale=, return_lse=, window_size=, softcap=, "
+                                  "alibi_slopes=, sinks=", options)
+    return dense_call(q, k, v, "bhsd", "sm_scale", sm_scale, causal, return_lse, window_size, 0.0, softcap,
+                      alibi_slopes, sinks)
 
 
 # -- packed variable-length batches ------------------------------------------------------------------
@@ -252,18 +283,20 @@ def check_cu_seqlens_values(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_
 
 
 def _validate_varlen_call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
-                          causal, return_lse, window_size, dropout_p):
+                          causal, return_lse, window_size, dropout_p, softcap, alibi_slopes, sinks):
     """Everything flash_attn_varlen_func checks that its key decides (the offsets' values aside)."""
     checked = validate_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
                               causal)
     require_bool("return_lse", return_lse)
     check_dropout(dropout_p)
-    return checked, check_window(window_size, causal)
+    window = check_window(window_size, causal)
+    return checked, window, check_score_variants(softcap, alibi_slopes, sinks, q, cu_seqlens_q.shape[0] - 1,
+                                                 q.shape[1])
 
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
                            softmax_scale=None, causal=False, window_size=NO_WINDOW, return_lse=False,
-                           dropout_p=0.0):
+                           dropout_p=0.0, softcap=0.0, alibi_slopes=None, sinks=None):
     """Attention over a batch of sequences of different lengths, packed without padding
     (FlashAttention's varlen layout and argument names).
 
@@ -277,8 +310,9 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
             total_k. A sequence may be empty (no queries, or no keys: its rows get out = 0).
         max_seqlen_q, max_seqlen_k: ints at least as large as the longest sequence (they size the
             launch; larger only costs idle programs).
-        softmax_scale, causal, window_size, return_lse, dropout_p: as ``flash_attn_func`` (the window applies
-            within each sequence), keyword only (FlashAttention 2 has
+        softmax_scale, causal, window_size, return_lse, dropout_p, softcap, alibi_slopes, sinks: as
+            ``flash_attn_func`` (the window and ALiBi apply within each sequence, with its own lengths;
+            [batch, heads_q] slopes are per sequence), keyword only (FlashAttention 2 has
             dropout_p in the eighth place, FlashAttention 3 seqused_q: a call ported with positional
             arguments raises instead of taking one for the other). Causal is aligned bottom-right
             within each sequence: its query i sees its key j when j <= i + seqlen_k - seqlen_q.
@@ -301,17 +335,22 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
             key = (launch.meta(q), launch.meta(k), launch.meta(v), launch.meta(cu_seqlens_q),
                    launch.meta(cu_seqlens_k), max_seqlen_q, max_seqlen_q.__class__, max_seqlen_k,
                    max_seqlen_k.__class__, softmax_scale, softmax_scale.__class__, causal, causal.__class__,
-                   return_lse, return_lse.__class__, window_key(window_size), dropout_p, dropout_p.__class__)
+                   return_lse, return_lse.__class__, window_key(window_size), dropout_p, dropout_p.__class__,
+                   variant_key(softcap, alibi_slopes, sinks))
+            if key[-1] is None:
+                key = None
         except (AttributeError, TypeError, RuntimeError):
             key = None
     entry = launch.lookup(_VARLEN, key, _validate_varlen_call, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                          max_seqlen_k, softmax_scale, causal, return_lse, window_size, dropout_p)
-    (scale, max_q, max_k), window = entry.info
+                          max_seqlen_k, softmax_scale, causal, return_lse, window_size, dropout_p, softcap,
+                          alibi_slopes, sinks)
+    (scale, max_q, max_k), window, softcap = entry.info
     check_cu_seqlens_values(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
         q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
     if cu_seqlens_q.stride(0) != 1 or cu_seqlens_k.stride(0) != 1:
         cu_seqlens_q, cu_seqlens_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()
     varlen = Varlen(cu_seqlens_q, cu_seqlens_k, max_q, max_k)
-    out, lse = _autograd.varlen_forward(q, k, v, varlen, scale, causal, window, entry=entry)
+    out, lse = _autograd.varlen_forward(q, k, v, varlen, scale, causal, window, softcap, alibi_slopes,
+                                        _unit_stride(sinks), entry=entry)
     return (out, lse) if return_lse else out

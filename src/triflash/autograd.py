@@ -22,6 +22,11 @@ op's autograd wrapper is not. It calls the same ops, with the same formula; the 
 fold a vmapped dimension into the batch (one launch). Not supported: forward mode (raises) and
 torch.compile around a torch.func transform (Dynamo inlines the Function and fails loudly on it).
 
+Score variants ([Note: score variants] in kernels/common.py): every op takes ``softcap``,
+``alibi_slopes`` and ``sinks`` after the window (defaults: none, so callers written before them keep
+working). The backward ops return a fourth gradient, dsink ([Hq] float32; empty without sinks):
+the sinks are differentiable, the slopes are not.
+
 Both ops take tensors in their caller's layout: ``bhsd=False`` for FlashAttention's [B, S, H, D],
 ``bhsd=True`` for [B, H, S, D]. They hand [B, S, H, D] views to the launchers and return outputs and
 gradients in the caller's layout (custom ops may not return views of their inputs, and a gradient must
@@ -36,7 +41,7 @@ from torch.autograd import forward_ad
 from torch.utils._python_dispatch import _get_current_dispatch_mode as _current_dispatch_mode
 
 from .kernels import dispatch, launch
-from .kernels.common import Varlen
+from .kernels.common import ScoreVariant, Varlen
 
 
 def _bshd(t: Tensor, bhsd: bool) -> Tensor:
@@ -44,24 +49,36 @@ def _bshd(t: Tensor, bhsd: bool) -> Tensor:
 
 
 def forward_impl(q: Tensor, k: Tensor, v: Tensor, softmax_scale: float, causal: bool, bhsd: bool,
-                 window_left: int = -1, window_right: int = -1) -> tuple[Tensor, Tensor]:
+                 window_left: int = -1, window_right: int = -1, softcap: float = 0.0,
+                 alibi_slopes: Tensor | None = None, sinks: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """Forward on validated inputs. Returns (out in q's layout, lse [B, Hq, Sq] float32).
-    window_left / window_right: a local window's bounds (-1: none on that side)."""
+    window_left / window_right: a local window's bounds (-1: none on that side); softcap,
+    alibi_slopes, sinks: the score variants (0 / None: none)."""
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     _, lse = dispatch.forward(_bshd(q, bhsd), _bshd(k, bhsd), _bshd(v, bhsd), softmax_scale, causal,
-                             out=_bshd(out, bhsd), window=(window_left, window_right))
+                             out=_bshd(out, bhsd), window=(window_left, window_right),
+                             scores=ScoreVariant(softcap, alibi_slopes, sinks))
     return out, lse
+
+
+def _forward_call(q, k, v, alibi_slopes, sinks, softmax_scale, causal, bhsd, window_left, window_right, softcap):
+    """``forward_impl`` with every tensor first (``launch.call`` takes the call's tensors as its inputs)."""
+    return forward_impl(q, k, v, softmax_scale, causal, bhsd, window_left, window_right, softcap, alibi_slopes,
+                        sinks)
 
 
 @torch.library.custom_op("triflash::attn_fwd", mutates_args=())
 def attn_fwd(q: Tensor, k: Tensor, v: Tensor, softmax_scale: float, causal: bool, bhsd: bool,
-             window_left: int = -1, window_right: int = -1) -> tuple[Tensor, Tensor]:
+             window_left: int = -1, window_right: int = -1, softcap: float = 0.0,
+             alibi_slopes: Tensor | None = None, sinks: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """Forward on validated inputs. Returns (out in q's layout, lse [B, Hq, Sq] float32)."""
-    return forward_impl(q, k, v, softmax_scale, causal, bhsd, window_left, window_right)
+    return forward_impl(q, k, v, softmax_scale, causal, bhsd, window_left, window_right, softcap, alibi_slopes,
+                        sinks)
 
 
 def forward(q: Tensor, k: Tensor, v: Tensor, softmax_scale: float, causal: bool, bhsd: bool,
-            window_left: int = -1, window_right: int = -1, *, entry=None) -> tuple[Tensor, Tensor]:
+            window_left: int = -1, window_right: int = -1, softcap: float = 0.0, alibi_slopes: Tensor | None = None,
+            sinks: Tensor | None = None, *, entry=None) -> tuple[Tensor, Tensor]:
     """The forward through the custom op, through ``_EagerAttention`` or ``_FunctorchAttention``, or
     straight to the launcher.
 
@@ -72,16 +89,21 @@ def forward(q: Tensor, k: Tensor, v: Tensor, softmax_scale: float, causal: bool,
     call's ``launch.Entry`` (its key's plan), used on the two eager roads."""
     if _has_tangent(q, k, v):
         raise NotImplementedError(_NO_JVP)
-    if _needs_op(q, k, v):
+    variant = (softcap, alibi_slopes, sinks)
+    if _needs_op(q, k, v, alibi_slopes, sinks):
         # Under torch.func transforms always the Function: whether a grad transform watches these
         # tensors is not visible from inside a vmap (a batched tensor over a grad-tracking one says
         # requires_grad=False), and the op's own autograd wrapper raises under every grad transform.
         if torch._C._are_functorch_transforms_active() and not torch.compiler.is_compiling():
-            return _FunctorchAttention.apply(q, k, v, softmax_scale, causal, bhsd, window_left, window_right)
-        return attn_fwd(q, k, v, softmax_scale, causal, bhsd, window_left, window_right)
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        return _EagerAttention.apply(q, k, v, softmax_scale, causal, bhsd, window_left, window_right, entry)
-    return launch.call(entry, forward_impl, (q, k, v), softmax_scale, causal, bhsd, window_left, window_right)
+            return _FunctorchAttention.apply(q, k, v, softmax_scale, causal, bhsd, window_left, window_right,
+                                             *variant)
+        return attn_fwd(q, k, v, softmax_scale, causal, bhsd, window_left, window_right, *variant)
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
+                                    or (sinks is not None and sinks.requires_grad)):
+        return _EagerAttention.apply(q, k, v, softmax_scale, causal, bhsd, window_left, window_right, *variant,
+                                     entry)
+    return launch.call(entry, _forward_call, (q, k, v, alibi_slopes, sinks), softmax_scale, causal, bhsd,
+                       window_left, window_right, softcap)
 
 
 _NO_JVP = ("triflash has no forward-mode derivative (jvp): q, k or v carries a tangent (a dual tensor "
@@ -97,11 +119,13 @@ def _has_tangent(q: Tensor, k: Tensor, v: Tensor) -> bool:
     return any(forward_ad.unpack_dual(t).tangent is not None for t in (q, k, v))
 
 
-def _needs_op(q: Tensor, k: Tensor, v: Tensor) -> bool:
+def _needs_op(q: Tensor, k: Tensor, v: Tensor, *optional: Tensor | None) -> bool:
     if torch.compiler.is_compiling():
         return True
     if type(q) is not Tensor or type(k) is not Tensor or type(v) is not Tensor:
         return True                        # FakeTensor, DTensor, other subclasses
+    if any(t is not None and type(t) is not Tensor for t in optional):
+        return True
     if torch._C._are_functorch_transforms_active():
         return True                        # vmap / jvp / grad: batched or dual tensors, no storage
     if torch.jit.is_tracing():
@@ -110,7 +134,8 @@ def _needs_op(q: Tensor, k: Tensor, v: Tensor) -> bool:
 
 
 @attn_fwd.register_fake
-def _attn_fwd_fake(q, k, v, softmax_scale, causal, bhsd, window_left=-1, window_right=-1):
+def _attn_fwd_fake(q, k, v, softmax_scale, causal, bhsd, window_left=-1, window_right=-1, softcap=0.0,
+                   alibi_slopes=None, sinks=None):
     batch, heads, seqlen = (q.shape[0], q.shape[1], q.shape[2]) if bhsd else (q.shape[0], q.shape[2], q.shape[1])
     return torch.empty_like(q, memory_format=torch.contiguous_format), \
         q.new_empty((batch, heads, seqlen), dtype=torch.float32)
@@ -133,59 +158,111 @@ def _unfold(t: Tensor, size: int) -> Tensor:
     return t.reshape(size, t.shape[0] // size, *t.shape[1:])
 
 
-def _attn_fwd_vmap(info, in_dims, q, k, v, softmax_scale, causal, bhsd, window_left=-1, window_right=-1):
+def _per_sample(op, n, in_dims, args):
+    """vmap by a loop: ``op`` on each sample (every vmapped argument selected at its dimension), the
+    results stacked on dim 0 (empty ones, gradients not asked for, passed through unbatched)."""
+    results = []
+    for i in range(n):
+        results.append(op(*(a.select(d, i) if d is not None else a for a, d in zip(args, in_dims))))
+    outs = tuple(torch.stack(r) if r[0].numel() else r[0] for r in zip(*results))
+    return outs, tuple(0 if r[0].numel() else None for r in zip(*results))
+
+
+def _variant_dims(in_dims, first: int) -> tuple:
+    """in_dims of (alibi_slopes, sinks), the arguments from index ``first + 1`` on (None where absent)."""
+    dims = tuple(in_dims) + (None,) * 20
+    return dims[first + 1], dims[first + 2]
+
+
+def _fold_slopes(alibi_slopes, n):
+    """Slopes for the folded batch: [Hq] stay, [B, Hq] repeat for each of the n samples."""
+    return alibi_slopes if alibi_slopes is None or alibi_slopes.dim() == 1 else _fold(alibi_slopes, None, n)
+
+
+def _attn_fwd_vmap(info, in_dims, q, k, v, softmax_scale, causal, bhsd, window_left=-1, window_right=-1,
+                   softcap=0.0, alibi_slopes=None, sinks=None):
     """torch.func.vmap: one launch over every vmapped sample (folded into the batch), not PyTorch's
-    fallback of one call per sample."""
+    fallback of one call per sample. Slopes or sinks that are vmapped themselves: one call per sample."""
     n = info.batch_size
+    args = (q, k, v, softmax_scale, causal, bhsd, window_left, window_right, softcap, alibi_slopes, sinks)
+    if any(d is not None for d in _variant_dims(in_dims, 8)):
+        return _per_sample(attn_fwd, n, tuple(in_dims) + (None,) * (len(args) - len(in_dims)), args)
     out, lse = attn_fwd(_fold(q, in_dims[0], n), _fold(k, in_dims[1], n), _fold(v, in_dims[2], n),
-                        softmax_scale, causal, bhsd, window_left, window_right)
+                        softmax_scale, causal, bhsd, window_left, window_right, softcap,
+                        _fold_slopes(alibi_slopes, n), sinks)
     return (_unfold(out, n), _unfold(lse, n)), (0, 0)
 
 
 attn_fwd.register_vmap(_attn_fwd_vmap)
 
 
+def _dsink_buffer(lse: Tensor, sinks: Tensor | None) -> Tensor:
+    """Where the backward writes dsink: [Hq] float32, or an empty tensor without sinks."""
+    return lse.new_empty(sinks.shape if sinks is not None else (0,), dtype=torch.float32)
+
+
 def backward_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                   dlse: Tensor | None, softmax_scale: float, causal: bool, bhsd: bool, need_dq: bool,
-                  need_dkdv: bool, window_left: int = -1, window_right: int = -1) -> tuple[Tensor, Tensor, Tensor]:
-    """Gradients (dq, dk, dv) in the inputs' layouts. Gradients not asked for come back empty (0 elements)."""
+                  need_dkdv: bool, window_left: int = -1, window_right: int = -1, softcap: float = 0.0,
+                  alibi_slopes: Tensor | None = None,
+                  sinks: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Gradients (dq, dk, dv, dsink) in the inputs' layouts. Gradients not asked for come back empty
+    (0 elements); dsink is [Hq] float32 with sinks, else empty."""
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device) if need_dq else q.new_empty(0)
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device) if need_dkdv else k.new_empty(0)
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device) if need_dkdv else v.new_empty(0)
+    dsink = _dsink_buffer(lse, sinks)
     dispatch.backward(
         _bshd(dout, bhsd), _bshd(q, bhsd), _bshd(k, bhsd), _bshd(v, bhsd), _bshd(out, bhsd), lse,
         softmax_scale, causal, dlse=dlse,
         dq=_bshd(dq, bhsd) if need_dq else None,
         dk=_bshd(dk, bhsd) if need_dkdv else None,
         dv=_bshd(dv, bhsd) if need_dkdv else None,
-        need_dq=need_dq, need_dkdv=need_dkdv, window=(window_left, window_right))
-    return dq, dk, dv
+        need_dq=need_dq, need_dkdv=need_dkdv, window=(window_left, window_right),
+        scores=ScoreVariant(softcap, alibi_slopes, sinks), dsink=dsink)
+    return dq, dk, dv, dsink
+
+
+def _backward_call(dout, q, k, v, out, lse, dlse, alibi_slopes, sinks, *args):
+    """``backward_impl`` with every tensor first (``launch.call``'s inputs); ``args``: the scalars from
+    softmax_scale to softcap."""
+    return backward_impl(dout, q, k, v, out, lse, dlse, *args, alibi_slopes, sinks)
 
 
 @torch.library.custom_op("triflash::attn_bwd", mutates_args=())
 def attn_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
              dlse: Tensor | None, softmax_scale: float, causal: bool, bhsd: bool, need_dq: bool,
-             need_dkdv: bool, window_left: int = -1, window_right: int = -1) -> tuple[Tensor, Tensor, Tensor]:
-    """Gradients (dq, dk, dv) in the inputs' layouts. Gradients not asked for come back empty (0 elements)."""
+             need_dkdv: bool, window_left: int = -1, window_right: int = -1, softcap: float = 0.0,
+             alibi_slopes: Tensor | None = None,
+             sinks: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Gradients (dq, dk, dv, dsink) in the inputs' layouts. Gradients not asked for come back empty
+    (0 elements); dsink is [Hq] float32 with sinks, else empty."""
     return backward_impl(dout, q, k, v, out, lse, dlse, softmax_scale, causal, bhsd, need_dq, need_dkdv,
-                         window_left, window_right)
+                         window_left, window_right, softcap, alibi_slopes, sinks)
 
 
 @attn_bwd.register_fake
 def _attn_bwd_fake(dout, q, k, v, out, lse, dlse, softmax_scale, causal, bhsd, need_dq, need_dkdv,
-                   window_left=-1, window_right=-1):
+                   window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None, sinks=None):
     def like(t, needed):
         return torch.empty_like(t, memory_format=torch.contiguous_format) if needed else t.new_empty(0)
-    return like(q, need_dq), like(k, need_dkdv), like(v, need_dkdv)
+    return like(q, need_dq), like(k, need_dkdv), like(v, need_dkdv), _dsink_buffer(lse, sinks)
 
 
 def _attn_bwd_vmap(info, in_dims, dout, q, k, v, out, lse, dlse, softmax_scale, causal, bhsd, need_dq,
-                   need_dkdv, window_left=-1, window_right=-1):
-    """torch.func.vmap of the backward (vmap over grad: per-sample gradients), in one launch."""
+                   need_dkdv, window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None, sinks=None):
+    """torch.func.vmap of the backward (vmap over grad: per-sample gradients), in one launch; with
+    sinks (their gradient sums over the batch, so a folded batch would mix the samples') or vmapped
+    slopes, one call per sample."""
     n = info.batch_size
-    args = [_fold(t, d, n) for t, d in zip((dout, q, k, v, out, lse, dlse), in_dims)]
-    grads = attn_bwd(*args, softmax_scale, causal, bhsd, need_dq, need_dkdv, window_left, window_right)
-    needed = (need_dq, need_dkdv, need_dkdv)       # gradients not asked for are empty, not batched
+    args = (dout, q, k, v, out, lse, dlse, softmax_scale, causal, bhsd, need_dq, need_dkdv, window_left,
+            window_right, softcap, alibi_slopes, sinks)
+    if sinks is not None or _variant_dims(in_dims, 14)[0] is not None:
+        return _per_sample(attn_bwd, n, tuple(in_dims) + (None,) * (len(args) - len(in_dims)), args)
+    folded = [_fold(t, d, n) for t, d in zip((dout, q, k, v, out, lse, dlse), in_dims)]
+    grads = attn_bwd(*folded, softmax_scale, causal, bhsd, need_dq, need_dkdv, window_left, window_right,
+                     softcap, _fold_slopes(alibi_slopes, n), None)
+    needed = (need_dq, need_dkdv, need_dkdv, False)   # gradients not asked for are empty, not batched
     return (tuple(_unfold(g, n) if need else g for g, need in zip(grads, needed)),
             tuple(0 if need else None for need in needed))
 
@@ -194,15 +271,24 @@ attn_bwd.register_vmap(_attn_bwd_vmap)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, softmax_scale, causal, bhsd, *window = inputs
+    q, k, v, softmax_scale, causal, bhsd, *rest = inputs
     out, lse = output
-    _save(ctx, q, k, v, out, lse, softmax_scale, causal, bhsd, *window)
+    _save(ctx, q, k, v, out, lse, softmax_scale, causal, bhsd, *rest)
 
 
-def _save(ctx, q, k, v, out, lse, softmax_scale, causal, bhsd, window_left=-1, window_right=-1):
-    ctx.save_for_backward(q, k, v, out, lse)
+# Where the sinks are among the inputs of attn_fwd / _EagerAttention / _FunctorchAttention (q, k, v,
+# softmax_scale, causal, bhsd, window_left, window_right, softcap, alibi_slopes, sinks[, entry]) and of
+# varlen_fwd: the index of their gradient.
+_SINKS_INPUT = 10
+_VARLEN_SINKS_INPUT = 13
+
+
+def _save(ctx, q, k, v, out, lse, softmax_scale, causal, bhsd, window_left=-1, window_right=-1, softcap=0.0,
+          alibi_slopes=None, sinks=None):
+    ctx.save_for_backward(q, k, v, out, lse, alibi_slopes, sinks)
     ctx.softmax_scale, ctx.causal, ctx.bhsd = softmax_scale, causal, bhsd
     ctx.window = (window_left, window_right)
+    ctx.softcap = softcap
     # An unused output's gradient arrives as None instead of a tensor of zeros: the usual loss never
     # touches lse, and its dlse would otherwise be read (as zeros) by every backward.
     ctx.set_materialize_grads(False)
@@ -215,21 +301,22 @@ def _gradients(ctx, dout, dlse, backward_fn=None):
     terms, which torch's once_differentiable would do here) or watched (compiled autograd traces it
     with fake tensors; a dispatch mode around the backward alone), else the implementation, through
     the forward's call cache (a plan keyed on the saved tensors and dout)."""
-    q, k, v, out, lse = ctx.saved_tensors          # once: each read runs the saved-tensor hooks
+    q, k, v, out, lse, alibi_slopes, sinks = ctx.saved_tensors   # once: each read runs the saved-tensor hooks
     entry = None
     if backward_fn is None:
-        if torch.is_grad_enabled() or _needs_op(q, k, v):
+        if torch.is_grad_enabled() or _needs_op(q, k, v, alibi_slopes, sinks):
             backward_fn = attn_bwd
         else:
             backward_fn, entry = backward_impl, getattr(ctx, "entry", None)
 
     def run(dout, need_dq, need_dkdv):
-        args = (ctx.softmax_scale, ctx.causal, ctx.bhsd, need_dq, need_dkdv, *ctx.window)
+        args = (ctx.softmax_scale, ctx.causal, ctx.bhsd, need_dq, need_dkdv, *ctx.window, ctx.softcap)
         inputs = (dout, q, k, v, out, lse, dlse)
         if entry is None:
-            return backward_fn(*inputs, *args)
-        return launch.call(_backward_entry(entry, inputs, need_dq, need_dkdv), backward_fn, inputs, *args)
-    return _input_grads(ctx, dout, out, run)
+            return backward_fn(*inputs, *args, alibi_slopes, sinks)
+        return launch.call(_backward_entry(entry, inputs + (alibi_slopes, sinks), need_dq, need_dkdv),
+                           _backward_call, inputs + (alibi_slopes, sinks), *args)
+    return _input_grads(ctx, dout, out, run, _SINKS_INPUT)
 
 
 def _backward_entry(entry, inputs, need_dq: bool, need_dkdv: bool):
@@ -248,18 +335,21 @@ def _backward_entry(entry, inputs, need_dq: bool, need_dkdv: bool):
     return sub
 
 
-def _input_grads(ctx, dout, out, run):
+def _input_grads(ctx, dout, out, run, sinks_input: int):
     """The formula's frame, shared by the dense and the packed ops: only the gradients autograd asks
-    for are computed (``run(dout, need_dq, need_dkdv)`` -> (dq, dk, dv)), a loss on lse alone gets a
-    zero dout, and every non-tensor input gets None."""
+    for are computed (``run(dout, need_dq, need_dkdv)`` -> (dq, dk, dv, dsink)), a loss on lse alone
+    gets a zero dout, dsink goes to input ``sinks_input``, and every other input gets None."""
     need_dq = ctx.needs_input_grad[0]
     need_dkdv = ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
     if dout is None:                       # a loss on lse alone
         dout = torch.zeros_like(out)
-    dq, dk, dv = run(dout, need_dq, need_dkdv)
-    return (dq if need_dq else None,
-            dk if ctx.needs_input_grad[1] else None,
-            dv if ctx.needs_input_grad[2] else None) + (None,) * (len(ctx.needs_input_grad) - 3)
+    dq, dk, dv, dsink = run(dout, need_dq, need_dkdv)
+    grads = [dq if need_dq else None,
+             dk if ctx.needs_input_grad[1] else None,
+             dv if ctx.needs_input_grad[2] else None] + [None] * (len(ctx.needs_input_grad) - 3)
+    if len(ctx.needs_input_grad) > sinks_input and ctx.needs_input_grad[sinks_input]:
+        grads[sinks_input] = dsink
+    return tuple(grads)
 
 
 def _backward(ctx, dout, dlse):
@@ -275,10 +365,12 @@ class _EagerAttention(torch.autograd.Function):
     on every call."""
 
     @staticmethod
-    def forward(ctx, q, k, v, softmax_scale, causal, bhsd, window_left=-1, window_right=-1, entry=None):
-        out, lse = launch.call(entry, forward_impl, (q, k, v), softmax_scale, causal, bhsd, window_left,
-                               window_right)
-        _save(ctx, q, k, v, out, lse, softmax_scale, causal, bhsd, window_left, window_right)
+    def forward(ctx, q, k, v, softmax_scale, causal, bhsd, window_left=-1, window_right=-1, softcap=0.0,
+                alibi_slopes=None, sinks=None, entry=None):
+        out, lse = launch.call(entry, _forward_call, (q, k, v, alibi_slopes, sinks), softmax_scale, causal, bhsd,
+                               window_left, window_right, softcap)
+        _save(ctx, q, k, v, out, lse, softmax_scale, causal, bhsd, window_left, window_right, softcap,
+              alibi_slopes, sinks)
         ctx.entry = entry
         return out, lse
 
@@ -299,8 +391,10 @@ class _FunctorchAttention(torch.autograd.Function):
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(q, k, v, softmax_scale, causal, bhsd, window_left=-1, window_right=-1):
-        return attn_fwd(q, k, v, softmax_scale, causal, bhsd, window_left, window_right)
+    def forward(q, k, v, softmax_scale, causal, bhsd, window_left=-1, window_right=-1, softcap=0.0,
+                alibi_slopes=None, sinks=None):
+        return attn_fwd(q, k, v, softmax_scale, causal, bhsd, window_left, window_right, softcap, alibi_slopes,
+                        sinks)
 
     setup_context = staticmethod(_setup_context)
 
@@ -324,9 +418,9 @@ class _FunctorchBackward(torch.autograd.Function):
 
     @staticmethod
     def forward(dout, q, k, v, out, lse, dlse, softmax_scale, causal, bhsd, need_dq, need_dkdv,
-                window_left=-1, window_right=-1):
+                window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None, sinks=None):
         return attn_bwd(dout, q, k, v, out, lse, dlse, softmax_scale, causal, bhsd, need_dq, need_dkdv,
-                        window_left, window_right)
+                        window_left, window_right, softcap, alibi_slopes, sinks)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -349,25 +443,33 @@ class _FunctorchBackward(torch.autograd.Function):
 
 def varlen_impl(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
                 max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float, causal: bool,
-                window_left: int = -1, window_right: int = -1) -> tuple[Tensor, Tensor]:
+                window_left: int = -1, window_right: int = -1, softcap: float = 0.0,
+                alibi_slopes: Tensor | None = None, sinks: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """Forward on validated packed sequences. Returns (out [total_q, Hq, D], lse [Hq, total_q])."""
     return dispatch.forward(q, k, v, softmax_scale, causal,
                            varlen=Varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k),
-                           window=(window_left, window_right))
+                           window=(window_left, window_right), scores=ScoreVariant(softcap, alibi_slopes, sinks))
+
+
+def _varlen_call(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks, *args):
+    """``varlen_impl`` with every tensor first (``launch.call``'s inputs); ``args``: the scalars from
+    max_seqlen_q to softcap."""
+    return varlen_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, *args, alibi_slopes, sinks)
 
 
 @torch.library.custom_op("triflash::varlen_fwd", mutates_args=())
 def varlen_fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
                max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float, causal: bool,
-               window_left: int = -1, window_right: int = -1) -> tuple[Tensor, Tensor]:
+               window_left: int = -1, window_right: int = -1, softcap: float = 0.0,
+               alibi_slopes: Tensor | None = None, sinks: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """Forward on validated packed sequences. Returns (out [total_q, Hq, D], lse [Hq, total_q])."""
     return varlen_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
-                       window_left, window_right)
+                       window_left, window_right, softcap, alibi_slopes, sinks)
 
 
 @varlen_fwd.register_fake
 def _varlen_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
-                     window_left=-1, window_right=-1):
+                     window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None, sinks=None):
     return (torch.empty_like(q, memory_format=torch.contiguous_format),
             q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32))
 
@@ -376,46 +478,61 @@ def _varlen_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
 def varlen_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dlse: Tensor | None,
                cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int,
                softmax_scale: float, causal: bool, need_dq: bool, need_dkdv: bool,
-               window_left: int = -1, window_right: int = -1) -> tuple[Tensor, Tensor, Tensor]:
-    """Gradients (dq, dk, dv) of packed sequences. Gradients not asked for come back empty."""
+               window_left: int = -1, window_right: int = -1, softcap: float = 0.0,
+               alibi_slopes: Tensor | None = None,
+               sinks: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Gradients (dq, dk, dv, dsink) of packed sequences. Gradients not asked for come back empty; dsink
+    is [Hq] float32 with sinks, else empty."""
+    dsink = _dsink_buffer(lse, sinks)
     dq, dk, dv = dispatch.backward(
         dout, q, k, v, out, lse, softmax_scale, causal, dlse=dlse, need_dq=need_dq, need_dkdv=need_dkdv,
         varlen=Varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k),
-        window=(window_left, window_right))
+        window=(window_left, window_right), scores=ScoreVariant(softcap, alibi_slopes, sinks), dsink=dsink)
     return (dq if need_dq else q.new_empty(0), dk if need_dkdv else k.new_empty(0),
-            dv if need_dkdv else v.new_empty(0))
+            dv if need_dkdv else v.new_empty(0), dsink)
 
 
 @varlen_bwd.register_fake
 def _varlen_bwd_fake(dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                     softmax_scale, causal, need_dq, need_dkdv, window_left=-1, window_right=-1):
+                     softmax_scale, causal, need_dq, need_dkdv, window_left=-1, window_right=-1, softcap=0.0,
+                     alibi_slopes=None, sinks=None):
     def like(t, needed):
         return torch.empty_like(t, memory_format=torch.contiguous_format) if needed else t.new_empty(0)
-    return like(q, need_dq), like(k, need_dkdv), like(v, need_dkdv)
+    return like(q, need_dq), like(k, need_dkdv), like(v, need_dkdv), _dsink_buffer(lse, sinks)
 
 
 def _varlen_setup_context(ctx, inputs, output):
-    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, *window = inputs
+    (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left,
+     window_right, softcap, alibi_slopes, sinks) = _with_defaults(inputs, (-1, -1, 0.0, None, None))
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)
+    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks)
     ctx.max_seqlens = (max_seqlen_q, max_seqlen_k)
-    ctx.window = tuple(window) or (-1, -1)
-    ctx.softmax_scale, ctx.causal = softmax_scale, causal
+    ctx.window = (window_left, window_right)
+    ctx.softmax_scale, ctx.causal, ctx.softcap = softmax_scale, causal, softcap
     ctx.set_materialize_grads(False)        # as _save: an unused lse's gradient stays None
 
 
+def _with_defaults(inputs, defaults):
+    """inputs with the trailing ``defaults`` filled in where they were not passed."""
+    inputs = tuple(inputs)
+    missing = len(defaults) - (len(inputs) - 9)
+    return inputs + tuple(defaults[len(defaults) - missing:]) if missing > 0 else inputs
+
+
 def _varlen_backward(ctx, dout, dlse):
-    q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
+    q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks = ctx.saved_tensors
     return _input_grads(ctx, dout, out, lambda dout, need_dq, need_dkdv: varlen_bwd(
         dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k, *ctx.max_seqlens, ctx.softmax_scale,
-        ctx.causal, need_dq, need_dkdv, *ctx.window))
+        ctx.causal, need_dq, need_dkdv, *ctx.window, ctx.softcap, alibi_slopes, sinks), _VARLEN_SINKS_INPUT)
 
 
 varlen_fwd.register_autograd(_varlen_backward, setup_context=_varlen_setup_context)
 
 
 def varlen_forward(q: Tensor, k: Tensor, v: Tensor, varlen: Varlen, softmax_scale: float,
-                   causal: bool, window: tuple[int, int] = (-1, -1), *, entry=None) -> tuple[Tensor, Tensor]:
+                   causal: bool, window: tuple[int, int] = (-1, -1), softcap: float = 0.0,
+                   alibi_slopes: Tensor | None = None, sinks: Tensor | None = None, *,
+                   entry=None) -> tuple[Tensor, Tensor]:
     """The packed forward through the op where autograd, torch.compile or a dispatch mode needs one,
     else straight to the launcher (through ``entry``'s plan)."""
     if _has_tangent(q, k, v):
@@ -425,8 +542,8 @@ def varlen_forward(q: Tensor, k: Tensor, v: Tensor, varlen: Varlen, softmax_scal
             "flash_attn_varlen_func does not support torch.func transforms (grad, vjp, vmap, ...): "
             "expected plain tensors; torch.autograd (loss.backward(), torch.autograd.grad) works, and "
             "flash_attn_func supports the transforms")
-    if _needs_op(q, k, v) or (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad
-                                                           or v.requires_grad)):
-        return varlen_fwd(q, k, v, *varlen, softmax_scale, causal, *window)
-    return launch.call(entry, varlen_impl, (q, k, v, varlen.cu_seqlens_q, varlen.cu_seqlens_k),
-                       varlen.max_seqlen_q, varlen.max_seqlen_k, softmax_scale, causal, *window)
+    if _needs_op(q, k, v, alibi_slopes, sinks) or (torch.is_grad_enabled() and (
+            q.requires_grad or k.requires_grad or v.requires_grad or (sinks is not None and sinks.requires_grad))):
+        return varlen_fwd(q, k, v, *varlen, softmax_scale, causal, *window, softcap, alibi_slopes, sinks)
+    return launch.call(entry, _varlen_call, (q, k, v, varlen.cu_seqlens_q, varlen.cu_seqlens_k, alibi_slopes, sinks),
+                       varlen.max_seqlen_q, varlen.max_seqlen_k, softmax_scale, causal, *window, softcap)

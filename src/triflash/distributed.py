@@ -502,7 +502,7 @@ def _backward_pieces(pieces, scale, dout, dlse, q, kv, out, lse, dq, dkv=None):
     Uses the custom op ``triflash::attn_bwd`` (torch.ops.triflash.attn_bwd)."""
     for p in pieces:
         rows, keys = slice(p.q0, p.q1), slice(p.k0, p.k1)
-        dq_p, dk_p, dv_p = torch.ops.triflash.attn_bwd(
+        dq_p, dk_p, dv_p, _ = torch.ops.triflash.attn_bwd(
             dout[:, rows], q[:, rows], kv[0, :, keys], kv[1, :, keys], out[:, rows], lse[..., rows],
             None if dlse is None else dlse[..., rows], scale, p.causal, False, True, True, *p.window)
         dq[:, rows] += dq_p

@@ -18,10 +18,11 @@ And one way to put triflash under Hugging Face transformers' models, without tou
 * ``register_transformers()``: registers triflash with transformers' ``AttentionInterface`` (and its
   mask builder with ``AttentionMaskInterface``) under ``TRANSFORMERS_NAME``, so that
   ``AutoModelForCausalLM.from_pretrained(..., attn_implementation=TRANSFORMERS_NAME)`` runs its
-  attention on triflash: causal and bidirectional, GQA, sliding windows, KV caches, and padded batches
-  (left or right padding, computed as one packed varlen call). What triflash does not compute yet
-  (logit soft-capping, attention sinks, dropout, masks other than causal / sliding-window / padding)
-  runs in PyTorch for that call, counted by reason. docs/huggingface.md has the recipe.
+  attention on triflash: causal and bidirectional, GQA, sliding windows, KV caches, padded batches
+  (left or right padding, computed as one packed varlen call), logit soft-capping (Gemma 2) and
+  attention sinks (gpt-oss's ``s_aux``). What triflash does not compute yet (dropout, masks other
+  than causal / sliding-window / padding) runs in PyTorch for that call, counted by reason.
+  docs/huggingface.md has the recipe.
 """
 
 from __future__ import annotations
@@ -243,12 +244,12 @@ def transformers_attention(module, query, key, value, attention_mask, dropout=0.
     ``_transformers_mask`` built it ([Note: masks]); ``scaling`` the softmax scale (default 1/sqrt(D));
     ``sliding_window`` W: a query sees the W latest keys up to itself (triflash's ``window_size=(W - 1,
     0)``); causal from ``is_causal``, else ``module.is_causal``. With a KV cache (Sq < Sk) the queries
-    are the last Sq positions: triflash's bottom-right causal alignment. Returns (out [B, Sq, Hq, D],
-    None): no attention weights.
+    are the last Sq positions: triflash's bottom-right causal alignment. ``softcap`` (Gemma 2's logit
+    soft-capping) and ``s_aux`` (gpt-oss's attention sinks, [Hq], taken as float32 and trained through
+    triflash's dsink) run on triflash too. Returns (out [B, Sq, Hq, D], None): no attention weights.
 
     Runs in PyTorch instead (counted in ``TRANSFORMERS_COUNTS["reasons"]``) for what triflash does not
-    compute yet: ``"softcap"`` (logit soft-capping, Gemma 2), ``"s_aux (attention sinks)"`` (gpt-oss),
-    ``"dropout"`` (attention dropout > 0 in training), and a 4-D mask: ``"mask pattern"`` (not causal /
+    compute yet: ``"dropout"`` (attention dropout > 0 in training), and a 4-D mask: ``"mask pattern"`` (not causal /
     sliding-window causal / bidirectional), ``"padding with gaps"`` (neither left nor right padding),
     ``"4-D mask from the caller"``. Inputs triflash refuses (a float64 model, a CPU tensor outside the
     interpreter, head dim > 256) raise its usual error, naming the argument.
@@ -263,11 +264,7 @@ def transformers_attention(module, query, key, value, attention_mask, dropout=0.
     else:
         window = validation.NO_WINDOW
     reason = None
-    if softcap is not None and softcap != 0:
-        reason = "softcap"
-    elif s_aux is not None:
-        reason = "s_aux (attention sinks)"
-    elif dropout:
+    if dropout:
         reason = "dropout"
     elif attention_mask is not None and attention_mask.dim() != 2:
         reason = getattr(attention_mask, "_triflash_reason", "4-D mask from the caller")
@@ -277,9 +274,12 @@ def transformers_attention(module, query, key, value, attention_mask, dropout=0.
                                    dropout), None
     TRANSFORMERS_COUNTS.to_triflash()
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))             # [B, S, H, D] views
+    variants = dict(softcap=float(softcap) if softcap else 0.0,
+                    sinks=s_aux.float() if s_aux is not None else None)      # triflash's sinks are float32
     if attention_mask is None:
-        return api.flash_attn_func(q, k, v, softmax_scale=scaling, causal=causal, window_size=window), None
-    return _padded(q, k, v, attention_mask, scaling, causal, window), None
+        return api.flash_attn_func(q, k, v, softmax_scale=scaling, causal=causal, window_size=window,
+                                   **variants), None
+    return _padded(q, k, v, attention_mask, scaling, causal, window, **variants), None
 
 
 def _padding_segments(keys: torch.Tensor, seqlen_q: int):
@@ -304,10 +304,11 @@ def _padding_segments(keys: torch.Tensor, seqlen_q: int):
     return cu_q, cu_k, keys[:, shift:]
 
 
-def _padded(q, k, v, keys, scale, causal, window):
+def _padded(q, k, v, keys, scale, causal, window, softcap=0.0, sinks=None):
     """q [B, Sq, Hq, D], k and v [B, Sk, Hkv, D], ``keys`` [B, Lk] (Lk <= Sk: keys past Lk are unused
     cache slots): one ``flash_attn_varlen_func`` call over the padded tensors (``_padding_segments``),
-    padded queries' rows zeroed. Returns [B, Sq, Hq, D]."""
+    padded queries' rows zeroed (so their gradients, dsink's share included, are 0). Returns
+    [B, Sq, Hq, D]."""
     batch, seqlen_q, heads, head_dim = q.shape
     seqlen_k = keys.shape[1]
     k, v = k[:, :seqlen_k], v[:, :seqlen_k]
@@ -316,7 +317,7 @@ def _padded(q, k, v, keys, scale, causal, window):
                                      k.reshape(batch * seqlen_k, *k.shape[2:]),
                                      v.reshape(batch * seqlen_k, *v.shape[2:]),
                                      cu_q, cu_k, seqlen_q, seqlen_k, softmax_scale=scale, causal=causal,
-                                     window_size=window)
+                                     window_size=window, softcap=softcap, sinks=sinks)
     return out.view(batch, seqlen_q, heads, head_dim) * q_rows[:, :, None, None].to(out.dtype)
 
 

@@ -21,12 +21,14 @@ from typing import NamedTuple
 import torch
 
 from .kernels import dispatch, launch
+from .kernels.common import ScoreVariant
 from .kernels.common import last_dim_contiguous as _last_dim_contiguous
 from .validation import (
     check_device,
     check_head_dim,
     check_heads,
     check_scale,
+    check_score_variants,
     check_window,
     require_bool,
     require_float_dtype,
@@ -35,6 +37,7 @@ from .validation import (
     require_same_device,
     require_tensor,
     type_name,
+    variant_key,
     window_key,
 )
 
@@ -58,6 +61,7 @@ class _Checked(NamedTuple):
     scale: float
     window: tuple[int, int]
     num_splits: int
+    softcap: float
 
 
 _Q_DOC = "[batch, seqlen_q, heads_q, head_dim]"
@@ -161,7 +165,7 @@ def _append_kv(k_cache, v_cache, k, v, cache_seqlens, block_table):
 
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, block_table=None,
                             softmax_scale=None, causal=False, num_splits=0, return_lse=False, *,
-                            window_size=(-1, -1)):
+                            window_size=(-1, -1), softcap=0.0, alibi_slopes=None, sinks=None):
     """Attention of a few new query positions per sequence against a KV cache (decode).
 
     Args:
@@ -196,6 +200,11 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
         window_size: (left, right), a local window per sequence, as in ``flash_attn_func`` (query
             i sees key j when i + L_b - seqlen_q - left <= j <= i + L_b - seqlen_q + right; -1: no
             bound). Key blocks outside every row's window are not read.
+        softcap, alibi_slopes, sinks: the score variants, as in ``flash_attn_func`` (ALiBi per
+            sequence: key j of sequence b gets -slope * |i + L_b - seqlen_q - j|; [batch, heads_q]
+            slopes are per sequence). Neither may require grad (decode has no backward). With
+            split-KV the sink is added once, when the splits are merged (as one more part with no
+            value); with one split, in the kernel's epilogue.
 
     Returns:
         out [batch, seqlen_q, heads_q, head_dim] in q's dtype; with ``return_lse``, (out, lse), lse
@@ -218,14 +227,17 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
                    cache_seqlens if type(cache_seqlens) is int or cache_seqlens is None else launch.meta(cache_seqlens),
                    None if block_table is None else launch.meta(block_table), softmax_scale,
                    softmax_scale.__class__, causal, causal.__class__, num_splits, num_splits.__class__, return_lse,
-                   return_lse.__class__, window_key(window_size))
+                   return_lse.__class__, window_key(window_size), variant_key(softcap, alibi_slopes, sinks))
             if torch.is_grad_enabled() and (q.requires_grad or k_cache.requires_grad or v_cache.requires_grad
-                                            or (k is not None and (k.requires_grad or v.requires_grad))):
+                                            or (k is not None and (k.requires_grad or v.requires_grad))
+                                            or (sinks is not None and sinks.requires_grad)):
                 key = None                                 # validation refuses it, naming the tensor
+            if key is not None and key[-1] is None:
+                key = None
         except (AttributeError, TypeError, RuntimeError):
             key = None
     entry = launch.lookup(_KVCACHE, key, _validate, q, k_cache, v_cache, k, v, cache_seqlens, block_table,
-                          softmax_scale, causal, num_splits, return_lse, window_size)
+                          softmax_scale, causal, num_splits, return_lse, window_size, softcap, alibi_slopes, sinks)
     checked = entry.info
     seqlen_new, capacity = checked.seqlen_new, checked.capacity
     seqlens_from_int = checked.seqlens_from_int
@@ -254,13 +266,23 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
     if plan is None:
         plan = entry.sub[max_seqlen] = launch.Entry()
         plan.plan = entry.plan               # False where the key could not be kept
-    out, lse = launch.call(plan, dispatch.decode, (q, k_cache, v_cache, cache_seqlens, block_table), seqlen_new,
-                           max_seqlen, checked.scale, causal, checked.num_splits, None, checked.window)
+    if sinks is not None and sinks.stride(0) != 1:
+        sinks = sinks.contiguous()
+    out, lse = launch.call(plan, _decode_call, (q, k_cache, v_cache, cache_seqlens, block_table, alibi_slopes, sinks),
+                           seqlen_new, max_seqlen, checked.scale, causal, checked.num_splits, checked.window,
+                           checked.softcap)
     return (out, lse) if return_lse else out
 
 
+def _decode_call(q, k_cache, v_cache, cache_seqlens, block_table, alibi_slopes, sinks, seqlen_new, max_seqlen,
+                 scale, causal, num_splits, window, softcap):
+    """``dispatch.decode`` with every tensor first (``launch.call``'s inputs)."""
+    return dispatch.decode(q, k_cache, v_cache, cache_seqlens, block_table, seqlen_new, max_seqlen, scale, causal,
+                           num_splits, None, window, ScoreVariant(softcap, alibi_slopes, sinks))
+
+
 def _validate(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_scale, causal, num_splits,
-              return_lse, window_size) -> _Checked:
+              return_lse, window_size, softcap=0.0, alibi_slopes=None, sinks=None) -> _Checked:
     """Every check of flash_attn_with_kvcache that its arguments' metadata decides (not the values
     in cache_seqlens and block_table). Raises TypeError / ValueError naming the argument."""
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
@@ -371,7 +393,9 @@ def _validate(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_sca
     if seqlens_from_int is not None and block_table is None and seqlens_from_int + seqlen_new > capacity:
         raise ValueError(f"cache_seqlens + seqlen_new must be <= the cache capacity (k_cache.shape[1] = "
                          f"{capacity}), got {seqlens_from_int} + {seqlen_new} = {seqlens_from_int + seqlen_new}")
-    return _Checked(capacity, num_pages, page_size, seqlens_from_int, seqlen_new, scale, window, num_splits)
+    softcap = check_score_variants(softcap, alibi_slopes, sinks, q, batch, heads_q, "flash_attn_with_kvcache")
+    return _Checked(capacity, num_pages, page_size, seqlens_from_int, seqlen_new, scale, window, num_splits,
+                    softcap)
 
 
 def merge_attn_states(out_partials, lse_partials):
@@ -393,6 +417,10 @@ def merge_attn_states(out_partials, lse_partials):
     Returns:
         (out [batch, seqlen, heads, head_dim] in out_partials' dtype, lse [batch, heads, seqlen]
         float32). A row whose parts all have lse = -inf gets out = 0 and lse = -inf.
+
+    Parts computed with attention sinks (``sinks=``) each carry the sink in their lse, so merging
+    them counts it once per part: the result is not the attention with sinks over the union. Merge
+    parts computed without sinks instead (split-KV decode adds its sink once, after its merge).
 
     Differentiable in both inputs (for instance to train with attention computed in pieces, as ring
     attention does): the backward is a few PyTorch operations, d out_n = w_n dout and d lse_n =

@@ -8,6 +8,12 @@
   ``compute_dtype``: float64 for the "truth", or the input dtype to measure how far PyTorch's own
   same-precision attention lands from the truth (the tests' tolerance is relative to that).
 * ``flash_attn_ref``: the same in FlashAttention's [B, S, H, D] layout.
+
+All three reference functions take the score variants of the public API: ``softcap`` (scores become
+softcap * tanh(s / softcap), before masking), ``alibi_slopes`` ([H] or [B, H]: the bias
+-slope * |i + Sk - Sq - j| after the cap) and ``sinks`` ([H]: one more logit per head in every row's
+softmax, with no value; the LSE includes it; a row that sees no key gets out 0 and lse = sink).
+They are differentiable in ``sinks`` (the tests take dsink from autograd through them).
 """
 
 from __future__ import annotations
@@ -51,9 +57,10 @@ def causal_visible(seqlen_q: int, seqlen_k: int, device=None, window_size=(-1, -
 
 def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
                   sm_scale: float | None = None, compute_dtype: torch.dtype | None = torch.float64,
-                  return_lse: bool = False, max_scores: int = 2**28, window_size=(-1, -1)):
+                  return_lse: bool = False, max_scores: int = 2**28, window_size=(-1, -1), softcap: float = 0.0,
+                  alibi_slopes: torch.Tensor | None = None, sinks: torch.Tensor | None = None):
     """Reference attention on [B, H, S, D] with GQA, bottom-right causal, a local window
-    (``window_size``, see ``causal_visible``) and empty rows.
+    (``window_size``, see ``causal_visible``), empty rows and the score variants (module docstring).
 
     compute_dtype=None computes like PyTorch attention in the input dtype: matmuls in that dtype,
     softmax in float32 (the seeds' naive recipe). Returns out in ``compute_dtype`` (or q's dtype), and
@@ -77,9 +84,27 @@ def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
     for r0 in range(0, seqlen_q, rows):
         qc = q[:, :, r0:r0 + rows].to(mm_dtype)
         scores = torch.matmul(qc, kc.transpose(-1, -2)).to(soft_dtype) * sm_scale   # [B, H, rows, Sk]
+        if softcap:
+            scores = softcap * torch.tanh(scores / softcap)
+        if alibi_slopes is not None:
+            slopes = alibi_slopes.to(soft_dtype)
+            slopes = (slopes[None] if slopes.dim() == 1 else slopes)[:, :, None, None]       # [B or 1, H, 1, 1]
+            i = torch.arange(r0, min(r0 + rows, seqlen_q), device=q.device)[:, None]
+            j = torch.arange(seqlen_k, device=q.device)[None, :]
+            scores = scores - slopes * (i + seqlen_k - seqlen_q - j).abs().to(soft_dtype)
         visible = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device)
         if causal or tuple(window_size) != (-1, -1):
             visible = causal_visible(seqlen_q, seqlen_k, q.device, window_size, causal)[r0:r0 + rows]
+        if sinks is not None:
+            # The sink: one more column in every row's softmax, dropped from the probabilities. A row
+            # that sees no key then has p_sink = 1: out = 0, lse = sink.
+            scores = scores.masked_fill(~visible, float("-inf"))
+            sink_col = sinks.to(soft_dtype)[None, :, None, None].expand(*scores.shape[:3], 1)
+            scores = torch.cat([scores, sink_col], dim=-1)
+            lses.append(torch.logsumexp(scores, dim=-1))
+            probs = torch.softmax(scores, dim=-1)[..., :-1]
+            outs.append(torch.matmul(probs.to(mm_dtype), vc))
+            continue
         # Rows that see no key: softmax over a row of zeros, then multiplied by 0. The result is
         # out = 0, lse = -inf, and (unlike a softmax over -inf) gradients of 0 instead of NaN.
         empty = ~visible.any(dim=-1)                                                   # [rows]
@@ -97,10 +122,11 @@ def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
 
 
 def flash_attn_ref(q, k, v, causal=False, softmax_scale=None, compute_dtype=torch.float64,
-                   return_lse=False, window_size=(-1, -1)):
+                   return_lse=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, sinks=None):
     """``attention_ref`` for FlashAttention's layout: q [B, Sq, Hq, D], k/v [B, Sk, Hkv, D]."""
     res = attention_ref(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal, softmax_scale,
-                        compute_dtype, return_lse, window_size=window_size)
+                        compute_dtype, return_lse, window_size=window_size, softcap=softcap,
+                        alibi_slopes=alibi_slopes, sinks=sinks)
     if return_lse:
         return res[0].transpose(1, 2), res[1]
     return res.transpose(1, 2)
@@ -126,7 +152,7 @@ def gather_kv_cache(cache: torch.Tensor, seqlen: int, batch_index: int,
 
 def kvcache_ref(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, block_table=None,
                 softmax_scale=None, causal=False, compute_dtype=torch.float64, return_lse=False,
-                window_size=(-1, -1)):
+                window_size=(-1, -1), softcap=0.0, alibi_slopes=None, sinks=None):
     """``flash_attn_with_kvcache``'s semantics in plain PyTorch, built on ``attention_ref``.
 
     The caches are not modified: appended k/v (if given) are concatenated after each sequence's
@@ -148,9 +174,11 @@ def kvcache_ref(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, block_t
         if k is not None:
             kb = torch.cat([kb, k[b]], dim=0)
             vb = torch.cat([vb, v[b]], dim=0)
+        slopes = alibi_slopes[b:b + 1] if alibi_slopes is not None and alibi_slopes.dim() == 2 else alibi_slopes
         out, lse = flash_attn_ref(q[b:b + 1], kb[None], vb[None], causal=causal,
                                   softmax_scale=softmax_scale, compute_dtype=compute_dtype,
-                                  return_lse=True, window_size=window_size)
+                                  return_lse=True, window_size=window_size, softcap=softcap,
+                                  alibi_slopes=slopes, sinks=sinks)
         outs.append(out)
         lses.append(lse)
     out = torch.cat(outs, dim=0)

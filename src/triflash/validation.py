@@ -177,3 +177,61 @@ def require_int(name: str, value, minimum: int = 0) -> int:
     if value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
     return int(value)
+
+
+def check_softcap(softcap) -> float:
+    """softcap: a finite real number >= 0 (0: no soft-capping)."""
+    if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
+        raise TypeError(f"softcap must be a real number (0.0: no soft-capping), got {type_name(softcap)}")
+    try:
+        value = float(softcap)
+    except OverflowError:
+        value = math.inf
+    if not (math.isfinite(value) and value >= 0):
+        raise ValueError(f"softcap must be a finite number >= 0 (0.0: no soft-capping), got {softcap!r}")
+    return value
+
+
+def check_score_variants(softcap, alibi_slopes, sinks, q: torch.Tensor, batch: int, heads_q: int,
+                         grad_name: str | None = None) -> float:
+    """The score variants' arguments ([Note: score variants] in kernels/common.py); returns softcap as a
+    float. alibi_slopes: float32 [heads_q] or [batch, heads_q] on q's device, not requiring grad while
+    autograd records (the slopes are not differentiable); sinks: float32 [heads_q] on q's device.
+    ``grad_name``: the entry point, where sinks may not require grad either (decode has no backward)."""
+    value = check_softcap(softcap)
+    if alibi_slopes is not None:
+        require_tensor("alibi_slopes", alibi_slopes)
+        if alibi_slopes.dtype != torch.float32:
+            raise TypeError(f"alibi_slopes.dtype must be torch.float32, got {alibi_slopes.dtype}")
+        if tuple(alibi_slopes.shape) not in ((heads_q,), (batch, heads_q)):
+            raise ValueError(f"alibi_slopes must be [heads_q] = ({heads_q},) or [batch, heads_q] = ({batch}, "
+                             f"{heads_q}), got {tuple(alibi_slopes.shape)}")
+        require_same_device("alibi_slopes", alibi_slopes, q)
+        if alibi_slopes.requires_grad and torch.is_grad_enabled():
+            raise ValueError("alibi_slopes requires grad, but the ALiBi slopes are not differentiable (as in "
+                             "FlashAttention 2): expected a tensor without requires_grad; pass "
+                             "alibi_slopes.detach()")
+    if sinks is not None:
+        require_tensor("sinks", sinks)
+        if sinks.dtype != torch.float32:
+            raise TypeError(f"sinks.dtype must be torch.float32, got {sinks.dtype}")
+        if tuple(sinks.shape) != (heads_q,):
+            raise ValueError(f"sinks must be [heads_q] = ({heads_q},) (one logit per query head), got "
+                             f"{tuple(sinks.shape)}")
+        require_same_device("sinks", sinks, q)
+        if grad_name is not None and sinks.requires_grad and torch.is_grad_enabled():
+            raise ValueError(f"sinks requires grad, but {grad_name} has no backward (it is for inference): "
+                             f"expected a tensor without requires_grad; call it under torch.no_grad() or pass "
+                             f"sinks.detach()")
+    return value
+
+
+def variant_key(softcap, alibi_slopes, sinks):
+    """The score variants' part of a call key (None: no key, validate on every call: a tensor that
+    is not a plain one, or slopes that require grad, which validation refuses while autograd records)."""
+    from .kernels import launch
+
+    if alibi_slopes is not None and alibi_slopes.requires_grad:
+        return None
+    return (softcap, softcap.__class__, None if alibi_slopes is None else launch.meta(alibi_slopes),
+            None if sinks is None else (launch.meta(sinks), sinks.requires_grad))

@@ -43,7 +43,18 @@ from .block_ranges import (
     window_query_range,
     window_visible,
 )
-from .common import LOG2E, LOG2E_K, Varlen, add_rn, mul_rn, needs_int64_rows, wide
+from .common import (
+    LOG2E,
+    LOG2E_K,
+    PLAIN,
+    ScoreVariant,
+    Varlen,
+    add_rn,
+    mul_rn,
+    needs_int64_rows,
+    score_mod,
+    wide,
+)
 from .configs import BwdConfig
 from .launch import host_descriptors, tma_compatible
 
@@ -92,12 +103,18 @@ def _bwd_preprocess_kernel(
 
 
 @triton.jit
-def _recompute_p(s, lse, sm_scale, qk_scale, PRECISE_P: tl.constexpr):
+def _recompute_p(s, lse, sm_scale, qk_scale, PRECISE_P: tl.constexpr, NATURAL: tl.constexpr = False):
     """P from raw scores and the row LSE. fp16/bf16: one FMA in base 2 (lse was turned into base 2).
     fp32: subtract in natural units first, round(s * scale) - lse, then scale by log2(e). The product
     is rounded on its own (mul_rn), exactly as the forward rounded max * scale into the LSE, so a row
-    whose softmax has one term (one key) cancels to 0 and gets p = 1 exactly, like PyTorch's."""
-    if PRECISE_P:
+    whose softmax has one term (one key) cancels to 0 and gets p = 1 exactly, like PyTorch's.
+    NATURAL: s is already in natural units (softcap / ALiBi scores, common.score_mod)."""
+    if NATURAL:
+        if PRECISE_P:
+            return tl.math.exp2((s - lse) * LOG2E_K)
+        else:
+            return tl.math.exp2(s * LOG2E_K - lse)
+    elif PRECISE_P:
         return tl.math.exp2((mul_rn(s, sm_scale) - lse) * LOG2E_K)
     else:
         return tl.math.exp2(s * qk_scale - lse)
@@ -112,9 +129,11 @@ def _dkdv_inner(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
     MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr, PRECISE_P: tl.constexpr, TMA: tl.constexpr,
     window_left=0, window_right=0, HAS_LEFT: tl.constexpr = False, HAS_RIGHT: tl.constexpr = False,
+    tanh_scale=None, softcap=None, slope=None, SOFTCAP: tl.constexpr = False, ALIBI: tl.constexpr = False,
 ):
     """Fold query blocks [lo, hi) into this key block's dK, dV. MASKED: the causal mask, or with
-    HAS_LEFT / HAS_RIGHT a local window's."""
+    HAS_LEFT / HAS_RIGHT a local window's. SOFTCAP / ALIBI: P recomputed from the transformed scores,
+    and SOFTCAP's chain rule on dS ([Note: score variants] in common.py)."""
     d_ok = offs_d < HEAD_DIM
     for start_m in range(lo, hi, BLOCK_M):
         start_m = tl.multiple_of(start_m, BLOCK_M)
@@ -133,7 +152,12 @@ def _dkdv_inner(
         lse2 = tl.load(LSE2 + offs_m, mask=m_ok, other=float("inf"))      # [BM]
         delta = tl.load(Delta + offs_m, mask=m_ok, other=0.0)             # [BM]
         s_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)       # [BN, BM] = (Q K^T)^T
-        p_t = _recompute_p(s_t, lse2[None, :], sm_scale, qk_scale, PRECISE_P)   # [BN, BM]
+        if SOFTCAP or ALIBI:
+            s_t, t_t = score_mod(s_t, offs_m[None, :], offs_n[:, None], causal_offset, sm_scale, tanh_scale,
+                                 softcap, slope, SOFTCAP, ALIBI)
+            p_t = _recompute_p(s_t, lse2[None, :], sm_scale, qk_scale, PRECISE_P, True)   # [BN, BM]
+        else:
+            p_t = _recompute_p(s_t, lse2[None, :], sm_scale, qk_scale, PRECISE_P)   # [BN, BM]
         if MASKED:
             if HAS_LEFT or HAS_RIGHT:
                 p_t = tl.where(window_visible(offs_m[None, :], offs_n[:, None], causal_offset, window_left,
@@ -147,6 +171,8 @@ def _dkdv_inner(
             dv += tl.dot(p_t.to(do.dtype), do, input_precision=DOT_PRECISION)         # [BN, BD]
         dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)                 # [BN, BM]
         ds_t = p_t * (dp_t - delta[None, :])
+        if SOFTCAP:
+            ds_t = ds_t * (1.0 - t_t * t_t)                                # d(softcap tanh(x)) / dx
         if PRECISE_P:
             dk = add_rn(dk, tl.dot(ds_t, q, input_precision=DOT_PRECISION))
         else:
@@ -165,10 +191,12 @@ def _bwd_dkdv_kernel(
     stride_dvb, stride_dvs, stride_dvh,
     num_heads_q, num_heads_k, kv_group_size, seqlen_q, seqlen_k, num_n_blocks, stats_rows,
     sm_scale, qk_scale, CU_Q, CU_K, window_left, window_right,
+    tanh_scale, softcap, ALIBI_SLOPES, stride_ab, stride_ah,     # SOFTCAP / ALIBI (else None)
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr, PRECISE_P: tl.constexpr, TMA: tl.constexpr,
     VARLEN: tl.constexpr = False, LONG: tl.constexpr = False,
     HAS_LEFT: tl.constexpr = False, HAS_RIGHT: tl.constexpr = False,
+    SOFTCAP: tl.constexpr = False, ALIBI: tl.constexpr = False,
 ):
     """TMA: Q and DO are host-built 4-D tensor descriptors instead of pointers. HAS_LEFT / HAS_RIGHT:
     a local window, as in the forward kernel (``window_query_range``). LSE2 and Delta are
@@ -218,6 +246,9 @@ def _bwd_dkdv_kernel(
     # GQA: every query head of this KV head's group contributes to its dK and dV.
     for g in range(kv_group_size):
         off_h = off_hk * kv_group_size + g
+        slope = None
+        if ALIBI:
+            slope = tl.load(ALIBI_SLOPES + off_b * stride_ab + off_h * stride_ah)
         if VARLEN:
             row0 = off_h.to(tl.int64) * stats_rows + q_start
         else:
@@ -232,24 +263,34 @@ def _bwd_dkdv_kernel(
             dk, dv = _dkdv_inner(dk, dv, k, v, q_src, do_src, LSE2 + row0, Delta + row0,
                                  stride_qs, stride_dos, off_b, off_h, offs_n, offs_d, lo, mid_lo, seqlen_q,
                                  causal_offset, sm_scale, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_M, True,
-                                 DOT_PRECISION, PRECISE_P, TMA, window_left, window_right, HAS_LEFT, HAS_RIGHT)
+                                 DOT_PRECISION, PRECISE_P, TMA, window_left, window_right, HAS_LEFT, HAS_RIGHT,
+                                 tanh_scale=tanh_scale, softcap=softcap, slope=slope, SOFTCAP=SOFTCAP,
+                                 ALIBI=ALIBI)
             dk, dv = _dkdv_inner(dk, dv, k, v, q_src, do_src, LSE2 + row0, Delta + row0,
                                  stride_qs, stride_dos, off_b, off_h, offs_n, offs_d, mid_lo, mid_hi, seqlen_q,
                                  causal_offset, sm_scale, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_M, False,
-                                 DOT_PRECISION, PRECISE_P, TMA)
+                                 DOT_PRECISION, PRECISE_P, TMA,
+                                 tanh_scale=tanh_scale, softcap=softcap, slope=slope, SOFTCAP=SOFTCAP,
+                                 ALIBI=ALIBI)
             dk, dv = _dkdv_inner(dk, dv, k, v, q_src, do_src, LSE2 + row0, Delta + row0,
                                  stride_qs, stride_dos, off_b, off_h, offs_n, offs_d, mid_hi, hi, seqlen_q,
                                  causal_offset, sm_scale, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_M, True,
-                                 DOT_PRECISION, PRECISE_P, TMA, window_left, window_right, HAS_LEFT, HAS_RIGHT)
+                                 DOT_PRECISION, PRECISE_P, TMA, window_left, window_right, HAS_LEFT, HAS_RIGHT,
+                                 tanh_scale=tanh_scale, softcap=softcap, slope=slope, SOFTCAP=SOFTCAP,
+                                 ALIBI=ALIBI)
         else:
             dk, dv = _dkdv_inner(dk, dv, k, v, q_src, do_src, LSE2 + row0, Delta + row0,
                                  stride_qs, stride_dos, off_b, off_h, offs_n, offs_d, lo, full_from, seqlen_q,
                                  causal_offset, sm_scale, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_M, IS_CAUSAL,
-                                 DOT_PRECISION, PRECISE_P, TMA)
+                                 DOT_PRECISION, PRECISE_P, TMA,
+                                 tanh_scale=tanh_scale, softcap=softcap, slope=slope, SOFTCAP=SOFTCAP,
+                                 ALIBI=ALIBI)
             dk, dv = _dkdv_inner(dk, dv, k, v, q_src, do_src, LSE2 + row0, Delta + row0,
                                  stride_qs, stride_dos, off_b, off_h, offs_n, offs_d, full_from, q_blocks_end,
                                  seqlen_q, causal_offset, sm_scale, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_M, False,
-                                 DOT_PRECISION, PRECISE_P, TMA)
+                                 DOT_PRECISION, PRECISE_P, TMA,
+                                 tanh_scale=tanh_scale, softcap=softcap, slope=slope, SOFTCAP=SOFTCAP,
+                                 ALIBI=ALIBI)
 
     dk *= sm_scale
     tl.store(DK + off_b.to(tl.int64) * stride_dkb + off_hk.to(tl.int64) * stride_dkh
@@ -267,7 +308,9 @@ def _dq_inner(
     MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr, PRECISE_P: tl.constexpr,
     TMA: tl.constexpr,
     window_left=0, window_right=0, HAS_LEFT: tl.constexpr = False, HAS_RIGHT: tl.constexpr = False,
+    tanh_scale=None, softcap=None, slope=None, SOFTCAP: tl.constexpr = False, ALIBI: tl.constexpr = False,
 ):
+    """Fold key blocks [lo, hi) into dQ (the variants as ``_dkdv_inner``'s)."""
     offs_n = tl.arange(0, BLOCK_N)
     d_ok = offs_d < HEAD_DIM
     for start_n in range(lo, hi, BLOCK_N):
@@ -283,7 +326,12 @@ def _dq_inner(
             k = tl.load(K + cols[:, None] * stride_ks + offs_d[None, :], mask=kv_mask, other=0.0)
             v = tl.load(V + cols[:, None] * stride_vs + offs_d[None, :], mask=kv_mask, other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)          # [BM, BN]
-        p = _recompute_p(s, lse2[:, None], sm_scale, qk_scale, PRECISE_P)  # [BM, BN]
+        if SOFTCAP or ALIBI:
+            s, t = score_mod(s, offs_m[:, None], cols[None, :], causal_offset, sm_scale, tanh_scale, softcap,
+                             slope, SOFTCAP, ALIBI)
+            p = _recompute_p(s, lse2[:, None], sm_scale, qk_scale, PRECISE_P, True)   # [BM, BN]
+        else:
+            p = _recompute_p(s, lse2[:, None], sm_scale, qk_scale, PRECISE_P)  # [BM, BN]
         if MASKED:
             visible = cols[None, :] < seqlen_k
             if HAS_LEFT or HAS_RIGHT:
@@ -294,6 +342,8 @@ def _dq_inner(
             p = tl.where(visible, p, 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)        # [BM, BN]
         ds = p * (dp - delta[:, None])
+        if SOFTCAP:
+            ds = ds * (1.0 - t * t)
         if PRECISE_P:
             dq = add_rn(dq, tl.dot(ds, k, input_precision=DOT_PRECISION))   # fp32: see _dkdv_inner
         else:
@@ -311,10 +361,12 @@ def _bwd_dq_kernel(
     stride_dqb, stride_dqs, stride_dqh,
     num_heads_q, kv_group_size, seqlen_q, seqlen_k, num_m_blocks, stats_rows,
     sm_scale, qk_scale, CU_Q, CU_K, window_left, window_right,
+    tanh_scale, softcap, ALIBI_SLOPES, stride_ab, stride_ah,     # SOFTCAP / ALIBI (else None)
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr, PRECISE_P: tl.constexpr, TMA: tl.constexpr,
     VARLEN: tl.constexpr = False, LONG: tl.constexpr = False,
     HAS_LEFT: tl.constexpr = False, HAS_RIGHT: tl.constexpr = False,
+    SOFTCAP: tl.constexpr = False, ALIBI: tl.constexpr = False,
 ):
     """TMA: K and V are host-built 4-D tensor descriptors instead of pointers. HAS_LEFT / HAS_RIGHT:
     a local window, with the forward's key ranges. LSE2 and Delta are
@@ -359,6 +411,9 @@ def _bwd_dq_kernel(
     lse2 = tl.load(LSE2 + row, mask=m_ok, other=float("inf"))
     delta = tl.load(Delta + row, mask=m_ok, other=0.0)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    slope = None
+    if ALIBI:
+        slope = tl.load(ALIBI_SLOPES + off_b * stride_ab + off_h * stride_ah)
 
     # Same key ranges as the forward: unmasked off-band blocks, then masked on-band blocks.
     causal_offset = seqlen_k - seqlen_q
@@ -374,21 +429,26 @@ def _bwd_dq_kernel(
         dq = _dq_inner(dq, q, do, lse2, delta, k_src, v_src, stride_ks, stride_vs, off_b, off_hk, offs_m,
                        offs_d, lo, mid_lo, seqlen_k, causal_offset, sm_scale, qk_scale,
                        HEAD_DIM, BLOCK_D, BLOCK_N, True, IS_CAUSAL, DOT_PRECISION, PRECISE_P, TMA,
-                       window_left, window_right, HAS_LEFT, HAS_RIGHT)
+                       window_left, window_right, HAS_LEFT, HAS_RIGHT,
+                       tanh_scale=tanh_scale, softcap=softcap, slope=slope, SOFTCAP=SOFTCAP, ALIBI=ALIBI)
         dq = _dq_inner(dq, q, do, lse2, delta, k_src, v_src, stride_ks, stride_vs, off_b, off_hk, offs_m,
                        offs_d, mid_lo, mid_hi, seqlen_k, causal_offset, sm_scale, qk_scale,
-                       HEAD_DIM, BLOCK_D, BLOCK_N, False, IS_CAUSAL, DOT_PRECISION, PRECISE_P, TMA)
+                       HEAD_DIM, BLOCK_D, BLOCK_N, False, IS_CAUSAL, DOT_PRECISION, PRECISE_P, TMA,
+                       tanh_scale=tanh_scale, softcap=softcap, slope=slope, SOFTCAP=SOFTCAP, ALIBI=ALIBI)
         dq = _dq_inner(dq, q, do, lse2, delta, k_src, v_src, stride_ks, stride_vs, off_b, off_hk, offs_m,
                        offs_d, mid_hi, hi, seqlen_k, causal_offset, sm_scale, qk_scale,
                        HEAD_DIM, BLOCK_D, BLOCK_N, True, IS_CAUSAL, DOT_PRECISION, PRECISE_P, TMA,
-                       window_left, window_right, HAS_LEFT, HAS_RIGHT)
+                       window_left, window_right, HAS_LEFT, HAS_RIGHT,
+                       tanh_scale=tanh_scale, softcap=softcap, slope=slope, SOFTCAP=SOFTCAP, ALIBI=ALIBI)
     else:
         dq = _dq_inner(dq, q, do, lse2, delta, k_src, v_src, stride_ks, stride_vs, off_b, off_hk, offs_m,
                        offs_d, 0, off_band_end, seqlen_k, causal_offset, sm_scale, qk_scale,
-                       HEAD_DIM, BLOCK_D, BLOCK_N, False, IS_CAUSAL, DOT_PRECISION, PRECISE_P, TMA)
+                       HEAD_DIM, BLOCK_D, BLOCK_N, False, IS_CAUSAL, DOT_PRECISION, PRECISE_P, TMA,
+                       tanh_scale=tanh_scale, softcap=softcap, slope=slope, SOFTCAP=SOFTCAP, ALIBI=ALIBI)
         dq = _dq_inner(dq, q, do, lse2, delta, k_src, v_src, stride_ks, stride_vs, off_b, off_hk, offs_m,
                        offs_d, off_band_end, hi, seqlen_k, causal_offset, sm_scale, qk_scale,
-                       HEAD_DIM, BLOCK_D, BLOCK_N, True, IS_CAUSAL, DOT_PRECISION, PRECISE_P, TMA)
+                       HEAD_DIM, BLOCK_D, BLOCK_N, True, IS_CAUSAL, DOT_PRECISION, PRECISE_P, TMA,
+                       tanh_scale=tanh_scale, softcap=softcap, slope=slope, SOFTCAP=SOFTCAP, ALIBI=ALIBI)
     dq *= sm_scale
     tl.store(DQ + off_b.to(tl.int64) * stride_dqb + off_h.to(tl.int64) * stride_dqh
              + offs_m[:, None] * stride_dqs + offs_d[None, :], dq.to(DQ.dtype.element_ty), mask=mask)
@@ -424,8 +484,42 @@ def preprocess(dout, out, lse, dlse, rows_out: int, precise_p: bool):
     return delta, lse2
 
 
+@triton.jit(do_not_specialize=["batch", "seqlen_q", "stats_rows"])
+def _sink_grad_kernel(LSE, Delta, SINKS, DSINK, batch, num_heads, seqlen_q, stats_rows,
+                      BLOCK: tl.constexpr):
+    """dsink_h = -sum over (b, i) of exp(sink_h - lse[b, h, i]) * delta[b, h, i]: the gradient of a
+    sink logit ([Note: score variants] in common.py; p_sink = exp(sink - lse), and d out / d sink =
+    -p_sink * out, d lse / d sink = p_sink, so delta = rowsum(dO * O) - dlse is the whole factor).
+    One program per head, a fixed summation order: deterministic. LSE [B, H, Sq], Delta
+    [B, H, stats_rows]."""
+    off_h = tl.program_id(0)
+    sink = tl.load(SINKS + off_h)
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for b in range(batch):
+        row = (b * num_heads + off_h).to(tl.int64)
+        for i0 in range(0, seqlen_q, BLOCK):
+            offs = i0 + tl.arange(0, BLOCK)
+            ok = offs < seqlen_q
+            lse = tl.load(LSE + row * seqlen_q + offs, mask=ok, other=float("-inf"))
+            delta = tl.load(Delta + row * stats_rows + offs, mask=ok, other=0.0)
+            p_sink = tl.where(lse == float("-inf"), 0.0, tl.math.exp2((sink - lse) * LOG2E_K))
+            acc += p_sink * delta
+    tl.store(DSINK + off_h, -tl.sum(acc, 0))
+
+
+def sink_grad(sinks, lse, delta, stats_rows: int, dsink=None):
+    """dsink [Hq] float32 (written into ``dsink`` when given) from the forward's lse [B, Hq, Sq]
+    (contiguous) and ``preprocess``' delta [B, Hq, stats_rows] (``_sink_grad_kernel``)."""
+    batch, heads, seqlen_q = lse.shape
+    if dsink is None:
+        dsink = torch.empty(sinks.shape, dtype=torch.float32, device=sinks.device)
+    launch.run(_sink_grad_kernel, (heads,), lse, delta, sinks, dsink, batch, heads, seqlen_q, stats_rows,
+               BLOCK=configs.BWD_PREPROCESS_BLOCK_M)
+    return dsink
+
+
 def run_dkdv(q, k, v, dout, lse2, delta, dk, dv, sm_scale: float, causal: bool, config: BwdConfig,
-             stats_rows: int, window=None):
+             stats_rows: int, window=None, scores: ScoreVariant = PLAIN):
     """The Triton dK/dV kernel on [B, S, H, D] views (last stride 1), with ``preprocess``'s delta and
     lse2 ([B, Hq, stats_rows]). Writes dk and dv."""
     batch, seqlen_q, heads_q, head_dim = q.shape
@@ -434,11 +528,11 @@ def run_dkdv(q, k, v, dout, lse2, delta, dk, dv, sm_scale: float, causal: bool, 
     Q, DO = host_descriptors(config.block_m, configs.head_dim_block(head_dim), q, dout) if tma else (q, dout)
     _launch_dkdv(Q, k, v, DO, lse2, delta, dk, dv, [_s(t) for t in (q, k, v, dout, dk, dv)],
                  batch, heads_q, heads_k, head_dim, seqlen_q, seqlen_k, seqlen_k, stats_rows,
-                 sm_scale, causal, config, q.dtype, tma, window=window)
+                 sm_scale, causal, config, q.dtype, tma, window=window, scores=scores)
 
 
 def run_dq(q, k, v, dout, lse2, delta, dq, sm_scale: float, causal: bool, config: BwdConfig,
-           stats_rows: int, window=None):
+           stats_rows: int, window=None, scores: ScoreVariant = PLAIN):
     """The Triton dQ kernel, as ``run_dkdv``. Writes dq."""
     batch, seqlen_q, heads_q, head_dim = q.shape
     _, seqlen_k, heads_k, _ = k.shape
@@ -446,12 +540,12 @@ def run_dq(q, k, v, dout, lse2, delta, dq, sm_scale: float, causal: bool, config
     K, V = host_descriptors(config.block_n, configs.head_dim_block(head_dim), k, v) if tma else (k, v)
     _launch_dq(q, K, V, dout, lse2, delta, dq, [_s(t) for t in (q, k, v, dout, dq)],
                batch, heads_q, heads_k, head_dim, seqlen_q, seqlen_k, seqlen_q, stats_rows,
-               sm_scale, causal, config, q.dtype, tma, window=window)
+               sm_scale, causal, config, q.dtype, tma, window=window, scores=scores)
 
 
 def _launch_dkdv(Q, K, V, DO, lse2, delta, dk, dv, strides, batch, heads_q, heads_k, head_dim,
                  seqlen_q, seqlen_k, max_seqlen_k, stats_rows, sm_scale, causal, cfg, dtype, tma,
-                 varlen=None, window=None):
+                 varlen=None, window=None, scores: ScoreVariant = PLAIN):
     """``_bwd_dkdv_kernel`` over (batch, KV head, key block of the longest sequence); ``strides``:
     the (batch, seq, head) strides of q, k, v, dout, dk, dv."""
     n_blocks = configs.cdiv(max_seqlen_k, cfg.block_n)
@@ -460,18 +554,18 @@ def _launch_dkdv(Q, K, V, DO, lse2, delta, dk, dv, strides, batch, heads_q, head
         _bwd_dkdv_kernel, (n_blocks * batch * heads_k,),
         Q, K, V, DO, lse2, delta, dk, dv, *(x for st in strides for x in st),
         heads_q, heads_k, heads_q // heads_k, seqlen_q, seqlen_k, n_blocks, stats_rows,
-        sm_scale, sm_scale * LOG2E, *_cu(varlen), *window_args,
+        sm_scale, sm_scale * LOG2E, *_cu(varlen), *window_args, *scores.kernel_args(sm_scale)[:5],
         HEAD_DIM=head_dim, BLOCK_D=configs.head_dim_block(head_dim), BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n, IS_CAUSAL=causal, DOT_PRECISION=_precision(dtype),
         PRECISE_P=dtype == torch.float32, TMA=tma, VARLEN=varlen is not None,
-        LONG=needs_int64_rows(Q, K, V, DO, dk, dv), **window_flags,
+        LONG=needs_int64_rows(Q, K, V, DO, dk, dv), **window_flags, **scores.transform_flags(),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 
 
 def _launch_dq(Q, K, V, DO, lse2, delta, dq, strides, batch, heads_q, heads_k, head_dim,
                seqlen_q, seqlen_k, max_seqlen_q, stats_rows, sm_scale, causal, cfg, dtype, tma, varlen=None,
-               window=None):
+               window=None, scores: ScoreVariant = PLAIN):
     """``_bwd_dq_kernel`` over (batch, query head, query block of the longest sequence); ``strides``:
     the (batch, seq, head) strides of q, k, v, dout, dq."""
     m_blocks = configs.cdiv(max_seqlen_q, cfg.block_m)
@@ -480,11 +574,11 @@ def _launch_dq(Q, K, V, DO, lse2, delta, dq, strides, batch, heads_q, heads_k, h
         _bwd_dq_kernel, (m_blocks * batch * heads_q,),
         Q, K, V, DO, lse2, delta, dq, *(x for st in strides for x in st),
         heads_q, heads_q // heads_k, seqlen_q, seqlen_k, m_blocks, stats_rows,
-        sm_scale, sm_scale * LOG2E, *_cu(varlen), *window_args,
+        sm_scale, sm_scale * LOG2E, *_cu(varlen), *window_args, *scores.kernel_args(sm_scale)[:5],
         HEAD_DIM=head_dim, BLOCK_D=configs.head_dim_block(head_dim), BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n, IS_CAUSAL=causal, DOT_PRECISION=_precision(dtype),
         PRECISE_P=dtype == torch.float32, TMA=tma, VARLEN=varlen is not None,
-        LONG=needs_int64_rows(Q, K, V, DO, dq), **window_flags,
+        LONG=needs_int64_rows(Q, K, V, DO, dq), **window_flags, **scores.transform_flags(),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 
@@ -498,29 +592,39 @@ def _precision(dtype):
 
 
 def run_varlen(dout, q, k, v, out, lse, sm_scale, causal, dlse, dq, dk, dv,
-               config: tuple[BwdConfig, BwdConfig], varlen: Varlen, window=None):
+               config: tuple[BwdConfig, BwdConfig], varlen: Varlen, window=None, scores: ScoreVariant = PLAIN,
+               dsink=None):
     """The Triton backward on packed sequences (see ``Varlen``): q / out / dout / dq [total_q, Hq, D],
     k / v / dk / dv [total_k, Hkv, D], lse / dlse [Hq, total_q]; the same per-block work as the
-    padded case. dq / dk / dv are those to compute, or None."""
+    padded case. dq / dk / dv are those to compute, or None; ``dsink`` ([Hq] float32) is written
+    when ``scores`` has sinks."""
     total_q, heads_q, head_dim = q.shape
     total_k, heads_k, _ = k.shape
     grads = [t for t in (dq, dk, dv) if t is not None]
     if total_q == 0 or total_k == 0 or heads_q == 0:
         for t in grads:
             t.zero_()                  # no score exists
-        return
+        if scores.sinks is None:
+            return
+        if total_q == 0 or heads_q == 0:
+            dsink.zero_()
+            return
     dkdv_cfg, dq_cfg = config
     # delta and lse2 are per row: the packed rows are one batch entry of total_q rows.
     delta, lse2 = preprocess(dout[None], out[None], lse[None], dlse[None] if dlse is not None else None,
                              total_q, q.dtype == torch.float32)
+    if scores.sinks is not None:
+        sink_grad(scores.sinks, lse.contiguous()[None], delta, total_q, dsink)
+    if total_k == 0:
+        return
 
     def strides(*ts):
         return [(0, *t.stride()[:2]) for t in ts]
     if dk is not None:
         _launch_dkdv(q, k, v, dout, lse2, delta, dk, dv, strides(q, k, v, dout, dk, dv),
                      varlen.batch, heads_q, heads_k, head_dim, total_q, total_k, varlen.max_seqlen_k,
-                     total_q, sm_scale, causal, dkdv_cfg, q.dtype, False, varlen, window)
+                     total_q, sm_scale, causal, dkdv_cfg, q.dtype, False, varlen, window, scores)
     if dq is not None:
         _launch_dq(q, k, v, dout, lse2, delta, dq, strides(q, k, v, dout, dq),
                    varlen.batch, heads_q, heads_k, head_dim, total_q, total_k, varlen.max_seqlen_q,
-                   total_q, sm_scale, causal, dq_cfg, q.dtype, False, varlen, window)
+                   total_q, sm_scale, causal, dq_cfg, q.dtype, False, varlen, window, scores)

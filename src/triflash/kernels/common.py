@@ -42,6 +42,57 @@ class Varlen(NamedTuple):
         return self.cu_seqlens_q.shape[0] - 1
 
 
+class ScoreVariant(NamedTuple):
+    """A call's score variants ([Note: score variants]), validated: ``softcap`` (0: none),
+    ``alibi_slopes`` ([Hq] or [B, Hq] float32, or None), ``sinks`` ([Hq] float32, or None). The
+    kernels take them through ``kernel_args`` (None where a variant is off: no kernel parameter) and
+    ``flags``."""
+    softcap: float = 0.0
+    alibi_slopes: torch.Tensor | None = None
+    sinks: torch.Tensor | None = None
+
+    @property
+    def any(self) -> bool:
+        return self.softcap > 0 or self.alibi_slopes is not None or self.sinks is not None
+
+    @property
+    def transforms_scores(self) -> bool:
+        """Whether the scores themselves change (softcap or ALiBi; a sink only joins the epilogue)."""
+        return self.softcap > 0 or self.alibi_slopes is not None
+
+    def kernel_args(self, sm_scale: float, sinks: bool = True) -> tuple:
+        """(tanh_scale, softcap, ALIBI_SLOPES, stride_ab, stride_ah, SINKS): None where unused. [Hq]
+        slopes get a batch stride of 0. ``sinks=False``: as ``flags``'."""
+        cap = (sm_scale / self.softcap, self.softcap) if self.softcap > 0 else (None, None)
+        a = self.alibi_slopes
+        if a is None:
+            alibi = (None, None, None)
+        elif a.dim() == 1:
+            alibi = (a, 0, a.stride(0))
+        else:
+            alibi = (a, a.stride(0), a.stride(1))
+        return (*cap, *alibi, self.sinks if sinks else None)
+
+    def transform_flags(self) -> dict:
+        """The backward kernels' flags: the sink needs nothing there (the LSE includes it)."""
+        return dict(SOFTCAP=self.softcap > 0, ALIBI=self.alibi_slopes is not None)
+
+    def flags(self, sinks: bool = True) -> dict:
+        """The kernels' constexpr flags (``sinks=False``: the sink is added elsewhere, by the merge)."""
+        return dict(SOFTCAP=self.softcap > 0, ALIBI=self.alibi_slopes is not None,
+                    HAS_SINKS=sinks and self.sinks is not None)
+
+    def fill_empty_lse(self, lse: torch.Tensor) -> None:
+        """lse [B, Hq, S] of rows that see no key: -inf, or with sinks the head's sink."""
+        if self.sinks is None:
+            lse.fill_(float("-inf"))
+        else:
+            lse.copy_(self.sinks[None, :, None].expand(lse.shape))
+
+
+PLAIN = ScoreVariant()
+
+
 def needs_int64_rows(*tensors: torch.Tensor) -> bool:
     """Whether a pointer-loading kernel needs 64-bit row offsets (its ``LONG`` flag) for these
     [..., S, H, D] tensors. The kernels form a (batch, head)'s base offset in int64, but an offset
@@ -181,6 +232,67 @@ def natural_log(x):
         return libdevice.log(x)
     else:
         return tl.log(x)
+
+
+@triton.jit
+def tanh(x):
+    """tanh(x) of fp32 x: libdevice's on the GPU; in the interpreter (no libdevice) the formula
+    sign(x) (1 - e^{-2|x|}) / (1 + e^{-2|x|}) in float64, rounded once to fp32 (no overflow, and no
+    cancellation error near 0 at fp32 precision)."""
+    if LIBDEVICE:
+        return libdevice.tanh(x)
+    else:
+        t = x.to(tl.float64)
+        e = tl.exp(-2.0 * tl.abs(t))
+        th = (1.0 - e) / (1.0 + e)
+        return tl.where(t < 0, -th, th).to(tl.float32)
+
+
+# [Note: score variants] Three optional changes to the scores, each a constexpr flag that compiles
+# its code in only when a call uses it (with every flag off the kernels are the plain ones):
+#
+# * SOFTCAP (Gemma 2, Grok): s = softcap * tanh(sm_scale * qk / softcap), before masking;
+# * ALIBI (BLOOM, MPT): s += -slope * |i + seqlen_k - seqlen_q - j|, after the cap, per sequence;
+# * SINKS (gpt-oss): one more logit per query head in every row's softmax denominator, with no value.
+#
+# The plain kernels keep the row max in raw score units and fold sm_scale * log2(e) into the exp2.
+# With SOFTCAP or ALIBI the scores are no longer a multiple of qk, so ``score_mod`` turns each tile
+# into natural-unit scores s first; the online softmax then runs with scale log2(e) (m in natural
+# units) and the LSE is formed with scale 1. SINKS touches only the epilogue (``add_sink``): the
+# sink joins the running (max, sum) like one more score, the output takes no value from it, and the
+# LSE includes it. The backward recomputes P from that LSE, so P (and dV, dK, dQ) need nothing more
+# for sinks; dsink = -sum over rows of exp(sink - lse) * delta (``backward._sink_grad_kernel``).
+# SOFTCAP's chain rule in the backward: dS_raw = dS * (1 - tanh^2); ALiBi is a constant bias.
+
+
+@triton.jit
+def score_mod(qk, rows, cols, off, sm_scale, tanh_scale, softcap, slope, SOFTCAP: tl.constexpr,
+              ALIBI: tl.constexpr):
+    """Raw scores qk (any 2-D tile) -> (s, t): s the natural-unit scores with the cap and the bias
+    ([Note: score variants]), t = tanh(qk * tanh_scale) for SOFTCAP's chain rule (else qk).
+    rows / cols: query and key positions, broadcast to the tile's orientation; off = seqlen_k -
+    seqlen_q; tanh_scale = sm_scale / softcap; slope: a scalar or a tile-broadcastable column."""
+    if SOFTCAP:
+        t = tanh(qk * tanh_scale)
+        s = softcap * t
+    else:
+        t = qk
+        s = qk * sm_scale
+    if ALIBI:
+        s = s - slope * tl.abs(rows + off - cols).to(tl.float32)
+    return s, t
+
+
+@triton.jit
+def add_sink(acc, l_i, m_i, sink):
+    """Fold a sink logit (natural units; a scalar or one per row) into the final online-softmax state
+    (m_i in natural units): one more term exp(sink - m) in the sum, none in acc. A row that saw no key
+    gets l = 1 at m = sink, so its output is 0 and its LSE the sink. A sink of -inf adds nothing."""
+    m_new = tl.maximum(m_i, sink)
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.math.exp2((m_i - m_safe) * LOG2E_K)
+    l_new = l_i * alpha + tl.math.exp2((sink - m_safe) * LOG2E_K)
+    return acc * alpha[:, None], l_new, m_new
 
 
 @triton.jit

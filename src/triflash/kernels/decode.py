@@ -49,13 +49,18 @@ from .block_ranges import (
 )
 from .common import (
     LOG2E,
+    LOG2E_K,
+    PLAIN,
+    ScoreVariant,
     accumulate_pv,
+    add_sink,
     finish_rows,
     load_kv_tile,
     needs_int64_rows,
     online_softmax_step,
     partial_and_table_strides,
     score_dot,
+    score_mod,
     wide,
 )
 from .configs import DecodeConfig
@@ -117,10 +122,13 @@ def _decode_inner(
     MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
     PRECISE: tl.constexpr, NUM_STAGES: tl.constexpr,
     window_left=0, window_right=0, HAS_LEFT: tl.constexpr = False, HAS_RIGHT: tl.constexpr = False,
+    sm_scale=None, tanh_scale=None, softcap=None, slope=None,
+    SOFTCAP: tl.constexpr = False, ALIBI: tl.constexpr = False,
 ):
     """Fold key blocks [lo, hi) into the online-softmax state. MASKED: keys at or past ``hi`` and
     (causal) keys after a row's diagonal are hidden, or with HAS_LEFT / HAS_RIGHT the keys outside
-    a row's local window; otherwise every key of every block is seen."""
+    a row's local window; otherwise every key of every block is seen. SOFTCAP / ALIBI as in the
+    forward kernel (slope: [BM, 1], each row's head's)."""
     offs_n = tl.arange(0, BLOCK_N)
     d_ok = offs_d < HEAD_DIM                                           # [BD]
     for start_n in tl.range(lo, hi, BLOCK_N, num_stages=NUM_STAGES):
@@ -142,7 +150,12 @@ def _decode_inner(
                                                    window_left, window_right, HAS_LEFT, HAS_RIGHT)
             elif IS_CAUSAL:
                 visible = visible & (cols[None, :] <= offs_i[:, None] + causal_offset)   # [BM, BN]
-        p, m_new, l_i, acc = online_softmax_step(qk, visible, m_i, l_i, acc, qk_scale, MASKED, PRECISE)
+        if SOFTCAP or ALIBI:
+            qk, _ = score_mod(qk, offs_i[:, None], cols[None, :], causal_offset, sm_scale, tanh_scale, softcap,
+                              slope, SOFTCAP, ALIBI)                          # natural units
+            p, m_new, l_i, acc = online_softmax_step(qk, visible, m_i, l_i, acc, LOG2E_K, MASKED, PRECISE)
+        else:
+            p, m_new, l_i, acc = online_softmax_step(qk, visible, m_i, l_i, acc, qk_scale, MASKED, PRECISE)
         # -- V tile [BN, BD] --
         v = load_kv_tile(V + v_off[:, None] + offs_d[None, :], n_ok[:, None], d_ok[None, :],
                          MASKED, BLOCK_D != HEAD_DIM)
@@ -165,17 +178,24 @@ def _decode_kernel(
     heads_kv, seqlen_q, seqlen_k, seqlen_new, num_m_blocks, num_splits,
     sm_scale, qk_scale,                      # qk_scale = sm_scale * log2(e), rounded once on the host
     window_left, window_right,               # HAS_LEFT / HAS_RIGHT: a local window's bounds
+    tanh_scale, softcap,                     # SOFTCAP: sm_scale / softcap, softcap (else None)
+    ALIBI_SLOPES, stride_ab, stride_ah,      # ALIBI: [B, Hq] float32 (stride_ab 0 for [Hq]; else None)
+    SINKS,                                   # HAS_SINKS: [Hq] float32 (else None)
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, PER_PAGE: tl.constexpr, HAS_SEQLENS: tl.constexpr,
     IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr, PRECISE: tl.constexpr,
     NUM_STAGES: tl.constexpr, LONG: tl.constexpr = False,
     HAS_LEFT: tl.constexpr = False, HAS_RIGHT: tl.constexpr = False,
+    SOFTCAP: tl.constexpr = False, ALIBI: tl.constexpr = False, HAS_SINKS: tl.constexpr = False,
 ):
     """SEQLENS: cache_seqlens [B] (the keys attended are cache_seqlens[b] + seqlen_new); without it
     every sequence has seqlen_k keys. BLOCK_TABLE: [B, max_pages] int32 when PAGED. LONG: q's and
     out's row offsets in int64 (``common.needs_int64_rows``; the cache's are always). HAS_LEFT /
-    HAS_RIGHT: a local window (``split_window_range``; IS_CAUSAL is then its right bound of 0)."""
+    HAS_RIGHT: a local window (``split_window_range``; IS_CAUSAL is then its right bound of 0).
+    SOFTCAP / ALIBI / HAS_SINKS: the score variants ([Note: score variants] in common.py), ALiBi per
+    sequence (its own length). HAS_SINKS only with one split: with several, the merge adds the sink
+    once (``merge.merge``'s ``sinks``)."""
     stride_qs, stride_os, stride_lh = wide(stride_qs, LONG), wide(stride_os, LONG), wide(stride_lh, LONG)
     # -- which (batch, kv head, split, M block) this program owns --
     pid_m, split, off_hk, off_b, seqlen = split_program(
@@ -212,27 +232,41 @@ def _decode_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    slope = None
+    if ALIBI:
+        slope = tl.load(ALIBI_SLOPES + off_b * stride_ab + (head0 + offs_g) * stride_ah)[:, None]   # [BM, 1]
     if HAS_LEFT or HAS_RIGHT:
         acc, l_i, m_i = _decode_inner(
             acc, l_i, m_i, q, K, V, BT, k_base, v_base, stride_kb, stride_ks, stride_vb, stride_vs,
             stride_btp, offs_i, offs_d, lo, hi, causal_offset, qk_scale,
             HEAD_DIM, BLOCK_D, BLOCK_N, PAGED, PAGE_SIZE, PER_PAGE, True, IS_CAUSAL, DOT_PRECISION,
-            PRECISE, NUM_STAGES, window_left, window_right, HAS_LEFT, HAS_RIGHT)
+            PRECISE, NUM_STAGES, window_left, window_right, HAS_LEFT, HAS_RIGHT,
+            sm_scale=sm_scale, tanh_scale=tanh_scale, softcap=softcap, slope=slope, SOFTCAP=SOFTCAP, ALIBI=ALIBI)
     else:
         acc, l_i, m_i = _decode_inner(
             acc, l_i, m_i, q, K, V, BT, k_base, v_base, stride_kb, stride_ks, stride_vb, stride_vs,
             stride_btp, offs_i, offs_d, lo, mid, causal_offset, qk_scale,
             HEAD_DIM, BLOCK_D, BLOCK_N, PAGED, PAGE_SIZE, PER_PAGE, False, IS_CAUSAL, DOT_PRECISION,
-            PRECISE, NUM_STAGES)
+            PRECISE, NUM_STAGES,
+            sm_scale=sm_scale, tanh_scale=tanh_scale, softcap=softcap, slope=slope, SOFTCAP=SOFTCAP, ALIBI=ALIBI)
         acc, l_i, m_i = _decode_inner(
             acc, l_i, m_i, q, K, V, BT, k_base, v_base, stride_kb, stride_ks, stride_vb, stride_vs,
             stride_btp, offs_i, offs_d, mid, hi, causal_offset, qk_scale,
             HEAD_DIM, BLOCK_D, BLOCK_N, PAGED, PAGE_SIZE, PER_PAGE, True, IS_CAUSAL, DOT_PRECISION,
-            PRECISE, 1)
+            PRECISE, 1,
+            sm_scale=sm_scale, tanh_scale=tanh_scale, softcap=softcap, slope=slope, SOFTCAP=SOFTCAP, ALIBI=ALIBI)
 
     # -- epilogue: normalise; no visible key (empty split, L = 0, causal rows) -> out 0, lse -inf --
     # fp32 split-KV partials keep their LSE in float64 (the launcher says why).
-    out, lse = finish_rows(acc, l_i, m_i, sm_scale, LSE.dtype.element_ty == tl.float64, PRECISE)
+    if HAS_SINKS:
+        if not (SOFTCAP or ALIBI):
+            m_i = m_i * sm_scale                                       # raw score units -> natural
+        acc, l_i, m_i = add_sink(acc, l_i, m_i, tl.load(SINKS + head0 + offs_g))   # each row's head's
+        out, lse = finish_rows(acc, l_i, m_i, 1.0, LSE.dtype.element_ty == tl.float64, PRECISE)
+    elif SOFTCAP or ALIBI:
+        out, lse = finish_rows(acc, l_i, m_i, 1.0, LSE.dtype.element_ty == tl.float64, PRECISE)
+    else:
+        out, lse = finish_rows(acc, l_i, m_i, sm_scale, LSE.dtype.element_ty == tl.float64, PRECISE)
     heads = head0 + offs_g                                             # [BM] query head of each row
     o_base = split.to(tl.int64) * stride_on + off_b.to(tl.int64) * stride_ob
     o_ptrs = O + o_base + offs_i[:, None] * stride_os + heads[:, None] * stride_oh + offs_d[None, :]
@@ -260,9 +294,10 @@ def partials(q: torch.Tensor, splits: int):
 
 
 def run(q, k_cache, v_cache, o_part, l_part, cache_seqlens, block_table, seqlen_new, sm_scale, causal,
-        config: DecodeConfig, window=None):
+        config: DecodeConfig, window=None, scores: ScoreVariant = PLAIN):
     """The Triton decode kernel on prepared partials (o_part / l_part: the final out
-    and lse with a leading axis when config.num_splits is 1)."""
+    and lse with a leading axis when config.num_splits is 1). ``scores``: the score variants; a
+    sink is added here only with one split (the merge adds it otherwise)."""
     batch, seqlen_q, heads_q, head_dim = q.shape
     heads_kv = k_cache.shape[2]
     group = heads_q // heads_kv
@@ -289,7 +324,7 @@ def run(q, k_cache, v_cache, o_part, l_part, cache_seqlens, block_table, seqlen_
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         *partial_and_table_strides(o_part, l_part, cache_seqlens, block_table),
         heads_kv, seqlen_q, k_cache.shape[1], seqlen_new, num_m_blocks, splits,
-        sm_scale, sm_scale * LOG2E, *window_args,
+        sm_scale, sm_scale * LOG2E, *window_args, *scores.kernel_args(sm_scale, sinks=splits == 1),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=configs.head_dim_block(head_dim),
         BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         PAGED=paged, PAGE_SIZE=page_size, PER_PAGE=per_page, HAS_SEQLENS=has_seqlens,
@@ -299,6 +334,6 @@ def run(q, k_cache, v_cache, o_part, l_part, cache_seqlens, block_table, seqlen_
         # block, an IEEE division at the end).
         PRECISE=q.dtype == torch.float32,
         NUM_STAGES=config.num_stages, LONG=needs_int64_rows(q, o_part),
-        **window_flags,
+        **window_flags, **scores.flags(sinks=splits == 1),
         num_warps=config.num_warps, num_stages=config.num_stages,
     )

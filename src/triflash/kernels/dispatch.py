@@ -17,7 +17,11 @@ Kernel families:
 * merge (``merge_attn_states``): one kernel, ``merge``.
 
 ``variant`` arguments force a family: ``"triton"`` the portable kernels, a Gluon variant name that
-variant (where its inputs allow it), None the rules below. ``force()`` does the same for calls made
+variant (where its inputs allow it), None the rules below.
+
+Score variants (``scores``: softcap, ALiBi, attention sinks; [Note: score variants] in common.py) run
+on the portable Triton kernels only: a call that uses any of them never takes a Gluon kernel, whatever
+``variant`` or ``force()`` says (the Hopper kernels do not have them yet). ``force()`` does the same for calls made
 through the public functions (tests and benchmarks), without replacing any function.
 The measurements behind each rule: docs/performance.md and docs/performance-notes.md.
 """
@@ -34,7 +38,7 @@ from . import configs, launch
 from . import decode as triton_decode
 from . import forward as triton_forward
 from .block_ranges import window_bounds
-from .common import Varlen, last_dim_contiguous, on_input_device
+from .common import PLAIN, ScoreVariant, Varlen, last_dim_contiguous, on_input_device
 from .configs import BwdConfig, DecodeConfig, FwdConfig
 from .merge import merge
 
@@ -119,13 +123,14 @@ def forward_variant(*, head_dim: int, dtype, device, causal: bool, seqlen_q: int
 @on_input_device
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float, causal: bool, *,
             out: torch.Tensor | None = None, config: FwdConfig | None = None, varlen: Varlen | None = None,
-            window: tuple[int, int] | None = None, variant: str | None = None):
+            window: tuple[int, int] | None = None, variant: str | None = None, scores: ScoreVariant = PLAIN):
     """Attention forward on validated [B, S, H, D] views (last stride 1): (out [B, Sq, Hq, D] in q's
     dtype, lse [B, Hq, Sq] float32 natural log). ``out`` may be a preallocated view with last stride
     1 (the [B, H, S, D] API passes a transposed one). ``varlen``: packed sequences, q / out
     [total_q, Hq, D], k / v [total_k, Hkv, D], lse [Hq, total_q]. ``window``: (left, right), -1 for
     no bound on a side. ``config`` forces the Triton kernel with those tiles; ``variant`` as in the
-    module docstring. Packed sequences and windows run on the Triton kernel."""
+    module docstring. Packed sequences, windows and score variants (``scores``) run on the Triton
+    kernel."""
     max_q, max_k = (varlen.max_seqlen_q, varlen.max_seqlen_k) if varlen is not None else (q.shape[1], k.shape[1])
     causal, window = window_bounds(window, causal, max_q, max_k)
     if out is None:
@@ -136,16 +141,16 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float, 
             config = configs.forward_config(head_dim=head_dim, dtype=q.dtype, causal=causal,
                                             batch_heads=varlen.batch * q.shape[1], seqlen_q=varlen.max_seqlen_q,
                                             device=q.device)
-        return triton_forward.run_varlen(q, k, v, out, sm_scale, causal, config, varlen, window)
+        return triton_forward.run_varlen(q, k, v, out, sm_scale, causal, config, varlen, window, scores)
     batch, seqlen_q, heads_q, _ = q.shape
     seqlen_k = k.shape[1]
     if out.numel() == 0 or seqlen_k == 0:
         lse = torch.empty((batch, heads_q, seqlen_q), dtype=torch.float32, device=q.device)
         if out.numel():
             out.zero_()                   # no key at all: every row is empty by definition
-            lse.fill_(float("-inf"))
+            scores.fill_empty_lse(lse)
         return out, lse
-    if config is None and window is None:
+    if config is None and window is None and not scores.any:
         variant = variant or _forced_variant("forward") or forward_variant(
             head_dim=head_dim, dtype=q.dtype, device=q.device, causal=causal, seqlen_q=seqlen_q, seqlen_k=seqlen_k)
         if variant != TRITON and configs.gluon_hopper_applies(head_dim=head_dim, dtype=q.dtype, device=q.device):
@@ -156,7 +161,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float, 
     if config is None:
         config = configs.forward_config(head_dim=head_dim, dtype=q.dtype, causal=causal,
                                         batch_heads=batch * heads_q, seqlen_q=seqlen_q, device=q.device)
-    return triton_forward.run(q, k, v, out, sm_scale, causal, config, window)
+    return triton_forward.run(q, k, v, out, sm_scale, causal, config, window, scores)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -190,7 +195,8 @@ def backward_variant(*, head_dim: int, dtype, device, causal: bool, seqlen_q: in
 def backward(dout, q, k, v, out, lse, sm_scale: float, causal: bool, *, dlse=None,
              dq=None, dk=None, dv=None, need_dq=True, need_dkdv=True,
              config: tuple[BwdConfig, BwdConfig] | None = None, variant: str | None = None,
-             varlen: Varlen | None = None, window: tuple[int, int] | None = None):
+             varlen: Varlen | None = None, window: tuple[int, int] | None = None,
+             scores: ScoreVariant = PLAIN, dsink: torch.Tensor | None = None):
     """Gradients of attention on validated [B, S, H, D] views (last stride 1): (dq, dk, dv), None for
     those not requested (need_dq, need_dkdv). out / lse are what the forward returned; dlse
     (optional, [B, Hq, Sq]) is a gradient on the LSE; dq / dk / dv may be preallocated views.
@@ -198,7 +204,9 @@ def backward(dout, q, k, v, out, lse, sm_scale: float, causal: bool, *, dlse=Non
     (a dK/dV-only Gluon variant takes dQ from the Gluon dQ kernel where
     ``backward_hopper.dq_on_gluon`` says so, else from the Triton one). ``varlen``: packed sequences
     (q / out / dout [total_q, Hq, D], k / v [total_k, Hkv, D], lse / dlse [Hq, total_q]);
-    ``window`` as the forward's. Both run on the Triton kernels."""
+    ``window`` as the forward's. Both run on the Triton kernels, as do score variants (``scores``,
+    the forward's); with sinks, their gradient [Hq] float32 is written into ``dsink`` (allocated
+    by the caller; ``backward._sink_grad_kernel``)."""
     max_q, max_k = (varlen.max_seqlen_q, varlen.max_seqlen_k) if varlen is not None else (q.shape[1], k.shape[1])
     causal, window = window_bounds(window, causal, max_q, max_k)
     dout = last_dim_contiguous(dout)
@@ -213,7 +221,7 @@ def backward(dout, q, k, v, out, lse, sm_scale: float, causal: bool, *, dlse=Non
         if config is None:
             config = configs.backward_config(head_dim=head_dim, dtype=q.dtype, device=q.device)
         triton_backward.run_varlen(dout, q, k, v, out, lse, sm_scale, causal, dlse, dq, dk, dv, config, varlen,
-                                   window)
+                                   window, scores, dsink)
         return dq, dk, dv
     batch, seqlen_q, heads_q, _ = q.shape
     seqlen_k = k.shape[1]
@@ -221,10 +229,16 @@ def backward(dout, q, k, v, out, lse, sm_scale: float, causal: bool, *, dlse=Non
         for t in (dq, dk, dv):            # no score exists, so every gradient is zero
             if t is not None:
                 t.zero_()
+        if scores.sinks is not None:      # rows with no key still have lse = sink
+            if seqlen_q == 0 or batch == 0 or heads_q == 0:
+                dsink.zero_()
+            else:
+                delta, _ = triton_backward.preprocess(dout, out, lse, dlse, seqlen_q, False)
+                triton_backward.sink_grad(scores.sinks, lse.contiguous(), delta, seqlen_q, dsink)
         return dq, dk, dv
 
     hopper = None
-    if config is None and window is None:
+    if config is None and window is None and not scores.any:
         variant = variant or _forced_variant("backward") or backward_variant(
             head_dim=head_dim, dtype=q.dtype, device=q.device, causal=causal, seqlen_q=seqlen_q, seqlen_k=seqlen_k)
         if variant != TRITON and configs.gluon_available():
@@ -240,6 +254,8 @@ def backward(dout, q, k, v, out, lse, sm_scale: float, causal: bool, *, dlse=Non
     # The Hopper kernel reads delta and lse2 in whole tiles: their rows are padded to a tile multiple.
     rows = backward_hopper.padded_rows(seqlen_q) if hopper is not None else seqlen_q
     delta, lse2 = triton_backward.preprocess(dout, out, lse, dlse, rows, precise_p)
+    if scores.sinks is not None:
+        triton_backward.sink_grad(scores.sinks, lse.contiguous(), delta, rows, dsink)
     if hopper is not None and backward_hopper.computes_dq(hopper):
         # The fused kernel computes all three gradients; unrequested ones go to scratch tensors.
         backward_hopper.backward_hopper(
@@ -255,9 +271,10 @@ def backward(dout, q, k, v, out, lse, sm_scale: float, causal: bool, *, dlse=Non
             backward_hopper.dq_hopper(dout, q, k, v, lse2, delta, sm_scale, causal, dq, variant=hopper)
             need_dq = False
     elif need_dkdv:
-        triton_backward.run_dkdv(q, k, v, dout, lse2, delta, dk, dv, sm_scale, causal, dkdv_cfg, rows, window)
+        triton_backward.run_dkdv(q, k, v, dout, lse2, delta, dk, dv, sm_scale, causal, dkdv_cfg, rows, window,
+                                 scores)
     if need_dq:
-        triton_backward.run_dq(q, k, v, dout, lse2, delta, dq, sm_scale, causal, dq_cfg, rows, window)
+        triton_backward.run_dq(q, k, v, dout, lse2, delta, dq, sm_scale, causal, dq_cfg, rows, window, scores)
     return dq, dk, dv
 
 
@@ -269,7 +286,8 @@ def backward(dout, q, k, v, out, lse, sm_scale: float, causal: bool, *, dlse=Non
 def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
            cache_seqlens: torch.Tensor | None, block_table: torch.Tensor | None, seqlen_new: int,
            max_seqlen: int, sm_scale: float, causal: bool, num_splits: int = 0,
-           config: DecodeConfig | None = None, window: tuple[int, int] | None = None):
+           config: DecodeConfig | None = None, window: tuple[int, int] | None = None,
+           scores: ScoreVariant = PLAIN):
     """Decode attention on validated inputs (last stride 1 everywhere, the cache already appended
     to): (out [B, Sq, Hq, D] in q's dtype, lse [B, Hq, Sq] float32 natural log).
 
@@ -277,7 +295,9 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     block_table [B, max_pages] int32; cache_seqlens [B] int32 or None (every sequence S_max long).
     Sequence b attends to cache_seqlens[b] + seqlen_new keys; ``max_seqlen`` bounds that number (the
     split count follows it). ``num_splits`` 0 = choose; ``config`` overrides the chooser entirely.
-    ``window``: (left, right) as the forward's; the Triton kernel runs it.
+    ``window``: (left, right) as the forward's; the Triton kernel runs it, as it does score variants
+    (``scores``, as the forward's). A sink is added once: in the kernel's epilogue with one split,
+    in the merge (as one more part with no value) with several.
     """
     causal, window = window_bounds(window, causal, q.shape[1], max_seqlen)
     batch, seqlen_q, heads_q, head_dim = q.shape
@@ -290,7 +310,7 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     chosen = config is None
     if chosen:
         def gluon_suits():
-            if window is not None or not configs.gluon_available():
+            if window is not None or scores.any or not configs.gluon_available():
                 return False
             from . import decode_hopper
             return decode_hopper.supported(q, k_cache, v_cache, block_table)
@@ -312,17 +332,19 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     if config.kernel == "gluon":
         from . import decode_hopper
         # The chooser takes it only where gluon_suits() held; a config the caller gave is checked.
-        if not chosen and (window is not None or not decode_hopper.supported(q, k_cache, v_cache, block_table)):
+        if not chosen and (window is not None or scores.any
+                           or not decode_hopper.supported(q, k_cache, v_cache, block_table)):
             raise ValueError("DecodeConfig(kernel='gluon') takes fp16/bf16 inputs on an sm_90 GPU, head_dim "
                              "64 or 128, TMA-compatible caches and (paged) a power-of-two page size of at "
-                             f"least {decode_hopper.MIN_BOX}, and no window; got q {q.dtype} {tuple(q.shape)} "
+                             f"least {decode_hopper.MIN_BOX}, no window and no softcap, ALiBi or sinks; got "
+                             f"q {q.dtype} {tuple(q.shape)} "
                              f"on {q.device}, k_cache {tuple(k_cache.shape)} strides {k_cache.stride()}")
         decode_hopper.decode_hopper(q, k_cache, v_cache, o_part, l_part, cache_seqlens, block_table,
                                     seqlen_new, sm_scale, causal, block_n=config.block_n,
                                     stages=config.num_stages, num_splits=splits)
     else:
         triton_decode.run(q, k_cache, v_cache, o_part, l_part, cache_seqlens, block_table, seqlen_new,
-                          sm_scale, causal, config, window)
+                          sm_scale, causal, config, window, scores)
     if splits > 1:
-        merge(o_part, l_part, out=out, lse=lse)
+        merge(o_part, l_part, out=out, lse=lse, sinks=scores.sinks)
     return out, lse

@@ -42,11 +42,16 @@ from .block_ranges import (
 )
 from .common import (
     LOG2E,
+    LOG2E_K,
+    PLAIN,
+    ScoreVariant,
     Varlen,
+    add_sink,
     finish_rows,
     load_kv_tile,
     needs_int64_rows,
     online_softmax_step,
+    score_mod,
     wide,
 )
 from .configs import FwdConfig
@@ -64,9 +69,13 @@ def _fwd_inner(
     MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, TMA: tl.constexpr,
     DOT_PRECISION: tl.constexpr, PRECISE: tl.constexpr,
     window_left=0, window_right=0, HAS_LEFT: tl.constexpr = False, HAS_RIGHT: tl.constexpr = False,
+    sm_scale=None, tanh_scale=None, softcap=None, slope=None,
+    SOFTCAP: tl.constexpr = False, ALIBI: tl.constexpr = False,
 ):
     """Fold key blocks [lo, hi) into the online-softmax state. MASKED selects the on-band version;
-    HAS_LEFT / HAS_RIGHT: its mask is a local window's (common.window_visible) instead of causal's."""
+    HAS_LEFT / HAS_RIGHT: its mask is a local window's (common.window_visible) instead of causal's.
+    SOFTCAP / ALIBI: the scores are transformed first ([Note: score variants] in common.py); m_i is
+    then in natural units."""
     offs_n = tl.arange(0, BLOCK_N)
     d_ok = offs_d < HEAD_DIM                                           # [BD]
     for start_n in range(lo, hi, BLOCK_N):
@@ -92,7 +101,13 @@ def _fwd_inner(
                                                    window_left, window_right, HAS_LEFT, HAS_RIGHT)  # [BM, BN]
             elif IS_CAUSAL:
                 visible = visible & (cols[None, :] <= offs_m[:, None] + causal_offset)  # [BM, BN]
-        p, m_new, l_i, acc = online_softmax_step(qk, visible, m_i, l_i, acc, qk_scale, MASKED, PRECISE)
+        if SOFTCAP or ALIBI:
+            # Natural-unit scores (capped, biased): the exp2 then takes log2(e) as its scale.
+            qk, _ = score_mod(qk, offs_m[:, None], cols[None, :], causal_offset, sm_scale, tanh_scale,
+                              softcap, slope, SOFTCAP, ALIBI)                # [BM, BN]
+            p, m_new, l_i, acc = online_softmax_step(qk, visible, m_i, l_i, acc, LOG2E_K, MASKED, PRECISE)
+        else:
+            p, m_new, l_i, acc = online_softmax_step(qk, visible, m_i, l_i, acc, qk_scale, MASKED, PRECISE)
         # -- V tile [BN, BD] --
         if TMA:
             v = V.load([off_b, start_n, off_hk, 0]).reshape(BLOCK_N, BLOCK_D)
@@ -116,11 +131,15 @@ def _attn_fwd_kernel(
     sm_scale, qk_scale,                      # qk_scale = sm_scale * log2(e), rounded once on the host
     CU_Q, CU_K,                              # VARLEN: [B + 1] int32 first row of each sequence
     window_left, window_right,               # HAS_LEFT / HAS_RIGHT: a local window's bounds
+    tanh_scale, softcap,                     # SOFTCAP: sm_scale / softcap, softcap (else None)
+    ALIBI_SLOPES, stride_ab, stride_ah,      # ALIBI: [B, Hq] float32 (stride_ab 0 for [Hq]; else None)
+    SINKS,                                   # HAS_SINKS: [Hq] float32 (else None)
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_CAUSAL: tl.constexpr, TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, PRECISE: tl.constexpr,
     VARLEN: tl.constexpr = False, LONG: tl.constexpr = False,
     HAS_LEFT: tl.constexpr = False, HAS_RIGHT: tl.constexpr = False,
+    SOFTCAP: tl.constexpr = False, ALIBI: tl.constexpr = False, HAS_SINKS: tl.constexpr = False,
 ):
     """TMA selects how tiles move: False, pointer loads/stores (any GPU, the interpreter); True, 4-D
     [B, S, H, D] tensor descriptors built on the host (Q, K, V, O are then descriptors, not
@@ -138,7 +157,10 @@ def _attn_fwd_kernel(
     HAS_LEFT / HAS_RIGHT (a local, "sliding" window; IS_CAUSAL is then ignored, causal being
     window_right = 0): row i sees key j when i + off - window_left <= j <= i + off + window_right,
     off = seqlen_k - seqlen_q. The keys split in three ranges (``common.window_key_range``): masked
-    blocks at the window's left edge, whole blocks every row sees, masked blocks at its right edge."""
+    blocks at the window's left edge, whole blocks every row sees, masked blocks at its right edge.
+
+    SOFTCAP / ALIBI / HAS_SINKS: the score variants ([Note: score variants] in common.py). Their
+    arguments are None (no kernel parameter) when the flag is off, so the plain kernel is unchanged."""
     tl.static_assert(not (VARLEN and TMA), "packed sequences take pointer loads")
     stride_qs, stride_ks = wide(stride_qs, LONG), wide(stride_ks, LONG)
     stride_vs, stride_os = wide(stride_vs, LONG), wide(stride_os, LONG)
@@ -190,6 +212,10 @@ def _attn_fwd_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
+    slope = None
+    if ALIBI:
+        slope = tl.load(ALIBI_SLOPES + off_b * stride_ab + off_h * stride_ah)     # this head's (and sequence's)
+
     # -- key range of this query block: unmasked off-band blocks, then masked on-band blocks --
     causal_offset = seqlen_k - seqlen_q
     if HAS_LEFT or HAS_RIGHT:
@@ -200,29 +226,42 @@ def _attn_fwd_kernel(
             acc, l_i, m_i, q, K, V, off_b, off_hk, stride_ks, stride_vs,
             offs_m, offs_d, lo, mid_lo, seqlen_k, causal_offset, qk_scale,
             HEAD_DIM, BLOCK_D, BLOCK_N, True, IS_CAUSAL, TMA, DOT_PRECISION, PRECISE,
-            window_left, window_right, HAS_LEFT, HAS_RIGHT)
+            window_left, window_right, HAS_LEFT, HAS_RIGHT,
+            sm_scale=sm_scale, tanh_scale=tanh_scale, softcap=softcap, slope=slope, SOFTCAP=SOFTCAP, ALIBI=ALIBI)
         acc, l_i, m_i = _fwd_inner(
             acc, l_i, m_i, q, K, V, off_b, off_hk, stride_ks, stride_vs,
             offs_m, offs_d, mid_lo, mid_hi, seqlen_k, causal_offset, qk_scale,
-            HEAD_DIM, BLOCK_D, BLOCK_N, False, IS_CAUSAL, TMA, DOT_PRECISION, PRECISE)
+            HEAD_DIM, BLOCK_D, BLOCK_N, False, IS_CAUSAL, TMA, DOT_PRECISION, PRECISE,
+            sm_scale=sm_scale, tanh_scale=tanh_scale, softcap=softcap, slope=slope, SOFTCAP=SOFTCAP, ALIBI=ALIBI)
         acc, l_i, m_i = _fwd_inner(
             acc, l_i, m_i, q, K, V, off_b, off_hk, stride_ks, stride_vs,
             offs_m, offs_d, mid_hi, hi, seqlen_k, causal_offset, qk_scale,
             HEAD_DIM, BLOCK_D, BLOCK_N, True, IS_CAUSAL, TMA, DOT_PRECISION, PRECISE,
-            window_left, window_right, HAS_LEFT, HAS_RIGHT)
+            window_left, window_right, HAS_LEFT, HAS_RIGHT,
+            sm_scale=sm_scale, tanh_scale=tanh_scale, softcap=softcap, slope=slope, SOFTCAP=SOFTCAP, ALIBI=ALIBI)
     else:
         off_band_end, hi = causal_key_range(start_m, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, IS_CAUSAL)
         acc, l_i, m_i = _fwd_inner(
             acc, l_i, m_i, q, K, V, off_b, off_hk, stride_ks, stride_vs,
             offs_m, offs_d, 0, off_band_end, seqlen_k, causal_offset, qk_scale,
-            HEAD_DIM, BLOCK_D, BLOCK_N, False, IS_CAUSAL, TMA, DOT_PRECISION, PRECISE)
+            HEAD_DIM, BLOCK_D, BLOCK_N, False, IS_CAUSAL, TMA, DOT_PRECISION, PRECISE,
+            sm_scale=sm_scale, tanh_scale=tanh_scale, softcap=softcap, slope=slope, SOFTCAP=SOFTCAP, ALIBI=ALIBI)
         acc, l_i, m_i = _fwd_inner(
             acc, l_i, m_i, q, K, V, off_b, off_hk, stride_ks, stride_vs,
             offs_m, offs_d, off_band_end, hi, seqlen_k, causal_offset, qk_scale,
-            HEAD_DIM, BLOCK_D, BLOCK_N, True, IS_CAUSAL, TMA, DOT_PRECISION, PRECISE)
+            HEAD_DIM, BLOCK_D, BLOCK_N, True, IS_CAUSAL, TMA, DOT_PRECISION, PRECISE,
+            sm_scale=sm_scale, tanh_scale=tanh_scale, softcap=softcap, slope=slope, SOFTCAP=SOFTCAP, ALIBI=ALIBI)
 
-    # -- epilogue: normalise; a row that saw no key gets out = 0 and lse = -inf --
-    out, lse = finish_rows(acc, l_i, m_i, sm_scale)
+    # -- epilogue: normalise; a row that saw no key gets out = 0 and lse = -inf (with a sink: the sink) --
+    if HAS_SINKS:
+        if not (SOFTCAP or ALIBI):
+            m_i = m_i * sm_scale                                     # raw score units -> natural
+        acc, l_i, m_i = add_sink(acc, l_i, m_i, tl.load(SINKS + off_h))
+        out, lse = finish_rows(acc, l_i, m_i, 1.0)
+    elif SOFTCAP or ALIBI:
+        out, lse = finish_rows(acc, l_i, m_i, 1.0)                   # m_i is in natural units
+    else:
+        out, lse = finish_rows(acc, l_i, m_i, sm_scale)
     if VARLEN:
         lse_ptrs = LSE + lse_base + offs_m
     else:
@@ -240,7 +279,7 @@ def _attn_fwd_kernel(
 # --------------------------------------------------------------------------------------------------
 
 def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, sm_scale: float, causal: bool,
-        config: FwdConfig, window: tuple[int, int] | None = None):
+        config: FwdConfig, window: tuple[int, int] | None = None, scores: ScoreVariant = PLAIN):
     """The Triton forward on [B, S, H, D] views (last stride 1) with at least one query and one key
     (``dispatch.forward`` chooses the kernel and config and handles empty inputs). Writes ``out``;
     returns (out, lse [B, Hq, Sq] float32 natural log). ``window``: ``window_bounds``' form."""
@@ -255,13 +294,13 @@ def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, sm
         K, V = host_descriptors(config.block_n, block_d, k, v)
     _launch(Q, K, V, O, lse, q.stride()[:3], k.stride()[:3], v.stride()[:3], out.stride()[:3],
             batch, heads_q, heads_k, head_dim, seqlen_q, seqlen_k, seqlen_q, sm_scale, causal, config,
-            q.dtype, tma, window=window)
+            q.dtype, tma, window=window, scores=scores)
     return out, lse
 
 
 def _launch(Q, K, V, O, lse, q_strides, k_strides, v_strides, o_strides, batch, heads_q, heads_k,
             head_dim, seqlen_q, seqlen_k, max_seqlen_q, sm_scale, causal, config, dtype, tma, varlen=None,
-            window=None):
+            window=None, scores: ScoreVariant = PLAIN):
     """One launch of ``_attn_fwd_kernel``: a program per (batch, query head, query block of the
     longest sequence)."""
     num_m_blocks = configs.cdiv(max_seqlen_q, config.block_m)
@@ -275,7 +314,7 @@ def _launch(Q, K, V, O, lse, q_strides, k_strides, v_strides, o_strides, batch, 
         sm_scale, sm_scale * LOG2E,
         varlen.cu_seqlens_q if varlen is not None else None,
         varlen.cu_seqlens_k if varlen is not None else None,
-        *window_args,
+        *window_args, *scores.kernel_args(sm_scale),
         HEAD_DIM=head_dim, BLOCK_D=configs.head_dim_block(head_dim),
         BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         IS_CAUSAL=causal, TMA=tma,
@@ -284,12 +323,13 @@ def _launch(Q, K, V, O, lse, q_strides, k_strides, v_strides, o_strides, batch, 
         # fp32: the softmax's largest score gets p = 1 exactly (see online_softmax_step).
         PRECISE=dtype == torch.float32,
         VARLEN=varlen is not None, LONG=needs_int64_rows(Q, K, V, O),
-        **window_flags,
+        **window_flags, **scores.flags(),
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
 
 
-def run_varlen(q, k, v, out, sm_scale, causal, config: FwdConfig, varlen: Varlen, window=None):
+def run_varlen(q, k, v, out, sm_scale, causal, config: FwdConfig, varlen: Varlen, window=None,
+               scores: ScoreVariant = PLAIN):
     """The Triton forward on packed sequences (see ``Varlen``): q / out [total_q, Hq, D], k / v
     [total_k, Hkv, D]; returns (out, lse [Hq, total_q]). Pointer loads: a tile descriptor would
     read across a sequence's end. Handles empty inputs itself."""
@@ -300,10 +340,10 @@ def run_varlen(q, k, v, out, sm_scale, causal, config: FwdConfig, varlen: Varlen
         return out, lse
     if total_k == 0:
         out.zero_()                    # no key in any sequence: every row is empty
-        lse.fill_(float("-inf"))
+        scores.fill_empty_lse(lse.unsqueeze(0))
         return out, lse
     # Batch strides 0: the sequence's first row comes from cu_seqlens.
     _launch(q, k, v, out, lse, (0, *q.stride()[:2]), (0, *k.stride()[:2]), (0, *v.stride()[:2]),
             (0, *out.stride()[:2]), varlen.batch, heads_q, heads_k, head_dim, total_q, total_k,
-            varlen.max_seqlen_q, sm_scale, causal, config, q.dtype, False, varlen, window)
+            varlen.max_seqlen_q, sm_scale, causal, config, q.dtype, False, varlen, window, scores)
     return out, lse

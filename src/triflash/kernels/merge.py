@@ -40,10 +40,14 @@ def _merge_kernel(
     stride_ob, stride_os, stride_oh,                 # O [B, S, H, D]
     stride_lb, stride_lh, stride_ls,                 # LSE [B, H, S]
     num_parts, seqlen, heads, num_rows,
+    SINKS,                                           # HAS_SINKS: [H] float32 (else None)
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
+    HAS_SINKS: tl.constexpr = False,
 ):
     """One program: BLOCK_R rows, all N parts, BLOCK_P parts per step ([BR, BP, BD] tiles, so that
-    even a handful of rows with many parts (split-KV decode at batch 1) keeps many loads in flight)."""
+    even a handful of rows with many parts (split-KV decode at batch 1) keeps many loads in flight).
+    HAS_SINKS (split-KV decode with attention sinks): each head's sink joins as one more part whose
+    output is 0 (a logit in the denominator only), so it is counted exactly once."""
     pid = tl.program_id(0)
     rows = pid.to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)         # [BR] flattened (b, s, h)
     r_ok = rows < num_rows
@@ -66,6 +70,9 @@ def _merge_kernel(
         lse_p = tl.load(lse_ptrs, mask=r_ok[:, None] & (parts[None, :] < num_parts),
                         other=float("-inf"))                           # [BR, BP]
         m = tl.maximum(m, tl.max(lse_p, 1))
+    if HAS_SINKS:
+        sink = tl.load(SINKS + off_h, mask=r_ok, other=float("-inf")).to(m.dtype)     # [BR]
+        m = tl.maximum(m, sink)
     # Rows with every part empty keep m = -inf: subtract 0 so their weights are exp2(-inf) = 0.
     m_safe = tl.where(m == float("-inf"), 0.0, m)
 
@@ -86,6 +93,9 @@ def _merge_kernel(
         acc += tl.sum(w[:, :, None] * o_p.to(tl.float32), 1)
         total += tl.sum(w, 1)
 
+    if HAS_SINKS:
+        total += tl.math.exp2((sink - m_safe).to(tl.float32) * LOG2E_K)
+
     # -- epilogue --
     empty = total == 0.0
     t_safe = tl.where(empty, 1.0, total)
@@ -102,12 +112,13 @@ def _merge_kernel(
 
 @on_input_device
 def merge(out_partials: torch.Tensor, lse_partials: torch.Tensor, out: torch.Tensor | None = None,
-          lse: torch.Tensor | None = None):
+          lse: torch.Tensor | None = None, sinks: torch.Tensor | None = None):
     """Launch the merge on validated tensors: out_partials [N, B, S, H, D] (last stride 1),
     lse_partials [N, B, H, S] float32 (or float64: split-KV decode in fp32 keeps its partial LSEs
     there). ``out`` [B, S, H, D] (last stride 1; default: new, in
     out_partials' dtype) and ``lse`` [B, H, S] float32 may be given to write into.
-    Returns (out, lse)."""
+    ``sinks`` ([H] float32, contiguous): attention sinks added once to every row's sum (split-KV
+    decode's partials carry none). Returns (out, lse)."""
     num_parts, batch, seqlen, heads, head_dim = out_partials.shape
     if out is None:
         out = torch.empty(out_partials.shape[1:], dtype=out_partials.dtype, device=out_partials.device)
@@ -127,8 +138,8 @@ def merge(out_partials: torch.Tensor, lse_partials: torch.Tensor, out: torch.Ten
         lse_partials.stride(0), lse_partials.stride(1), lse_partials.stride(2), lse_partials.stride(3),
         out.stride(0), out.stride(1), out.stride(2),
         lse.stride(0), lse.stride(1), lse.stride(2),
-        num_parts, seqlen, heads, num_rows,
-        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_R=block_r, BLOCK_P=block_p,
+        num_parts, seqlen, heads, num_rows, sinks,
+        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_R=block_r, BLOCK_P=block_p, HAS_SINKS=sinks is not None,
         num_warps=num_warps,
     )
     return out, lse

@@ -1,0 +1,369 @@
+"""Score variants: logit soft-capping (``softcap``), ALiBi (``alibi_slopes``) and attention sinks
+(``sinks``) in flash_attn_func, attention, flash_attn_varlen_func and flash_attn_with_kvcache, forward
+and backward, against the float64 reference with the same variants (helpers' 2x / 3x rules; dsink
+against autograd through the reference). They run on the portable Triton kernels on every GPU
+([Note: score variants] in kernels/common.py). The matrix crosses each variant, and all three
+together, with causal, windows, GQA, Sq != Sk, rows that see no key and the three dtypes; the
+interpreter's tiles (64 x 32) are crossed by these sizes."""
+
+import pytest
+import torch
+from conftest import DTYPES, ON_GPU
+from helpers import (
+    DTYPE_ID,
+    FLOOR,
+    LSE_FLOOR,
+    assert_2x_rule,
+    assert_no_nan,
+    assert_raises_naming,
+    make_qkv,
+    max_err,
+    relative,
+)
+
+import triflash
+from triflash.reference import flash_attn_ref, kvcache_ref
+
+HEADS_Q, HEADS_KV = 4, 2
+
+
+def _variant(name, device, batch=2, heads=HEADS_Q):
+    """The keyword arguments of one variant case: "softcap", "alibi" ([H] slopes), "alibi2" ([B, H]),
+    "sinks", or "all" (the three together)."""
+    slopes = torch.rand(heads, device=device) * 0.5
+    slopes2 = torch.rand(batch, heads, device=device) * 0.5
+    sinks = torch.randn(heads, device=device) * 2
+    return {"softcap": dict(softcap=3.0), "alibi": dict(alibi_slopes=slopes),
+            "alibi2": dict(alibi_slopes=slopes2), "sinks": dict(sinks=sinks),
+            "all": dict(softcap=5.0, alibi_slopes=slopes2, sinks=sinks)}[name]
+
+
+def _check_forward(out, lse, q, k, v, **kwargs):
+    ref, ref_lse = flash_attn_ref(q, k, v, return_lse=True, **kwargs)
+    same, same_lse = flash_attn_ref(q, k, v, compute_dtype=None, return_lse=True, **kwargs)
+    assert_2x_rule("out", out, ref, same, q.dtype)
+    assert_2x_rule("lse", lse, ref_lse, same_lse, q.dtype, LSE_FLOOR, relative_floor=True)
+
+
+def _ref_grads(q, k, v, dout, dlse, compute_dtype, sinks=None, **kwargs):
+    leaves = [t.detach().to(compute_dtype or t.dtype).requires_grad_() for t in (q, k, v)]
+    sink_leaf = None
+    if sinks is not None:
+        sink_leaf = sinks.detach().to(compute_dtype or torch.float32).requires_grad_()
+        leaves.append(sink_leaf)
+    out, lse = flash_attn_ref(*leaves[:3], compute_dtype=compute_dtype, return_lse=True, sinks=sink_leaf, **kwargs)
+    loss = (out * dout.to(out.dtype)).sum() + (lse * dlse.to(lse.dtype)).sum()
+    return torch.autograd.grad(loss, leaves)
+
+
+def _check_backward(grads, q, k, v, dout, dlse, **kwargs):
+    """dq, dk, dv (and dsink) within 3x PyTorch's own same-dtype error against float64, plus a floor
+    relative to the largest reference gradient (helpers.assert_grads_3x's rule)."""
+    ref = _ref_grads(q, k, v, dout, dlse, torch.float64, **kwargs)
+    same = _ref_grads(q, k, v, dout, dlse, None, **kwargs)
+    floor = relative(FLOOR[q.dtype], torch.cat([r.flatten() for r in ref]))
+    for name, g, r, s in zip(("dq", "dk", "dv", "dsink"), grads, ref, same):
+        assert g is not None and g.shape == r.shape, name
+        assert_no_nan(name, g)
+        err, base = max_err(g, r), max_err(s, r)
+        assert err <= 3 * base + floor, (
+            f"{name}: max error {err:.3e} > 3 x PyTorch same-dtype error {base:.3e} + floor {floor:.1e}")
+
+
+# (Sq, Sk, causal, window): plain, causal with Sq < Sk, causal with Sq > Sk (rows that see no key),
+# a local window, one query against many keys.
+SHAPES = [(37, 70, False, (-1, -1)), (37, 70, True, (-1, -1)), (70, 37, True, (-1, -1)),
+          (64, 96, False, (20, 5)), (1, 50, False, (-1, -1))]
+VARIANTS = ["softcap", "alibi", "alibi2", "sinks", "all"]
+
+
+def _cases():
+    cases = []
+    for i, (name, (sq, sk, causal, window)) in enumerate((n, s) for n in VARIANTS for s in SHAPES):
+        dtypes = DTYPES if ON_GPU else [DTYPES[i % len(DTYPES)]]
+        for dtype in dtypes:
+            cases.append(pytest.param(name, sq, sk, causal, window, dtype,
+                                      id=f"{name}-Sq{sq}-Sk{sk}-{'causal' if causal else 'full'}"
+                                         f"-w{window[0]}_{window[1]}-{DTYPE_ID[dtype]}"))
+    return cases
+
+
+@pytest.mark.parametrize("name,seqlen_q,seqlen_k,causal,window,dtype", _cases())
+def test_variant_forward_and_backward(device, name, seqlen_q, seqlen_k, causal, window, dtype):
+    q, k, v = make_qkv(2, seqlen_q, seqlen_k, HEADS_Q, HEADS_KV, 32, dtype, device, requires_grad=True)
+    kwargs = _variant(name, device)
+    sinks = kwargs.pop("sinks", None)
+    if sinks is not None:
+        sinks.requires_grad_()
+    out, lse = triflash.flash_attn_func(q, k, v, causal=causal, window_size=window, return_lse=True, sinks=sinks,
+                                        **kwargs)
+    _check_forward(out, lse, q, k, v, causal=causal, window_size=window, sinks=sinks, **kwargs)
+    dout, dlse = torch.randn_like(out), torch.randn_like(lse)
+    leaves = (q, k, v) if sinks is None else (q, k, v, sinks)
+    grads = torch.autograd.grad((out, lse), leaves, (dout, dlse))
+    _check_backward(grads, q, k, v, dout, dlse, causal=causal, window_size=window, sinks=sinks, **kwargs)
+
+
+def test_rows_that_see_no_key(device):
+    """A row that sees no key: with a sink its output is 0 and its lse the sink (its dsink share is
+    dlse); without, 0 and -inf. Causal with more queries than keys, and no keys at all."""
+    sinks = torch.randn(HEADS_Q, device=device, requires_grad=True)
+    q, k, v = make_qkv(1, 40, 8, HEADS_Q, HEADS_KV, 16, torch.float16, device, requires_grad=True)
+    out, lse = triflash.flash_attn_func(q, k, v, causal=True, sinks=sinks, softcap=2.0, return_lse=True)
+    empty = slice(0, 40 - 8)                                        # rows 0 .. 31 see no key
+    assert torch.equal(out[:, empty], torch.zeros_like(out[:, empty]))
+    assert torch.equal(lse[:, :, empty], sinks.detach()[None, :, None].expand(1, HEADS_Q, 32))
+    dlse = torch.randn_like(lse)
+    dsink, = torch.autograd.grad(lse, sinks, dlse)
+    ref = _ref_grads(q, k, v, torch.zeros_like(out), dlse, torch.float64, sinks=sinks, causal=True, softcap=2.0)
+    assert max_err(dsink, ref[3]) <= 1e-5 * max(1.0, ref[3].abs().max().item())
+
+    no_keys = k[:, :0], v[:, :0]
+    out, lse = triflash.flash_attn_func(q, *no_keys, sinks=sinks, return_lse=True)
+    assert torch.equal(out, torch.zeros_like(out))
+    assert torch.equal(lse, sinks.detach()[None, :, None].expand_as(lse))
+    dsink, = torch.autograd.grad(lse, sinks, dlse)
+    torch.testing.assert_close(dsink, dlse.sum((0, 2)))
+    out, lse = triflash.flash_attn_func(q, *no_keys, softcap=2.0, return_lse=True)
+    assert torch.equal(out, torch.zeros_like(out)) and bool(torch.isneginf(lse).all())
+
+
+def test_seeds_layout_gives_the_same_bits(device):
+    q, k, v = make_qkv(2, 33, 47, HEADS_Q, HEADS_KV, 32, torch.float16, device)
+    kwargs = _variant("all", device)
+    out = triflash.flash_attn_func(q, k, v, causal=True, **kwargs)
+    out_bhsd = triflash.attention(*(t.transpose(1, 2) for t in (q, k, v)), causal=True, **kwargs)
+    assert torch.equal(out_bhsd, out.transpose(1, 2))
+
+
+def test_no_variant_is_the_plain_call(device):
+    """softcap=0.0 and None slopes / sinks are the plain call (the same bits), and the plain kernels
+    get no variant argument at all: every variant argument is None (no kernel parameter) and every
+    flag False, so their compiled code is the code without variants."""
+    from triflash.kernels.common import PLAIN
+
+    assert all(a is None for a in PLAIN.kernel_args(0.125))
+    assert not any(PLAIN.flags().values()) and not any(PLAIN.transform_flags().values())
+    q, k, v = make_qkv(1, 40, 40, 2, 1, 32, torch.float16, device)
+    assert torch.equal(triflash.flash_attn_func(q, k, v, causal=True),
+                       triflash.flash_attn_func(q, k, v, causal=True, softcap=0.0, alibi_slopes=None, sinks=None))
+
+
+def test_variants_on_packed_sequences(device):
+    """flash_attn_varlen_func: ALiBi per sequence ([B, H] slopes, each sequence's own lengths), sinks
+    and softcap; every sequence against the dense reference, dsink summed over the sequences."""
+    lengths = [(30, 45), (0, 5), (17, 9), (6, 0)]
+    lq, lk = zip(*lengths)
+    cu = [torch.tensor([0] + torch.tensor(x).cumsum(0).tolist(), dtype=torch.int32, device=device) for x in (lq, lk)]
+    dtype = torch.bfloat16
+    q = torch.randn(sum(lq), HEADS_Q, 32, dtype=dtype, device=device, requires_grad=True)
+    k = torch.randn(sum(lk), HEADS_KV, 32, dtype=dtype, device=device, requires_grad=True)
+    v = torch.randn(sum(lk), HEADS_KV, 32, dtype=dtype, device=device, requires_grad=True)
+    kwargs = _variant("all", device, batch=len(lengths))
+    sinks = kwargs.pop("sinks").requires_grad_()
+    out, lse = triflash.flash_attn_varlen_func(q, k, v, *cu, max(lq), max(lk), causal=True, return_lse=True,
+                                               sinks=sinks, **kwargs)
+    dout, dlse = torch.randn_like(out), torch.randn_like(lse)
+    grads = torch.autograd.grad((out, lse), (q, k, v, sinks), (dout, dlse))
+    dsink_ref = torch.zeros(HEADS_Q, dtype=torch.float64, device=device)
+    for b in range(len(lengths)):
+        rows, keys = slice(cu[0][b], cu[0][b + 1]), slice(cu[1][b], cu[1][b + 1])
+        if lq[b] == 0:
+            continue
+        seq = dict(kwargs, alibi_slopes=kwargs["alibi_slopes"][b:b + 1])
+        qb, kb, vb = q[None, rows], k[None, keys], v[None, keys]
+        _check_forward(out[None, rows], lse[None, :, rows], qb, kb, vb, causal=True, sinks=sinks, **seq)
+        ref = _ref_grads(qb, kb, vb, dout[None, rows], dlse[None, :, rows], torch.float64, sinks=sinks,
+                         causal=True, **seq)
+        dsink_ref += ref[3]
+        if lk[b]:
+            _check_backward((grads[0][None, rows], grads[1][None, keys], grads[2][None, keys]), qb, kb, vb,
+                            dout[None, rows], dlse[None, :, rows], causal=True, sinks=sinks, **seq)
+    assert max_err(grads[3], dsink_ref) <= 1e-2 * max(1.0, dsink_ref.abs().max().item())
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
+def test_variants_in_paged_decode(device, dtype, num_splits):
+    """flash_attn_with_kvcache over a paged cache with an append, causal, every variant at once:
+    against the reference, with one split (the sink in the kernel) and three (the sink in the merge,
+    once). A sequence of length 0 gets out 0 and lse = sink."""
+    batch, page, pages = 3, 16, 24
+    k_cache = torch.randn(pages, page, HEADS_KV, 32, dtype=dtype, device=device)
+    v_cache = torch.randn(pages, page, HEADS_KV, 32, dtype=dtype, device=device)
+    block_table = torch.randperm(pages, device=device)[:batch * 8].reshape(batch, 8).to(torch.int32)
+    cache_seqlens = torch.tensor([100, 0, 37], dtype=torch.int32, device=device)
+    q = torch.randn(batch, 2, HEADS_Q, 32, dtype=dtype, device=device)
+    k_new = torch.randn(batch, 2, HEADS_KV, 32, dtype=dtype, device=device)
+    v_new = torch.randn(batch, 2, HEADS_KV, 32, dtype=dtype, device=device)
+    kwargs = _variant("all", device, batch=batch)
+    ref_args = (q, k_cache.clone(), v_cache.clone(), k_new, v_new, cache_seqlens, block_table)
+    out, lse = triflash.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens, block_table,
+                                                causal=True, num_splits=num_splits, return_lse=True, **kwargs)
+    ref, ref_lse = kvcache_ref(*ref_args, causal=True, return_lse=True, **kwargs)
+    same, same_lse = kvcache_ref(*ref_args, causal=True, return_lse=True, compute_dtype=None, **kwargs)
+    assert_2x_rule("out", out, ref, same, dtype)
+    assert_2x_rule("lse", lse, ref_lse, same_lse, dtype, LSE_FLOOR, relative_floor=True)
+    empty = triflash.flash_attn_with_kvcache(q[1:2], k_cache, v_cache, cache_seqlens=0, block_table=block_table[1:2],
+                                             num_splits=num_splits, return_lse=True, sinks=kwargs["sinks"])
+    assert torch.equal(empty[0], torch.zeros_like(empty[0]))
+    assert torch.equal(empty[1], kwargs["sinks"][None, :, None].expand(1, HEADS_Q, 2))
+
+
+def test_split_count_of_the_decode_check(device, monkeypatch):
+    """The decode test's three splits are three (the merge then adds the sink)."""
+    from triflash.kernels import dispatch
+
+    seen = []
+    real = dispatch.merge
+
+    def merge(*args, **kwargs):
+        seen.append((args[0].shape[0], kwargs.get("sinks") is not None))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(dispatch, "merge", merge)
+    k_cache = torch.randn(1, 200, 1, 16, dtype=torch.float16, device=device)
+    q = torch.randn(1, 1, 2, 16, dtype=torch.float16, device=device)
+    triflash.flash_attn_with_kvcache(q, k_cache, k_cache, num_splits=3, sinks=torch.zeros(2, device=device))
+    assert seen == [(3, True)]
+
+
+def test_a_gluon_variant_given_with_score_variants_is_not_taken(device):
+    """dispatch.forward / backward with a Gluon variant name and a score variant run the Triton
+    kernels (the Hopper kernels have no variants): the same bits as without the variant name."""
+    from triflash.kernels.common import ScoreVariant
+    from triflash.kernels.dispatch import backward, forward
+
+    q, k, v = make_qkv(1, 40, 40, 2, 1, 64, torch.float16, device)
+    scores = ScoreVariant(4.0, torch.rand(2, device=device), torch.randn(2, device=device))
+    out, lse = forward(q, k, v, 0.125, True, scores=scores)
+    forced, forced_lse = forward(q, k, v, 0.125, True, scores=scores, variant="pp_persist")
+    assert torch.equal(out, forced) and torch.equal(lse, forced_lse)
+    dout = torch.randn_like(out)
+    ds1, ds2 = torch.empty(2, device=device), torch.empty(2, device=device)
+    plain = backward(dout, q, k, v, out, lse, 0.125, True, scores=scores, dsink=ds1)
+    again = backward(dout, q, k, v, out, lse, 0.125, True, scores=scores, dsink=ds2, variant="dkdv")
+    for a, b in zip(plain + (ds1,), again + (ds2,)):
+        assert torch.equal(a, b)
+
+
+def test_sinks_train(device):
+    """A few steps of SGD on the sinks alone (the slopes and softcap fixed) lower the loss: the
+    gradient points the right way (gpt-oss-style training of the sinks)."""
+    q, k, v = make_qkv(2, 24, 24, HEADS_Q, HEADS_KV, 16, torch.float32, device)
+    target = torch.randn(2, 24, HEADS_Q, 16, device=device)
+    sinks = torch.zeros(HEADS_Q, device=device, requires_grad=True)
+    opt = torch.optim.SGD([sinks], lr=0.5)
+    losses = []
+    for _ in range(4):
+        loss = (triflash.flash_attn_func(q, k, v, causal=True, sinks=sinks) - target).square().mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0]
+
+
+# -- torch.compile and the custom ops ----------------------------------------------------------------
+
+def test_compiled_call_with_variants_matches_eager(device):
+    torch._dynamo.reset()
+    q, k, v = make_qkv(1, 20, 24, HEADS_Q, HEADS_KV, 16, torch.float32, device, requires_grad=True)
+    slopes = torch.rand(HEADS_Q, device=device)
+    sinks = torch.randn(HEADS_Q, device=device, requires_grad=True)
+
+    def f(q, k, v, sinks):
+        return triflash.flash_attn_func(q, k, v, causal=True, softcap=4.0, alibi_slopes=slopes, sinks=sinks)
+    compiled = torch.compile(f, backend="inductor" if ON_GPU else "aot_eager", fullgraph=True)
+    outs, grads = [], []
+    for fn in (compiled, f):
+        out = fn(q, k, v, sinks)
+        outs.append(out)
+        grads.append(torch.autograd.grad(out.square().sum(), (q, k, v, sinks)))
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_opcheck_with_variants(device):
+    q = torch.randn(1, 20, 2, 32, device=device, dtype=torch.float16, requires_grad=True)
+    k = torch.randn(1, 24, 1, 32, device=device, dtype=torch.float16, requires_grad=True)
+    v = torch.randn(1, 24, 1, 32, device=device, dtype=torch.float16, requires_grad=True)
+    slopes = torch.rand(1, 2, device=device)
+    sinks = torch.randn(2, device=device, requires_grad=True)
+    torch.library.opcheck(torch.ops.triflash.attn_fwd.default, (q, k, v, 0.2, True, False, -1, -1, 3.0, slopes, sinks))
+    out, lse = torch.ops.triflash.attn_fwd(q.detach(), k.detach(), v.detach(), 0.2, True, False, 7, 0, 3.0, slopes,
+                                           sinks.detach())
+    torch.library.opcheck(torch.ops.triflash.attn_bwd.default,
+                          (torch.randn_like(out), q.detach(), k.detach(), v.detach(), out, lse, None, 0.2, True,
+                           False, True, True, 7, 0, 3.0, slopes, sinks.detach()))
+
+
+def test_opcheck_varlen_with_variants(device):
+    cu = torch.tensor([0, 7, 20], dtype=torch.int32, device=device)
+    q = torch.randn(20, 2, 16, device=device, dtype=torch.float16, requires_grad=True)
+    k = torch.randn(20, 1, 16, device=device, dtype=torch.float16, requires_grad=True)
+    v = torch.randn(20, 1, 16, device=device, dtype=torch.float16, requires_grad=True)
+    sinks = torch.randn(2, device=device, requires_grad=True)
+    torch.library.opcheck(torch.ops.triflash.varlen_fwd.default,
+                          (q, k, v, cu, cu, 13, 13, 0.25, True, -1, -1, 2.0, torch.rand(2, 2, device=device), sinks))
+
+
+def test_vmap_and_per_sample_dsink(device):
+    """torch.func: vmap over grad gives each sample's dsink (a loop over the samples: a folded batch
+    would sum them)."""
+    q, k, v = make_qkv(3, 12, 12, 2, 1, 16, torch.float32, device)
+    sinks = torch.randn(2, device=device)
+
+    def loss(sinks, q, k, v):
+        return triflash.flash_attn_func(q[None], k[None], v[None], causal=True, sinks=sinks).sum()
+    per_sample = torch.func.vmap(torch.func.grad(loss), in_dims=(None, 0, 0, 0))(sinks, q, k, v)
+    for i in range(3):
+        s = sinks.clone().requires_grad_()
+        (g,) = torch.autograd.grad(loss(s, q[i], k[i], v[i]), s)
+        torch.testing.assert_close(per_sample[i], g, rtol=1e-5, atol=1e-6)
+
+
+# -- bad input ---------------------------------------------------------------------------------------
+
+def test_variant_arguments_are_checked(device):
+    q, k, v = make_qkv(2, 8, 8, 4, 2, 16, torch.float16, device)
+    f = triflash.flash_attn_func
+    assert_raises_naming(TypeError, ["softcap", "real number", "str"], f, q, k, v, softcap="1")
+    assert_raises_naming(TypeError, ["softcap", "bool"], f, q, k, v, softcap=True)
+    assert_raises_naming(ValueError, ["softcap", ">= 0", "-1.0"], f, q, k, v, softcap=-1.0)
+    assert_raises_naming(ValueError, ["softcap", "finite", "inf"], f, q, k, v, softcap=float("inf"))
+    assert_raises_naming(ValueError, ["softcap", "nan"], f, q, k, v, softcap=float("nan"))
+    assert_raises_naming(TypeError, ["alibi_slopes", "torch.Tensor", "list"], f, q, k, v, alibi_slopes=[0.1] * 4)
+    assert_raises_naming(TypeError, ["alibi_slopes.dtype", "float32", "float16"], f, q, k, v,
+                         alibi_slopes=torch.rand(4, device=device, dtype=torch.float16))
+    assert_raises_naming(ValueError, ["alibi_slopes", "(4,)", "(2, 4)", "(3,)"], f, q, k, v,
+                         alibi_slopes=torch.rand(3, device=device))
+    assert_raises_naming(ValueError, ["alibi_slopes", "(2, 4)", "(1, 4)"], f, q, k, v,
+                         alibi_slopes=torch.rand(1, 4, device=device))
+    assert_raises_naming(ValueError, ["alibi_slopes", "requires grad", "not differentiable"], f, q, k, v,
+                         alibi_slopes=torch.rand(4, device=device, requires_grad=True))
+    with torch.no_grad():                                     # not recorded: accepted
+        f(q, k, v, alibi_slopes=torch.rand(4, device=device, requires_grad=True))
+    assert_raises_naming(TypeError, ["sinks.dtype", "float32", "float64"], f, q, k, v,
+                         sinks=torch.zeros(4, device=device, dtype=torch.float64))
+    assert_raises_naming(ValueError, ["sinks", "(4,)", "(2,)"], f, q, k, v, sinks=torch.zeros(2, device=device))
+    assert_raises_naming(ValueError, ["sinks", "(4,)", "(2, 4)"], f, q, k, v, sinks=torch.zeros(2, 4, device=device))
+    if ON_GPU:
+        assert_raises_naming(ValueError, ["sinks", "same device"], f, q, k, v, sinks=torch.zeros(4))
+        assert_raises_naming(ValueError, ["alibi_slopes", "same device"], f, q, k, v, alibi_slopes=torch.zeros(4))
+    # attention: heads from [B, H, S, D]; varlen: batch from cu_seqlens
+    qh, kh, vh = (t.transpose(1, 2) for t in (q, k, v))
+    assert_raises_naming(ValueError, ["sinks", "(4,)", "(8,)"], triflash.attention, qh, kh, vh,
+                         sinks=torch.zeros(8, device=device))
+    cu = torch.tensor([0, 3, 8], dtype=torch.int32, device=device)
+    assert_raises_naming(ValueError, ["alibi_slopes", "(2, 4)", "(3, 4)"], triflash.flash_attn_varlen_func,
+                         q[0], k[0], v[0], cu, cu, 5, 5, alibi_slopes=torch.rand(3, 4, device=device))
+    # decode: no backward, so sinks that require grad are refused too
+    cache = torch.randn(2, 16, 2, 16, dtype=torch.float16, device=device)
+    kv = triflash.flash_attn_with_kvcache
+    assert_raises_naming(ValueError, ["sinks", "requires grad", "flash_attn_with_kvcache"], kv, q, cache, cache,
+                         sinks=torch.zeros(4, device=device, requires_grad=True))
+    assert_raises_naming(ValueError, ["softcap", ">= 0"], kv, q, cache, cache, softcap=-2.0)
+    assert_raises_naming(ValueError, ["alibi_slopes", "(4,)"], kv, q, cache, cache,
+                         alibi_slopes=torch.zeros(5, device=device))
