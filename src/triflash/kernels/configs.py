@@ -7,13 +7,22 @@ The launchers never hard-code a block size: they ask this module. There are thre
 * a table measured on an H200 (``docs/performance.md`` has the runs that chose it), keyed on the head
   dimension, dtype, causal flag and how much parallel work the shape gives;
 * an explicit ``FwdConfig`` passed by tests and by the tuning script, which overrides both.
+
+Other GPUs start from the H200's choice and shrink it until it fits the device's shared memory per
+block (``fit_forward`` and friends, read from ``torch.cuda.get_device_properties``: sm_86/89/120 allow
+99 KB, sm_80 163 KB, sm_90/100 227 KB, AMD CDNA 64 KB); nothing measured went into those shrunken
+choices, only the rule "fits and keeps as much of the H200's tile as possible". ``DeviceFacts`` is
+what the choosers read; tests pass one instead of a device. scripts/compile_check.py compiles every
+choice for sm_80, 86, 89, 90, 100, 120 and AMD gfx942 / gfx90a and checks the compiled kernels' shared
+memory against these limits. On AMD (ROCm's torch reports capabilities such as 9.0 and 9.4) the
+Gluon Hopper kernels and TMA descriptors are never chosen: the portable kernels run there.
 """
 
 from __future__ import annotations
 
 import functools
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 # Read once: Triton decides between compiling and interpreting when a kernel is decorated.
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -75,11 +84,24 @@ INTERPRETER_BWD = (BwdConfig(32, 64, 1, 1), BwdConfig(64, 32, 1, 1))
 
 def backward_config(*, head_dim: int, dtype, device) -> tuple[BwdConfig, BwdConfig]:
     """Pick (dK/dV config, dQ config) for the backward kernels."""
-    import torch
-
     if INTERPRET:
         return INTERPRETER_BWD
+    facts = device_facts(device)
     block_d = head_dim_block(head_dim)
+    return _backward_cached(block_d, dtype, facts)
+
+
+@functools.lru_cache(maxsize=256)
+def _backward_cached(block_d: int, dtype, facts: DeviceFacts) -> tuple[BwdConfig, BwdConfig]:
+    dkdv, dq = _backward_preference(block_d, dtype, facts)
+    return (fit_backward(dkdv, kept="block_n", block_d=block_d, elt=dtype.itemsize, facts=facts),
+            fit_backward(dq, kept="block_m", block_d=block_d, elt=dtype.itemsize, facts=facts))
+
+
+def _backward_preference(block_d, dtype, facts) -> tuple[BwdConfig, BwdConfig]:
+    """The H200's choice (before fitting to the device's shared memory)."""
+    import torch
+
     if dtype == torch.float32:
         # IEEE fp32 dots are unrolled FMA code: small tiles keep registers and compile times sane.
         if block_d <= 64:
@@ -88,12 +110,54 @@ def backward_config(*, head_dim: int, dtype, device) -> tuple[BwdConfig, BwdConf
     # Measured on the H200 (docs/performance-notes.md#backward), fp16 at B4 H16 S4096. TMA
     # descriptors help the dQ kernel's K/V stream by 2-4%; the dK/dV kernel's Q/dO stream is as fast
     # or faster with pointer loads.
-    tma = _is_hopper_or_newer(device)
+    tma = facts.tma
     if block_d <= 64:
         return BwdConfig(32, 128, 4, 3), BwdConfig(64, 64, 4, 3, tma)
     if block_d <= 128:
         return BwdConfig(32, 64, 4, 3), BwdConfig(64, 64, 4, 2, tma)
     return BwdConfig(16, 64, 4, 1), BwdConfig(64, 16, 4, 1)
+
+
+def backward_shared_bytes(cfg: BwdConfig, *, kept: str, block_d: int, elt: int, tcgen05: bool = False) -> int:
+    """Estimated shared memory of one Triton backward kernel, in bytes. ``kept``: the block the program
+    holds ("block_n": dK/dV keeps K and V and walks Q and dO; "block_m": dQ keeps Q and dO and walks
+    K and V). The kept pair of tiles, num_stages pairs of walked tiles (at least one), one
+    [block_m, block_n] staging tile (P or dS into a dot operand layout), for 16-bit inputs one more
+    walked tile (a transposed copy for the second dot), on tcgen05 GPUs a second staging tile, and
+    SHARED_RESERVE. At or above every kernel compiled for sm_80-120 (90112 B compiled for the D=256
+    dK/dV kernel on sm_80 against 93184 estimated; 100352 against 101376 for fp32 D=256)."""
+    kept_rows = cfg.block_n if kept == "block_n" else cfg.block_m
+    walked_rows = cfg.block_m if kept == "block_n" else cfg.block_n
+    tiles = 2 * kept_rows * block_d + 2 * max(1, cfg.num_stages) * walked_rows * block_d
+    transposed = walked_rows * block_d if elt == 2 else 0
+    staging = cfg.block_m * cfg.block_n * (2 if tcgen05 else 1)
+    return elt * (tiles + staging + transposed) + SHARED_RESERVE
+
+
+def fit_backward(cfg: BwdConfig, *, kept: str, block_d: int, elt: int, facts: DeviceFacts) -> BwdConfig:
+    """``cfg`` shrunk until ``backward_shared_bytes`` fits ``facts.shared_per_block``: stages down to
+    2, the walked block down to 32, one stage, the kept block down to 32, then both down to 16.
+    Unchanged where it fits (H200, H100, B200). Raises ValueError when nothing fits."""
+    walked = "block_m" if kept == "block_n" else "block_n"
+    if cfg.tma and not facts.tma:
+        cfg = replace(cfg, tma=False)
+    while (backward_shared_bytes(cfg, kept=kept, block_d=block_d, elt=elt, tcgen05=facts.tcgen05)
+           > facts.shared_per_block):
+        if cfg.num_stages > 2:
+            cfg = replace(cfg, num_stages=cfg.num_stages - 1)
+        elif getattr(cfg, walked) > 32:
+            cfg = replace(cfg, **{walked: getattr(cfg, walked) // 2})
+        elif cfg.num_stages > 1:
+            cfg = replace(cfg, num_stages=1)
+        elif getattr(cfg, kept) > 32:
+            cfg = replace(cfg, **{kept: getattr(cfg, kept) // 2})
+        elif getattr(cfg, walked) > 16:
+            cfg = replace(cfg, **{walked: getattr(cfg, walked) // 2})
+        elif getattr(cfg, kept) > 16:
+            cfg = replace(cfg, **{kept: getattr(cfg, kept) // 2})
+        else:
+            raise _does_not_fit("backward", block_d, elt, facts)
+    return cfg
 
 
 def cdiv(a: int, b: int) -> int:
@@ -113,29 +177,105 @@ def head_dim_block(head_dim: int) -> int:
     return max(16, next_power_of_2(head_dim))
 
 
+@dataclass(frozen=True)
+class DeviceFacts:
+    """What the config choosers read from a GPU (``device_facts``). Every chooser also takes one of
+    these in place of a device (tests, scripts/compile_check.py).
+
+    major / minor: compute capability as torch reports it (ROCm's torch reports AMD GPUs as 9.0
+    (gfx90a), 9.4 (gfx942), 9.5 (gfx950): never read it without ``is_hip``). sm_count: multiprocessors
+    (compute units on AMD). shared_per_block: bytes of shared memory (LDS) one program may use, the
+    opt-in maximum; Triton raises OutOfResources at launch above it."""
+
+    major: int
+    minor: int
+    sm_count: int
+    shared_per_block: int
+    is_hip: bool = False
+    name: str = ""
+
+    @property
+    def tma(self) -> bool:
+        """Host-built TMA descriptors (NVIDIA sm_90 and newer)."""
+        return not self.is_hip and self.major >= 9
+
+    @property
+    def tcgen05(self) -> bool:
+        """NVIDIA sm_100/103/110 (datacenter Blackwell): Triton's tcgen05 MMA stages one more
+        output-sized tile in shared memory than Hopper's wgmma (scripts/compile_check.py: 230400 B
+        for the D=128 forward tile that takes 196664 B on sm_90)."""
+        return not self.is_hip and self.major in (10, 11)
+
+    @property
+    def hopper(self) -> bool:
+        """An NVIDIA sm_90 GPU: what the Gluon kernels' wgmma and setmaxnreg need."""
+        return not self.is_hip and self.major == 9
+
+
+# The opt-in shared memory per block by capability, for a torch without
+# ``shared_memory_per_block_optin`` (CUDA programming guide, "Technical specifications per compute
+# capability"); the property itself is read where present.
+SHARED_PER_BLOCK = {(8, 0): 166912, (8, 6): 101376, (8, 7): 166912, (8, 9): 101376, (9, 0): 232448,
+                    (10, 0): 232448, (10, 3): 232448, (11, 0): 232448, (12, 0): 101376, (12, 1): 101376}
+SHARED_PER_BLOCK_UNKNOWN = 101376      # an NVIDIA capability not in the table (sm_75 and older: 65536)
+SHARED_PER_BLOCK_HIP = 65536           # AMD CDNA 1-3 LDS (gfx950 has 160 KB and reports it)
+# The GPU the tables were measured on: the choices there are the measured ones, unshrunk.
+H200 = DeviceFacts(major=9, minor=0, sm_count=132, shared_per_block=232448, name="NVIDIA H200")
+
+
+def device_facts(device) -> DeviceFacts:
+    """The ``DeviceFacts`` of a CUDA (or ROCm) device, asked once per device (the launchers run on
+    every call, and at short sequences their host time is what gets measured); a ``DeviceFacts``
+    is returned as it is."""
+    if isinstance(device, DeviceFacts):
+        return device
+    return _device_facts(device)
+
+
 @functools.cache
-def _device_facts(device) -> tuple[int, int]:
-    """(compute capability major, multiprocessor count) of a CUDA device, asked once per device:
-    the launchers run on every call, and at short sequences their host time is what gets measured."""
+def _device_facts(device) -> DeviceFacts:
     import torch
 
-    props = torch.cuda.get_device_properties(device)
-    return props.major, props.multi_processor_count
+    try:
+        props = torch.cuda.get_device_properties(device)
+    except Exception:
+        # Tests that run the compiled-mode choosers on CPU tensors: answer as the GPU the tables
+        # were measured on (as before the choosers read more than the SM count).
+        if torch.device(device).type != "cuda":
+            return H200
+        raise
+    is_hip = getattr(torch.version, "hip", None) is not None
+    shared = getattr(props, "shared_memory_per_block_optin", 0)
+    if not shared:
+        if is_hip:
+            shared = SHARED_PER_BLOCK_HIP
+        else:
+            shared = SHARED_PER_BLOCK.get((props.major, props.minor),
+                                          SHARED_PER_BLOCK_UNKNOWN if props.major >= 8 else 65536)
+    return DeviceFacts(major=props.major, minor=props.minor, sm_count=props.multi_processor_count,
+                       shared_per_block=int(shared), is_hip=is_hip,
+                       name=getattr(props, "gcnArchName", "") or getattr(props, "name", ""))
 
 
-def _is_hopper_or_newer(device) -> bool:
-    return _device_facts(device)[0] >= 9
+def clear_device_cache():
+    """Forget the devices asked so far (scripts/compile_check.py changes the answers between targets)."""
+    _device_facts.cache_clear()
+    _fit_forward_cached.cache_clear()
+    _backward_cached.cache_clear()
 
 
 def gluon_hopper_applies(*, head_dim: int, dtype, device) -> bool:
     """Whether the Gluon Hopper kernels (forward_hopper.py, backward_hopper.py, decode_hopper.py) can
-    run this head dim and dtype: sm_90 exactly (their wgmma and setmaxnreg are Hopper instructions),
-    fp16 or bf16, head_dim 64 or 128. Each launcher's ``supported`` checks the tensors."""
+    run this head dim and dtype: NVIDIA sm_90 exactly (their wgmma and setmaxnreg are Hopper
+    instructions; never AMD, whose torch may also report major 9), fp16 or bf16, head_dim 64 or
+    128. Each launcher's ``supported`` checks the tensors."""
     import torch
 
     if INTERPRET or dtype not in (torch.float16, torch.bfloat16) or head_dim not in (64, 128):
         return False
-    return torch.device(device).type == "cuda" and _device_facts(device)[0] == 9 and gluon_available()
+    if not isinstance(device, DeviceFacts) and torch.device(device).type != "cuda":
+        return False
+    return device_facts(device).hopper and gluon_available()
 
 
 @functools.cache
@@ -165,19 +305,33 @@ def gluon_available() -> bool:
 
 
 def sm_count(device) -> int:
-    return _device_facts(device)[1]
+    return device_facts(device).sm_count
 
 
 def forward_config(*, head_dim: int, dtype, causal: bool, batch_heads: int, seqlen_q: int,
                    device) -> FwdConfig:
     """Pick the forward kernel's launch parameters for one problem shape."""
-    import torch
-
     if INTERPRET:
         return INTERPRETER_FWD
+    facts = device_facts(device)
     block_d = head_dim_block(head_dim)
-    # Host-built 4-D descriptors measured fastest on the H200 (docs/performance-notes.md#forward-portable-triton-kernel).
-    tma = "host" if _is_hopper_or_newer(device) else "none"
+    cfg = _forward_preference(block_d, dtype, causal, batch_heads, seqlen_q, facts)
+    return _fit_forward_cached(cfg, block_d, dtype.itemsize, facts)
+
+
+@functools.lru_cache(maxsize=4096)
+def _fit_forward_cached(cfg: FwdConfig, block_d: int, elt: int, facts: DeviceFacts) -> FwdConfig:
+    """``fit_forward`` once per (config, device): the chooser runs on every call (host time)."""
+    return fit_forward(cfg, block_d=block_d, elt=elt, facts=facts)
+
+
+def _forward_preference(block_d, dtype, causal, batch_heads, seqlen_q, facts) -> FwdConfig:
+    """The H200's choice (before fitting to the device's shared memory)."""
+    import torch
+
+    # Host-built 4-D descriptors measured fastest on the H200
+    # (docs/performance-notes.md#forward-portable-triton-kernel).
+    tma = "host" if facts.tma else "none"
     if dtype == torch.float32:
         # fp32 dots run in IEEE fp32 on the CUDA cores: small tiles keep the registers in check.
         if block_d <= 64:
@@ -196,9 +350,65 @@ def forward_config(*, head_dim: int, dtype, causal: bool, batch_heads: int, seql
     else:
         cfg = FwdConfig(64, 64, 4, 2, tma=tma)
     # Short problems: 64-row query blocks when the grid would leave multiprocessors idle.
-    if cfg.block_m > 64 and batch_heads * cdiv(seqlen_q, cfg.block_m) < sm_count(device):
+    if cfg.block_m > 64 and batch_heads * cdiv(seqlen_q, cfg.block_m) < facts.sm_count:
         cfg = FwdConfig(64, 64, 4, 3, cfg.tma)
     return cfg
+
+
+# Shared memory a config may need beyond its tiles (mbarriers, reduction scratch), in bytes.
+SHARED_RESERVE = 1024
+
+
+def forward_shared_bytes(cfg: FwdConfig, *, block_d: int, elt: int, tcgen05: bool = False) -> int:
+    """Estimated shared memory of the Triton forward kernel, in bytes: the Q tile; the K and V
+    buffers of Triton's software pipeline (num_stages - 1 pairs; one tile at num_stages 1); with TMA
+    an O tile for the store; at 4 warps or fewer a [block_m, block_n] staging tile (P into a dot
+    operand layout); on tcgen05 GPUs (``DeviceFacts.tcgen05``) one more O tile; and SHARED_RESERVE.
+    At or above every kernel scripts/compile_check.py compiled for sm_80-120 (tests/test_gpu_configs.py
+    keeps the measured values): 163840 B compiled against 164864 estimated for 128x128 tiles at
+    D=128 without TMA, 196664 against 197632 with it (sm_90), 230400 against 230400 on sm_100; up to
+    25% above at D=64 (Triton reuses the Q buffer for O)."""
+    kv_tiles = 2 * (cfg.num_stages - 1) if cfg.num_stages > 1 else 1
+    o_tile = (cfg.block_m if cfg.tma != "none" else 0) + (cfg.block_m if tcgen05 else 0)
+    staging = cfg.block_m * cfg.block_n if cfg.num_warps <= 4 else 0
+    return elt * (block_d * (cfg.block_m + kv_tiles * cfg.block_n + o_tile) + staging) + SHARED_RESERVE
+
+
+def fit_forward(cfg: FwdConfig, *, block_d: int, elt: int, facts: DeviceFacts) -> FwdConfig:
+    """``cfg`` shrunk step by step until ``forward_shared_bytes`` fits ``facts.shared_per_block``:
+    key blocks down to 64, TMA off (its O staging tile), pipeline stages down to 2, query blocks
+    down to 64 (at most 4 warps), key blocks down to 16, query blocks down to 16, one stage. Each
+    step gives up what the H200's measurements valued least. Unchanged where it fits (the H200,
+    H100 and B200 keep the measured table). Raises ValueError when even the smallest tile does not
+    fit."""
+    if cfg.tma != "none" and not facts.tma:
+        cfg = replace(cfg, tma="none")
+    limit = facts.shared_per_block
+    while forward_shared_bytes(cfg, block_d=block_d, elt=elt, tcgen05=facts.tcgen05) > limit:
+        if cfg.block_n > 64:
+            cfg = replace(cfg, block_n=cfg.block_n // 2)
+        elif cfg.tma != "none":
+            cfg = replace(cfg, tma="none")
+        elif cfg.num_stages > 2:
+            cfg = replace(cfg, num_stages=cfg.num_stages - 1)
+        elif cfg.block_m > 64:
+            cfg = replace(cfg, block_m=cfg.block_m // 2, num_warps=min(cfg.num_warps, 4))
+        elif cfg.block_n > 16:
+            cfg = replace(cfg, block_n=cfg.block_n // 2)
+        elif cfg.block_m > 16:
+            cfg = replace(cfg, block_m=cfg.block_m // 2, num_warps=min(cfg.num_warps, max(1, cfg.block_m // 32)))
+        elif cfg.num_stages > 1:
+            cfg = replace(cfg, num_stages=1)
+        else:
+            raise _does_not_fit("forward", block_d, elt, facts)
+    return cfg
+
+
+def _does_not_fit(kernel: str, block_d: int, elt: int, facts: DeviceFacts) -> ValueError:
+    return ValueError(f"triflash: no {kernel} tile at head dim {block_d} ({8 * elt}-bit elements) fits the "
+                      f"{facts.shared_per_block} bytes of shared memory per block of this GPU "
+                      f"({facts.name or f'capability {facts.major}.{facts.minor}'}); use a smaller head "
+                      f"dim or PyTorch's scaled_dot_product_attention")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -336,8 +546,9 @@ def decode_config(*, head_dim: int, dtype, rows: int, batch: int, heads_kv: int,
     """
     import torch
 
+    facts = None if INTERPRET else device_facts(device)
     sms = INTERPRETER_SM_COUNT if INTERPRET else sm_count(device)
-    if (gluon_suits is not None and not INTERPRET and head_dim == 128
+    if (gluon_suits is not None and not INTERPRET and head_dim == 128 and facts.hopper
             and max_seqlen >= GLUON_DECODE_MIN_KEYS):
         programs = batch * heads_kv * cdiv(max(1, rows), GLUON_DECODE_ROWS)
         if programs < sms // 4 and gluon_suits():
@@ -367,12 +578,51 @@ def decode_config(*, head_dim: int, dtype, rows: int, batch: int, heads_kv: int,
                             page_size=page_size)
         if head_dim_block(head_dim) <= 64:
             tile = _DecodeTile(2 * tile.block_n, tile.num_warps, tile.num_stages, tile.per_sm)
+    if not INTERPRET:
+        tile = fit_decode(tile, block_m=block_m, paged=paged, block_d=head_dim_block(head_dim),
+                          elt=dtype.itemsize, facts=facts)
     if num_splits == 0:
         num_splits = decode_num_splits(programs=batch * heads_kv * m_blocks, max_seqlen=max_seqlen,
                                        block_n=tile.block_n, per_sm=tile.per_sm, sms=sms)
     num_splits = effective_splits(num_splits, max_seqlen, tile.block_n)
     return DecodeConfig(block_m=block_m, block_n=tile.block_n, num_warps=tile.num_warps,
                         num_stages=tile.num_stages, num_splits=num_splits)
+
+
+def decode_shared_bytes(tile: _DecodeTile, *, block_m: int, paged: bool, block_d: int, elt: int) -> int:
+    """Estimated shared memory of the Triton decode kernel: two query-sized tiles (fp32 stages the
+    query twice), the K/V buffers (the contiguous loop's num_stages - 1, the paged loop's
+    num_stages - 3, at least one pair), one [block_m, block_n] staging tile for P, and
+    SHARED_RESERVE. At or above every kernel compiled for sm_80-90 (139264 B compiled for block_n
+    128, 3 stages, contiguous, fp16 D=128, against 144384 estimated; 49152 against 52224 for fp32)."""
+    buffers = max(1, tile.num_stages - (3 if paged else 1))
+    return (elt * (2 * block_m * block_d + 2 * buffers * tile.block_n * block_d + block_m * tile.block_n)
+            + SHARED_RESERVE)
+
+
+def fit_decode(tile: _DecodeTile, *, block_m: int, paged: bool, block_d: int, elt: int,
+               facts: DeviceFacts) -> _DecodeTile:
+    """``tile`` shrunk until ``decode_shared_bytes`` fits ``facts.shared_per_block`` (K/V buffers
+    down to one pair, then key blocks down to 16), with its programs per multiprocessor (what the
+    split count fills) scaled by the device's shared memory against the H200's, at least one:
+    resident programs are bounded by shared memory (untuned beyond the H200). Unchanged on
+    H200 / H100 / B200. Raises ValueError when nothing fits."""
+    min_stages = 4 if paged else 2
+    # AMD's pipeliner keeps more of the paged loop's stages in LDS (66048 B compiled for gfx942 where
+    # the NVIDIA count gives 44032): count them as the contiguous loop's.
+    counted_paged = paged and not facts.is_hip
+    while (decode_shared_bytes(tile, block_m=block_m, paged=counted_paged, block_d=block_d, elt=elt)
+           > facts.shared_per_block):
+        if tile.num_stages > min_stages:
+            tile = _DecodeTile(tile.block_n, tile.num_warps, tile.num_stages - 1, tile.per_sm)
+        elif tile.block_n > 16:
+            tile = _DecodeTile(tile.block_n // 2, tile.num_warps, tile.num_stages, tile.per_sm)
+        else:
+            raise _does_not_fit("decode", block_d, elt, facts)
+    if facts.shared_per_block < H200.shared_per_block:
+        per_sm = max(1, tile.per_sm * facts.shared_per_block // H200.shared_per_block)
+        tile = _DecodeTile(tile.block_n, tile.num_warps, tile.num_stages, per_sm)
+    return tile
 
 
 def merge_config(*, block_d: int, num_parts: int, num_rows: int, device) -> tuple[int, int, int]:

@@ -37,10 +37,10 @@ from . import backward as triton_backward
 from . import configs, launch
 from . import decode as triton_decode
 from . import forward as triton_forward
+from . import merge as triton_merge
 from .block_ranges import window_bounds
 from .common import PLAIN, ScoreVariant, Varlen, last_dim_contiguous, on_input_device
 from .configs import BwdConfig, DecodeConfig, FwdConfig
-from .merge import merge
 
 TRITON = "triton"
 
@@ -81,6 +81,35 @@ def variant_names() -> tuple[tuple[str, ...], tuple[str, ...]]:
 
 def _forced_variant(kind: str) -> str | None:
     return _forced[kind]
+
+
+# --------------------------------------------------------------------------------------------------
+# AMD (ROCm)
+# --------------------------------------------------------------------------------------------------
+
+def amd_unsupported(facts: configs.DeviceFacts, dtype, what: str) -> str | None:
+    """Why ``what`` ("forward", "backward", "decode", "merge") cannot run on this AMD GPU, or None.
+    The portable kernels compile for MI300 (gfx942, capability 9.4 and later) in fp16/bf16, forward
+    and backward (scripts/compile_check.py --arch gfx942); fp32 (libdevice's rounding intrinsics),
+    decode and merging, and MI200 (gfx90a: no tf32 dot) do not compile yet. Nothing has run on AMD."""
+    if not facts.is_hip:
+        return None
+    if (facts.major, facts.minor) < (9, 4):
+        return f"{facts.name or 'this AMD GPU'} (capability {facts.major}.{facts.minor}): only MI300 (gfx942) and newer"
+    if what not in ("forward", "backward"):
+        return f"{what} on AMD GPUs"
+    if dtype not in (torch.float16, torch.bfloat16):
+        return f"{dtype} on AMD GPUs (fp16 and bf16 only)"
+    return None
+
+
+def _check_backend(t: torch.Tensor, what: str) -> None:
+    """Raise a clear NotImplementedError where a ROCm build would fail to compile a kernel."""
+    if t.is_cuda and torch.version.hip is not None:
+        why = amd_unsupported(configs.device_facts(t.device), t.dtype, what)
+        if why is not None:
+            raise NotImplementedError(f"triflash does not run {why} yet (its kernels do not compile there); "
+                                      f"use torch.nn.functional.scaled_dot_product_attention")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -131,6 +160,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float, 
     no bound on a side. ``config`` forces the Triton kernel with those tiles; ``variant`` as in the
     module docstring. Packed sequences, windows and score variants (``scores``) run on the Triton
     kernel."""
+    _check_backend(q, "forward")
     max_q, max_k = (varlen.max_seqlen_q, varlen.max_seqlen_k) if varlen is not None else (q.shape[1], k.shape[1])
     causal, window = window_bounds(window, causal, max_q, max_k)
     if out is None:
@@ -207,6 +237,7 @@ def backward(dout, q, k, v, out, lse, sm_scale: float, causal: bool, *, dlse=Non
     ``window`` as the forward's. Both run on the Triton kernels, as do score variants (``scores``,
     the forward's); with sinks, their gradient [Hq] float32 is written into ``dsink`` (allocated
     by the caller; ``backward._sink_grad_kernel``)."""
+    _check_backend(q, "backward")
     max_q, max_k = (varlen.max_seqlen_q, varlen.max_seqlen_k) if varlen is not None else (q.shape[1], k.shape[1])
     causal, window = window_bounds(window, causal, max_q, max_k)
     dout = last_dim_contiguous(dout)
@@ -299,6 +330,7 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     (``scores``, as the forward's). A sink is added once: in the kernel's epilogue with one split,
     in the merge (as one more part with no value) with several.
     """
+    _check_backend(q, "decode")
     causal, window = window_bounds(window, causal, q.shape[1], max_seqlen)
     batch, seqlen_q, heads_q, head_dim = q.shape
     heads_kv = k_cache.shape[2]
@@ -348,3 +380,13 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     if splits > 1:
         merge(o_part, l_part, out=out, lse=lse, sinks=scores.sinks)
     return out, lse
+
+
+# --------------------------------------------------------------------------------------------------
+# Merge
+# --------------------------------------------------------------------------------------------------
+
+def merge(out_partials: torch.Tensor, lse_partials: torch.Tensor, **kwargs):
+    """merge_attn_states' kernel (``merge.merge``: one kernel, nothing to choose but the backend)."""
+    _check_backend(out_partials, "merge")
+    return triton_merge.merge(out_partials, lse_partials, **kwargs)
