@@ -96,9 +96,8 @@ def test_router_leaves_to_torch_what_triflash_refuses(device):
         F.scaled_dot_product_attention(q, k, v, scale=1e-40)
         with pytest.raises((TypeError, RuntimeError)):
             F.scaled_dot_product_attention(q, k, v, is_causal="yes")
-    assert counts == {"triflash": 0, "torch": 2, "reasons": {
-        "input triflash refuses: scale must be between 2^-126 and 2^127 (a normal float32 number, as the kernels use "
-        "it), got 1e-40": 1, "is_causal not a bool": 1}}
+    assert counts == {"triflash": 0, "torch": 2, "reasons": {"input triflash refuses: scale": 1,
+                                                             "is_causal not a bool": 1}}
     with pytest.raises(NotImplementedError, match="scale"):
         tf_sdpa(q, k, v, scale=1e39)
 
@@ -142,8 +141,7 @@ def test_routing_restores_sdpa_after_an_error(device):
     pytest.param({"is_causal": True, "L": 5}, "is_causal with L != S", id="causal-L-ne-S"),
     pytest.param({"H_kv": 2}, "heads differ without enable_gqa", id="gqa-not-enabled"),
     pytest.param({"S": 0}, "no keys", id="no-keys"),
-    pytest.param({"dtype": torch.float64}, "input triflash refuses: q.dtype must be one of float16, bfloat16, float32, "
-                 "got torch.float64", id="float64"),
+    pytest.param({"dtype": torch.float64}, "input triflash refuses: q.dtype", id="float64"),
 ])
 def test_router_counts_each_reason(device, kwargs, reason):
     """Every call the router leaves to PyTorch is counted under why, in a short stable phrase (the

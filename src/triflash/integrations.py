@@ -98,7 +98,9 @@ def _plan(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     try:
         scale = api.validate_qkv(q4, k4, v4, "bhsd", "scale", scale, is_causal)
     except (TypeError, ValueError) as exc:
-        return (f"input triflash refuses: {exc}", str(exc)), None
+        # The reason names the argument only (triflash's messages start with it), so every call of one
+        # kind counts under one key whatever its values.
+        return (f"input triflash refuses: {str(exc).split(' ', 1)[0]}", str(exc)), None
 
     def run():
         # triflash.attention itself (its call cache: validated once per shape, launches replayed).
@@ -135,8 +137,8 @@ def sdpa_routed_to_triflash():
     so a model's coverage can be checked. The reasons: ``"attn_mask"``, ``"dropout_p"``,
     ``"is_causal with L != S"`` (SDPA's top-left causal), ``"heads differ without enable_gqa"``,
     ``"no keys"``, ``"batch dimensions"``, ``"ranks"``, ``"not tensors"``, ``"is_causal not a bool"``,
-    and ``"input triflash refuses: <its message>"`` (a dtype, device, head dim or scale triflash does
-    not take).
+    and ``"input triflash refuses: <argument>"`` (a dtype, device, head dim or scale triflash does
+    not take; the argument as triflash's error names it).
 
     Code that imported the function by name before the block (``from torch.nn.functional import
     scaled_dot_product_attention``) keeps PyTorch's.
@@ -217,22 +219,14 @@ def register_transformers(name: str = TRANSFORMERS_NAME) -> CallCounts:
     except ImportError as exc:
         raise ImportError(f"register_transformers needs Hugging Face transformers >= {TRANSFORMERS_MIN_VERSION}: "
                           f"pip install \"triflash[hf]\" (or pip install transformers)") from exc
-    if _version_tuple(transformers.__version__) < _version_tuple(TRANSFORMERS_MIN_VERSION):
+    from packaging.version import Version
+
+    if Version(transformers.__version__) < Version(TRANSFORMERS_MIN_VERSION):
         raise ImportError(f"register_transformers needs transformers >= {TRANSFORMERS_MIN_VERSION}, found "
                           f"{transformers.__version__}")
     AttentionInterface.register(name, transformers_attention)
     AttentionMaskInterface.register(name, _transformers_mask)
     return TRANSFORMERS_COUNTS
-
-
-def _version_tuple(version: str) -> tuple:
-    parts = []
-    for part in version.split(".")[:3]:
-        digits = "".join(c for c in part if c.isdigit()) if part[:1].isdigit() else ""
-        if not digits:
-            break
-        parts.append(int(digits))
-    return tuple(parts)
 
 
 def transformers_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
