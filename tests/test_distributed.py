@@ -29,19 +29,6 @@ ON_GPU = torch.cuda.is_available()
 
 # -- planning ---------------------------------------------------------------------------------------------
 
-def _absolute_visible(seqlen, causal, window):
-    i = torch.arange(seqlen)[:, None]
-    j = torch.arange(seqlen)[None, :]
-    ok = torch.ones(seqlen, seqlen, dtype=torch.bool)
-    if causal:
-        ok &= j <= i
-    if window[0] >= 0:
-        ok &= j >= i - window[0]
-    if window[1] >= 0:
-        ok &= j <= i + window[1]
-    return ok
-
-
 @pytest.mark.parametrize("sharding", cp.SHARDINGS)
 @pytest.mark.parametrize("causal,window", [(True, (-1, -1)), (False, (-1, -1)), (True, (5, -1)), (True, (0, 0)),
                                            (False, (3, 6)), (False, (-1, 2)), (False, (9, -1)), (True, (40, -1))],
@@ -63,7 +50,7 @@ def test_pieces_cover_the_visible_pairs_once(world, causal, window, sharding):
                 i, j = torch.nonzero(mask, as_tuple=True)
                 covered.index_put_((qpos[p.q0:p.q1][i], kpos[p.k0:p.k1][j]), torch.ones_like(i, dtype=torch.int32),
                                    accumulate=True)
-    assert torch.equal(covered, _absolute_visible(seqlen, causal, window).int())
+    assert torch.equal(covered, causal_visible(seqlen, seqlen, window_size=window, causal=causal).int())
 
 
 @pytest.mark.parametrize("world", [1, 2, 4, 8])
@@ -214,6 +201,9 @@ def test_bad_inputs_raise_naming_the_argument(device):
     assert_raises_naming(ValueError, ["world_size", ">= 1", "0"], cp.simulate_ring_attention, q, kv, kv,
                          world_size=0)
     assert_raises_naming(ValueError, ["count", "'visible'"], cp.rank_work, 8, 2, count="blocks")
+    # benchmark_steps read any sharding but "contiguous" as zigzag: it is checked before anything runs
+    assert_raises_naming(ValueError, ["sharding", "'striped'"], cp.benchmark_steps, seqlen=64, world_size=2,
+                         sharding="striped", device=device)
 
 
 # -- on a CUDA GPU ----------------------------------------------------------------------------------------

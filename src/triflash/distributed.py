@@ -61,8 +61,9 @@ import torch.distributed as dist
 
 from . import autograd as _autograd  # noqa: F401  (registers triflash::attn_bwd)
 from .api import flash_attn_func, validate_qkv
+from .kernels.common import last_dim_contiguous
 from .kvcache import merge_attn_states
-from .validation import check_window
+from .validation import check_window, require_bool, require_int, require_tensor
 
 __all__ = ["ring_flash_attn_func", "allgather_flash_attn_func", "simulate_ring_attention", "shard_sequence",
            "unshard_sequence", "gather_sequence", "shard_positions", "rank_work", "ring_steps",
@@ -80,14 +81,6 @@ def _check_sharding(sharding) -> str:
     if not isinstance(sharding, str) or sharding not in SHARDINGS:
         raise ValueError(f"sharding must be one of {SHARDINGS}, got {sharding!r}")
     return sharding
-
-
-def _check_world(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value < 1:
-        raise ValueError(f"{name} must be >= 1, got {value}")
-    return int(value)
 
 
 def _check_local_len(name: str, local_len: int, sharding: str) -> None:
@@ -127,8 +120,7 @@ def _validate(q, k, v, softmax_scale, causal, window_size, sharding, return_lse)
     if k.shape[1] != q.shape[1]:
         raise ValueError(f"k and v must hold as many tokens per rank as q (seqlen {q.shape[1]}; context "
                          f"parallelism splits one self-attention sequence), got seqlen {k.shape[1]}")
-    if not isinstance(return_lse, bool):
-        raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
+    require_bool("return_lse", return_lse)
     window = check_window(window_size, causal)
     _check_local_len("q", q.shape[1], _check_sharding(sharding))
     return scale, window
@@ -174,9 +166,9 @@ def shard_positions(seqlen: int, rank: int, world_size: int, *, sharding: str = 
     >>> shard_positions(8, 0, 2)
     tensor([0, 1, 6, 7])
     """
-    world = _check_world("world_size", world_size)
+    world = require_int("world_size", world_size, 1)
     _check_sharding(sharding)
-    _check_shardable("seqlen", _check_world("seqlen", seqlen), world, sharding)
+    _check_shardable("seqlen", require_int("seqlen", seqlen, 1), world, sharding)
     if not (isinstance(rank, numbers.Integral) and not isinstance(rank, bool) and 0 <= rank < world):
         raise ValueError(f"rank must be an int in [0, {world}), got {rank!r}")
     return torch.cat([torch.arange(s, s + n, device=device)
@@ -192,9 +184,8 @@ def shard_sequence(x: torch.Tensor, rank: int, world_size: int, *, sharding: str
     >>> shard_sequence(x, 1, 2).tolist()        # zigzag: chunks 1 and 2 of 4
     [[2, 3, 4, 5]]
     """
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
-    world = _check_world("world_size", world_size)
+    require_tensor("x", x)
+    world = require_int("world_size", world_size, 1)
     _check_sharding(sharding)
     if not (isinstance(rank, numbers.Integral) and not isinstance(rank, bool) and 0 <= rank < world):
         raise ValueError(f"rank must be an int in [0, {world}), got {rank!r}")
@@ -249,8 +240,7 @@ def _reduce_scatter(out: torch.Tensor, x: torch.Tensor, group) -> None:
 def gather_sequence(x: torch.Tensor, *, group=None, sharding: str = "zigzag", dim: int = 1) -> torch.Tensor:
     """All-gather every rank's shard of a sequence and return the full sequence in order, on every
     rank (not differentiable: for checks, logging and evaluation)."""
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    require_tensor("x", x)
     _check_sharding(sharding)
     group, _, world = _resolve_group(group)
     _check_local_len("x", x.shape[dim], sharding)
@@ -391,9 +381,9 @@ def ring_steps(seqlen: int, world_size: int, *, sharding: str = "zigzag", causal
     """How many ring steps ``ring_flash_attn_func`` runs for a sequence of ``seqlen`` tokens in all
     over ``world_size`` ranks: ``world_size``, or fewer where a window never reaches the farthest
     blocks (contiguous sharding with a left window: 1 + ceil(left / L) steps)."""
-    world = _check_world("world_size", world_size)
+    world = require_int("world_size", world_size, 1)
     _check_sharding(sharding)
-    _check_shardable("seqlen", _check_world("seqlen", seqlen), world, sharding)
+    _check_shardable("seqlen", require_int("seqlen", seqlen, 1), world, sharding)
     return _ring_length(sharding, world, seqlen // world, causal, check_window(window_size, causal))
 
 
@@ -421,9 +411,9 @@ def rank_work(seqlen: int, world_size: int, *, sharding: str = "zigzag", causal:
     balanced sharding has equal entries down each column."""
     if count not in ("visible", "computed"):
         raise ValueError(f"count must be 'visible' or 'computed', got {count!r}")
-    world = _check_world("world_size", world_size)
+    world = require_int("world_size", world_size, 1)
     _check_sharding(sharding)
-    _check_shardable("seqlen", _check_world("seqlen", seqlen), world, sharding)
+    _check_shardable("seqlen", require_int("seqlen", seqlen, 1), world, sharding)
     window = check_window(window_size, causal)
     local = seqlen // world
     steps = _ring_length(sharding, world, local, causal, window)
@@ -636,7 +626,7 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, dlse):
         q, k, v, out, lse = ctx.saved_tensors
-        dout = torch.zeros_like(out) if dout is None else dout.contiguous()
+        dout = torch.zeros_like(out) if dout is None else last_dim_contiguous(dout)
         dq, dk, dv = ctx.comm.run(_ring_backward(ctx.plan, ctx.comm.rank, dout, dlse, q, torch.stack((k, v)),
                                                  out, lse))
         return dq, dk, dv, None, None
@@ -724,7 +714,7 @@ def ring_flash_attn_func(q, k, v, *options, group=None, softmax_scale=None, caus
 class _AllGatherAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, group, rank, world, plan):
-        kv = _gather_kv(k, v, group, world, plan.sharding)
+        kv = _gather_kv(k, v, group, plan.world, plan.sharding)
         out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         lse = torch.full((q.shape[0], q.shape[2], q.shape[1]), -math.inf, dtype=torch.float32, device=q.device)
         _forward_pieces(_gather_pieces(plan, rank), plan.scale, q, kv, out, lse, [])
@@ -738,8 +728,8 @@ class _AllGatherAttention(torch.autograd.Function):
     def backward(ctx, dout, dlse):
         q, k, v, out, lse = ctx.saved_tensors
         plan, world = ctx.plan, ctx.world
-        dout = torch.zeros_like(out) if dout is None else dout.contiguous()
-        kv = _gather_kv(k, v, ctx.group, world, plan.sharding)          # again: not kept between passes
+        dout = torch.zeros_like(out) if dout is None else last_dim_contiguous(dout)
+        kv = _gather_kv(k, v, ctx.group, plan.world, plan.sharding)     # again: not kept between passes
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
         _backward_pieces(_gather_pieces(plan, ctx.rank), plan.scale, dout, dlse, q, kv, out, lse, dq, dkv)
@@ -801,15 +791,10 @@ def simulate_ring_attention(q, k, v, *options, world_size, softmax_scale=None, c
     if options:
         raise TypeError(f"simulate_ring_attention takes q, k and v by position and every option by keyword, got "
                         f"{len(options)} more positional argument(s)")
-    world = _check_world("world_size", world_size)
-    _check_sharding(sharding)
-    scale = validate_qkv(q, k, v, "bshd", "softmax_scale", softmax_scale, causal)
-    if k.shape[1] != q.shape[1]:
-        raise ValueError(f"k and v must have q's sequence length ({q.shape[1]}), got {k.shape[1]}")
-    if not isinstance(return_lse, bool):
-        raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
+    world = require_int("world_size", world_size, 1)
+    scale, window = _validate(q, k, v, softmax_scale, causal, window_size, sharding, return_lse)
     _check_shardable("q", q.shape[1], world, sharding)
-    plan = _Plan(sharding, world, q.shape[1] // world, causal, check_window(window_size, causal), scale)
+    plan = _Plan(sharding, world, q.shape[1] // world, causal, window, scale)
     out, lse = _LoopbackRing.apply(q, k, v, plan)
     return (out, lse) if return_lse else out
 
@@ -834,8 +819,8 @@ def benchmark_steps(*, seqlen: int, world_size: int, batch: int = 1, heads: int 
     import triton.testing
 
     heads_kv = heads if heads_kv is None else heads_kv
-    world = _check_world("world_size", world_size)
-    _check_shardable("seqlen", seqlen, world, sharding)
+    world = require_int("world_size", world_size, 1)
+    _check_shardable("seqlen", seqlen, world, _check_sharding(sharding))
     window = check_window(window_size, causal)
     local = seqlen // world
     scale = head_dim ** -0.5
