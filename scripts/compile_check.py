@@ -60,7 +60,6 @@ class FakeProps:
     multi_processor_count: int
     shared_memory_per_block_optin: int
     gcnArchName: str = ""
-    regs_per_multiprocessor: int = 65536
 
 
 @dataclass(frozen=True)
@@ -567,6 +566,8 @@ def main():
     unknown = [k for k in keys if k not in TARGETS]
     if unknown:
         ap.error(f"unknown target(s) {unknown}; choose from {', '.join(TARGETS)}")
+    if a.jobs > 1 and (a.sass or a.sass_dump):
+        ap.error("--sass and --sass-dump run in one process: leave out --jobs")
     if a.sass_dump:
         os.makedirs(a.sass_dump, exist_ok=True)
     start = time.perf_counter()

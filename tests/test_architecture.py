@@ -108,3 +108,15 @@ def test_kernel_modules_are_leaves():
                 assert src == "kernels.dispatch", f"{src} imports the kernel module {dst}"
         if src in LEAVES:
             assert not set(edges) & LEAVES, f"{src} imports {set(edges) & LEAVES}"
+
+
+def test_drills_mine_is_generated_from_the_solutions():
+    """drills/mine/ is solutions/ with each kernel body replaced by its TODO list (make_mine.py): a
+    solution edited without regenerating mine/ fails here, in the main suite."""
+    import importlib.util
+
+    path = SRC.parents[1] / "drills" / "make_mine.py"
+    spec = importlib.util.spec_from_file_location("drills_make_mine", path)
+    make_mine = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(make_mine)
+    assert make_mine.main(["--check"]) == 0

@@ -16,6 +16,7 @@ Layouts:
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -308,16 +309,23 @@ class FlashInfer(Provider):
 def _drill_providers() -> list[Provider]:
     """drill:t5 / drill:t5-solution (drills/bench_hook.py), where the repository's drills/ is present
     (an installed wheel has none). Run only when named."""
+    hook = _drill_hook()
+    return hook.drill_providers() if hook is not None else []
+
+
+@functools.cache
+def _drill_hook():
+    """drills/bench_hook.py, loaded once (None without the repository's drills/)."""
     import importlib.util
     from pathlib import Path
 
-    hook = Path(__file__).resolve().parents[3] / "drills" / "bench_hook.py"
-    if not hook.exists():
-        return []
-    spec = importlib.util.spec_from_file_location("triflash_drills_bench_hook", hook)
+    path = Path(__file__).resolve().parents[3] / "drills" / "bench_hook.py"
+    if not path.exists():
+        return None
+    spec = importlib.util.spec_from_file_location("triflash_drills_bench_hook", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return module.drill_providers()
+    return module
 
 
 def dense_providers() -> list[Provider]:

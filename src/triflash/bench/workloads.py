@@ -64,7 +64,7 @@ def visible_entries(seqlen_q: int, seqlen_k: int, window: tuple[int, int], causa
     causal bounds the right side at 0)."""
     left, right = window
     if causal:
-        right = 0 if right < 0 else min(right, 0)
+        right = 0                     # causal bounds the right side at the diagonal
     rows = torch.arange(seqlen_q, dtype=torch.int64) + (seqlen_k - seqlen_q)
     lo = (rows - left).clamp(min=0) if left >= 0 else torch.zeros_like(rows)
     hi = (rows + right).clamp(max=seqlen_k - 1) if right >= 0 else torch.full_like(rows, seqlen_k - 1)

@@ -547,7 +547,7 @@ def decode_config(*, head_dim: int, dtype, rows: int, batch: int, heads_kv: int,
     import torch
 
     facts = None if INTERPRET else device_facts(device)
-    sms = INTERPRETER_SM_COUNT if INTERPRET else sm_count(device)
+    sms = INTERPRETER_SM_COUNT if INTERPRET else facts.sm_count
     if (gluon_suits is not None and not INTERPRET and head_dim == 128 and facts.hopper
             and max_seqlen >= GLUON_DECODE_MIN_KEYS):
         programs = batch * heads_kv * cdiv(max(1, rows), GLUON_DECODE_ROWS)
