@@ -334,6 +334,8 @@ def test_variant_arguments_are_checked(device):
     assert_raises_naming(ValueError, ["softcap", ">= 0", "-1.0"], f, q, k, v, softcap=-1.0)
     assert_raises_naming(ValueError, ["softcap", "finite", "inf"], f, q, k, v, softcap=float("inf"))
     assert_raises_naming(ValueError, ["softcap", "nan"], f, q, k, v, softcap=float("nan"))
+    # past float32 (the kernels' type for it): NaN outputs before the range check
+    assert_raises_naming(ValueError, ["softcap", "2^127", "1e+39"], f, q, k, v, softcap=1e39)
     assert_raises_naming(TypeError, ["alibi_slopes", "torch.Tensor", "list"], f, q, k, v, alibi_slopes=[0.1] * 4)
     assert_raises_naming(TypeError, ["alibi_slopes.dtype", "float32", "float16"], f, q, k, v,
                          alibi_slopes=torch.rand(4, device=device, dtype=torch.float16))
@@ -367,3 +369,15 @@ def test_variant_arguments_are_checked(device):
     assert_raises_naming(ValueError, ["softcap", ">= 0"], kv, q, cache, cache, softcap=-2.0)
     assert_raises_naming(ValueError, ["alibi_slopes", "(4,)"], kv, q, cache, cache,
                          alibi_slopes=torch.zeros(5, device=device))
+
+
+def test_backward_with_sinks_needs_its_dsink_tensor():
+    """dispatch.backward writes dsink into the caller's tensor: without one it raises, naming it (it
+    failed with an AttributeError on empty inputs and dropped the gradient on others)."""
+    from triflash.kernels import dispatch
+    from triflash.kernels.common import ScoreVariant
+
+    q = torch.randn(1, 4, 2, 16)
+    lse = torch.zeros(1, 2, 4)
+    with pytest.raises(ValueError, match="dsink"):
+        dispatch.backward(q, q, q, q, q, lse, 0.25, False, scores=ScoreVariant(sinks=torch.zeros(2)))

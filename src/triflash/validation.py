@@ -111,12 +111,7 @@ SCALE_RANGE = (2.0**-126, 2.0**127)
 def check_scale(softmax_scale, name: str, head_dim: int) -> float:
     if softmax_scale is None:
         return 1.0 / math.sqrt(head_dim)
-    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real):
-        raise TypeError(f"{name} must be a real number or None, got {type_name(softmax_scale)}")
-    try:
-        scale = float(softmax_scale)
-    except OverflowError:
-        scale = math.inf
+    scale = _real(name, softmax_scale, "a real number or None")
     if not (math.isfinite(scale) and scale > 0):
         raise ValueError(f"{name} must be a finite number > 0, got {softmax_scale!r}")
     if not SCALE_RANGE[0] <= scale <= SCALE_RANGE[1]:
@@ -180,16 +175,25 @@ def require_int(name: str, value, minimum: int = 0) -> int:
 
 
 def check_softcap(softcap) -> float:
-    """softcap: a finite real number >= 0 (0: no soft-capping)."""
-    if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
-        raise TypeError(f"softcap must be a real number (0.0: no soft-capping), got {type_name(softcap)}")
-    try:
-        value = float(softcap)
-    except OverflowError:
-        value = math.inf
+    """softcap: 0 (no soft-capping) or a normal float32 number > 0 (the kernels hold it, and the
+    scale divided by it, in float32: 1e39 gave NaN outputs)."""
+    value = _real("softcap", softcap, "a real number (0.0: no soft-capping)")
     if not (math.isfinite(value) and value >= 0):
         raise ValueError(f"softcap must be a finite number >= 0 (0.0: no soft-capping), got {softcap!r}")
+    if value and not SCALE_RANGE[0] <= value <= SCALE_RANGE[1]:
+        raise ValueError(f"softcap must be 0 or between 2^-126 and 2^127 (a normal float32 number, as the "
+                         f"kernels use it), got {softcap!r}")
     return value
+
+
+def _real(name: str, value, expected: str) -> float:
+    """A Python / numpy real number as a float (inf where it overflows one); TypeError otherwise."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be {expected}, got {type_name(value)}")
+    try:
+        return float(value)
+    except OverflowError:
+        return math.inf
 
 
 def check_score_variants(softcap, alibi_slopes, sinks, q: torch.Tensor, batch: int, heads_q: int,

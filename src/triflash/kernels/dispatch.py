@@ -238,6 +238,9 @@ def backward(dout, q, k, v, out, lse, sm_scale: float, causal: bool, *, dlse=Non
     the forward's); with sinks, their gradient [Hq] float32 is written into ``dsink`` (allocated
     by the caller; ``backward._sink_grad_kernel``)."""
     _check_backend(q, "backward")
+    if scores.sinks is not None and dsink is None:
+        raise ValueError("dsink: the backward with sinks writes their gradient into a [Hq] float32 tensor "
+                         "the caller allocates; got None")
     max_q, max_k = (varlen.max_seqlen_q, varlen.max_seqlen_k) if varlen is not None else (q.shape[1], k.shape[1])
     causal, window = window_bounds(window, causal, max_q, max_k)
     dout = last_dim_contiguous(dout)
