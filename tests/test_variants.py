@@ -166,6 +166,7 @@ def test_variants_on_packed_sequences(device):
     dout, dlse = torch.randn_like(out), torch.randn_like(lse)
     grads = torch.autograd.grad((out, lse), (q, k, v, sinks), (dout, dlse))
     dsink_ref = torch.zeros(HEADS_Q, dtype=torch.float64, device=device)
+    dsink_same = torch.zeros(HEADS_Q, dtype=torch.float32, device=device)
     for b in range(len(lengths)):
         rows, keys = slice(cu[0][b], cu[0][b + 1]), slice(cu[1][b], cu[1][b + 1])
         if lq[b] == 0:
@@ -176,10 +177,15 @@ def test_variants_on_packed_sequences(device):
         ref = _ref_grads(qb, kb, vb, dout[None, rows], dlse[None, :, rows], torch.float64, sinks=sinks,
                          causal=True, **seq)
         dsink_ref += ref[3]
+        dsink_same += _ref_grads(qb, kb, vb, dout[None, rows], dlse[None, :, rows], None, sinks=sinks, causal=True,
+                                 **seq)[3]
         if lk[b]:
             _check_backward((grads[0][None, rows], grads[1][None, keys], grads[2][None, keys]), qb, kb, vb,
                             dout[None, rows], dlse[None, :, rows], causal=True, sinks=sinks, **seq)
-    assert max_err(grads[3], dsink_ref) <= 1e-2 * max(1.0, dsink_ref.abs().max().item())
+    # dsink summed over the sequences, under the 3x rule against PyTorch's same-dtype sum (bf16 inputs,
+    # its sinks in float32), with the floor relative to the largest reference entry.
+    floor = relative(FLOOR[dtype], dsink_ref)
+    assert max_err(grads[3], dsink_ref) <= 3 * max_err(dsink_same, dsink_ref) + floor
 
 
 @pytest.mark.parametrize("num_splits", [1, 3])

@@ -22,7 +22,7 @@ import torch
 
 from . import autograd as _autograd
 from .kernels import launch
-from .kernels.common import Varlen
+from .kernels.common import Varlen, unit_stride
 from .kernels.common import last_dim_contiguous as _last_dim_contiguous
 from .validation import (
     LAYOUTS,
@@ -103,11 +103,6 @@ def _validate_dense(q, k, v, layout, scale_name, softmax_scale, causal, return_l
     return scale, window, check_score_variants(softcap, alibi_slopes, sinks, q, qs.batch, qs.heads)
 
 
-def _unit_stride(sinks):
-    """The kernels read the sinks with unit stride (a copy of a strided [Hq] vector, differentiable)."""
-    return sinks if sinks is None or sinks.stride(0) == 1 or sinks.shape[0] <= 1 else sinks.contiguous()
-
-
 def dense_call(q, k, v, layout, scale_name, softmax_scale, causal, return_lse, window_size, dropout_p=0.0,
                softcap=0.0, alibi_slopes=None, sinks=None):
     """flash_attn_func and attention (and integrations' SDPA signature): validate (once per call key),
@@ -128,7 +123,7 @@ def dense_call(q, k, v, layout, scale_name, softmax_scale, causal, return_lse, w
     if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
         q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
     out, lse = _autograd.forward(q, k, v, scale, causal, layout == "bhsd", *window, softcap, alibi_slopes,
-                                 _unit_stride(sinks), entry=entry)
+                                 unit_stride(sinks), entry=entry)
     return (out, lse) if return_lse else out
 
 
@@ -352,5 +347,5 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         cu_seqlens_q, cu_seqlens_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()
     varlen = Varlen(cu_seqlens_q, cu_seqlens_k, max_q, max_k)
     out, lse = _autograd.varlen_forward(q, k, v, varlen, scale, causal, window, softcap, alibi_slopes,
-                                        _unit_stride(sinks), entry=entry)
+                                        unit_stride(sinks), entry=entry)
     return (out, lse) if return_lse else out

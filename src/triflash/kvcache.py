@@ -21,7 +21,7 @@ from typing import NamedTuple
 import torch
 
 from .kernels import dispatch, launch
-from .kernels.common import ScoreVariant
+from .kernels.common import ScoreVariant, unit_stride
 from .kernels.common import last_dim_contiguous as _last_dim_contiguous
 from .validation import (
     check_device,
@@ -266,8 +266,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
     if plan is None:
         plan = entry.sub[max_seqlen] = launch.Entry()
         plan.plan = entry.plan               # False where the key could not be kept
-    if sinks is not None and sinks.stride(0) != 1:
-        sinks = sinks.contiguous()
+    sinks = unit_stride(sinks)
     out, lse = launch.call(plan, _decode_call, (q, k_cache, v_cache, cache_seqlens, block_table, alibi_slopes, sinks),
                            seqlen_new, max_seqlen, checked.scale, causal, checked.num_splits, checked.window,
                            checked.softcap)

@@ -120,6 +120,12 @@ def last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 or t.shape[-1] == 1 else t.contiguous()
 
 
+def unit_stride(vec: torch.Tensor | None) -> torch.Tensor | None:
+    """A [N] vector the kernels read with unit stride (the sinks): a differentiable copy only where it
+    has another stride."""
+    return vec if vec is None or vec.stride(0) == 1 or vec.shape[0] <= 1 else vec.contiguous()
+
+
 LOG2E = math.log2(math.e)   # host side: qk_scale = sm_scale * LOG2E, rounded once to fp32
 # The same constants inside kernels.
 LOG2E_K = tl.constexpr(LOG2E)
