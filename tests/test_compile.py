@@ -215,7 +215,7 @@ def _count_launches(monkeypatch, name):
 
 # torch.jit is deprecated, and tracing warns about the argument checks' shape comparisons (constants
 # in a trace, as they should be): the warnings are torch's, about what this test does on purpose.
-@pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::torch.jit.TracerWarning")
+@pytest.mark.filterwarnings("ignore:`torch.jit.trace` is deprecated", "ignore::torch.jit.TracerWarning")
 def test_vmap_and_jit_trace_go_through_the_op(device, monkeypatch):
     """torch.func.vmap hands batched tensors without storage, and torch.jit.trace records only ops:
     both must take the custom op, never the bare launch. vmap goes through the op's batching rule
