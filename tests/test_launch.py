@@ -109,6 +109,60 @@ def test_partial_gradients_replay_like_plain(device):
     _assert_replays_like_plain(call, make)
 
 
+def _restrided(t):
+    """t's values in a tensor of other strides (heads outermost), as a saved-tensor hook may return."""
+    if t.dim() != 4:
+        return t.clone()
+    return torch.empty(t.shape[0], t.shape[2], t.shape[1], t.shape[3], dtype=t.dtype,
+                       device=t.device).transpose(1, 2).copy_(t)
+
+
+def test_backward_after_saved_tensor_hooks_replays_like_plain(device):
+    """Saved tensors that come back from a hook with other strides key their own backward plan: the
+    short key (dout alone) serves only backwards whose forward ran without hooks. Both kinds of call
+    on one forward shape, interleaved, each equal to the plain path."""
+    def call(q, k, v, dout, hooked):
+        if not hooked:
+            return torch.autograd.grad(triflash.flash_attn_func(q, k, v, causal=True), (q, k, v), dout)
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: t, _restrided):
+            out = triflash.flash_attn_func(q, k, v, causal=True)
+        return torch.autograd.grad(out, (q, k, v), dout)
+
+    def make():
+        q, k, v = _qkv(2, 40, 4, 2, 32, grad=True, device=device)
+        return q, k, v, torch.randn_like(q)
+    launch.clear_plans()
+    cases = [make() for _ in range(2)]
+    launch.ENABLED = False
+    try:
+        want = {(i, h): call(*c, h) for i, c in enumerate(cases) for h in (False, True)}
+    finally:
+        launch.ENABLED = True
+    before = _replays()
+    for _ in range(3):
+        for h in (False, True, False):
+            for i, c in enumerate(cases):
+                _same(call(*c, h), want[i, h])
+    assert _replays() >= before + 6, "the repeated calls did not replay a plan"
+
+
+def test_eager_backward_allocates_only_the_gradients_it_returns(device):
+    """The eager backward's plan allocates the gradients asked for and the row statistics, and no
+    empty placeholders (each allocation is host time on every call)."""
+    launch.clear_plans()
+    q, k, v = _qkv(1, 32, 4, 2, 32, grad=True, device=device)
+    q.requires_grad_(False)
+    dout = torch.randn_like(q)
+    for _ in range(3):
+        torch.autograd.grad(triflash.flash_attn_func(q, k, v, causal=True), (k, v), dout)
+    backward = [p for p in launch.plans() if any(a[0] == tuple(k.shape) for a in p.allocs)]
+    assert backward, "no backward plan was recorded"
+    for plan in backward:
+        sizes = [a[0] for a in plan.allocs]
+        assert all(0 not in size and size != (0,) for size in sizes), f"placeholder allocations: {sizes}"
+        assert tuple(q.shape) not in sizes, f"a dq buffer nobody asked for: {sizes}"
+
+
 def test_bhsd_layout_replays_like_plain(device):
     _assert_replays_like_plain(
         lambda q, k, v: triflash.attention(q, k, v, causal=True),

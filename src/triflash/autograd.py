@@ -100,8 +100,11 @@ def forward(q: Tensor, k: Tensor, v: Tensor, softmax_scale: float, causal: bool,
         return attn_fwd(q, k, v, softmax_scale, causal, bhsd, window_left, window_right, *variant)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
                                     or (sinks is not None and sinks.requires_grad)):
-        return _EagerAttention.apply(q, k, v, softmax_scale, causal, bhsd, window_left, window_right, *variant,
-                                     entry)
+        call = (softmax_scale, causal, bhsd, window_left, window_right, softcap, alibi_slopes, entry)
+        # A keyed call holds plain tensors (launch.meta read their storage): no dead functorch
+        # wrapper for Function.apply's Python layer to unwrap, so the C++ apply is called directly.
+        apply = _EAGER_APPLY if entry is not None and entry.keyed else _EagerAttention.apply
+        return apply(q, k, v, sinks, call)
     return launch.call(entry, _forward_call, (q, k, v, alibi_slopes, sinks), softmax_scale, causal, bhsd,
                        window_left, window_right, softcap)
 
@@ -124,8 +127,9 @@ def _needs_op(q: Tensor, k: Tensor, v: Tensor, *optional: Tensor | None) -> bool
         return True
     if type(q) is not Tensor or type(k) is not Tensor or type(v) is not Tensor:
         return True                        # FakeTensor, DTensor, other subclasses
-    if any(t is not None and type(t) is not Tensor for t in optional):
-        return True
+    for t in optional:
+        if t is not None and type(t) is not Tensor:
+            return True
     if torch._C._are_functorch_transforms_active():
         return True                        # vmap / jvp / grad: batched or dual tensors, no storage
     if torch.jit.is_tracing():
@@ -204,14 +208,17 @@ def _dsink_buffer(lse: Tensor, sinks: Tensor | None) -> Tensor:
 def backward_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                   dlse: Tensor | None, softmax_scale: float, causal: bool, bhsd: bool, need_dq: bool,
                   need_dkdv: bool, window_left: int = -1, window_right: int = -1, softcap: float = 0.0,
-                  alibi_slopes: Tensor | None = None,
-                  sinks: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Gradients (dq, dk, dv, dsink) in the inputs' layouts. Gradients not asked for come back empty
-    (0 elements); dsink is [Hq] float32 with sinks, else empty."""
-    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device) if need_dq else q.new_empty(0)
-    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device) if need_dkdv else k.new_empty(0)
-    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device) if need_dkdv else v.new_empty(0)
-    dsink = _dsink_buffer(lse, sinks)
+                  alibi_slopes: Tensor | None = None, sinks: Tensor | None = None, *,
+                  placeholders: bool = True) -> tuple[Tensor | None, ...]:
+    """Gradients (dq, dk, dv, dsink) in the inputs' layouts; dsink is [Hq] float32 with sinks. Gradients
+    not asked for, and dsink without sinks, come back empty (0 elements) as the op's schema wants, or
+    None with ``placeholders=False`` (the eager road: each allocation is host time)."""
+    def unasked(t):
+        return t.new_empty(0) if placeholders else None
+    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device) if need_dq else unasked(q)
+    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device) if need_dkdv else unasked(k)
+    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device) if need_dkdv else unasked(v)
+    dsink = _dsink_buffer(lse, sinks) if sinks is not None or placeholders else None
     dispatch.backward(
         _bshd(dout, bhsd), _bshd(q, bhsd), _bshd(k, bhsd), _bshd(v, bhsd), _bshd(out, bhsd), lse,
         softmax_scale, causal, dlse=dlse,
@@ -223,10 +230,10 @@ def backward_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, ls
     return dq, dk, dv, dsink
 
 
-def _backward_call(dout, q, k, v, out, lse, dlse, alibi_slopes, sinks, *args):
-    """``backward_impl`` with every tensor first (``launch.call``'s inputs); ``args``: the scalars from
-    softmax_scale to softcap."""
-    return backward_impl(dout, q, k, v, out, lse, dlse, *args, alibi_slopes, sinks)
+def _eager_backward_call(dout, q, k, v, out, lse, dlse, alibi_slopes, sinks, *args):
+    """``backward_impl`` with every tensor first (``launch.call``'s inputs) and no placeholder
+    allocations; ``args``: the scalars from softmax_scale to softcap."""
+    return backward_impl(dout, q, k, v, out, lse, dlse, *args, alibi_slopes, sinks, placeholders=False)
 
 
 @torch.library.custom_op("triflash::attn_bwd", mutates_args=())
@@ -294,45 +301,58 @@ def _save(ctx, q, k, v, out, lse, softmax_scale, causal, bhsd, window_left=-1, w
     ctx.set_materialize_grads(False)
 
 
-def _gradients(ctx, dout, dlse, backward_fn=None):
-    """The autograd formula of both roads. ``backward_fn``: the op (attn_bwd), or None to choose, as
-    the eager road does: the op when the backward is recorded (create_graph=True: the op says it has
-    no derivative, so a second backward raises instead of silently leaving out the second-order
-    terms, which torch's once_differentiable would do here) or watched (compiled autograd traces it
-    with fake tensors; a dispatch mode around the backward alone), else the implementation, through
-    the forward's call cache (a plan keyed on the saved tensors and dout)."""
+def _gradients(ctx, dout, dlse, backward_fn):
+    """The autograd formula of the op and the torch.func road: ``backward_fn`` (the op, attn_bwd, or
+    a Function around it) computes the gradients autograd asks for. The eager road
+    (``_EagerAttention.backward``) takes the op too when its backward is recorded (create_graph=True:
+    the op says it has no derivative, so a second backward raises instead of silently leaving out the
+    second-order terms, which torch's once_differentiable would do here) or watched (compiled
+    autograd traces it with fake tensors; a dispatch mode around the backward alone)."""
     q, k, v, out, lse, alibi_slopes, sinks = ctx.saved_tensors   # once: each read runs the saved-tensor hooks
-    entry = None
-    if backward_fn is None:
-        if torch.is_grad_enabled() or _needs_op(q, k, v, alibi_slopes, sinks):
-            backward_fn = attn_bwd
-        else:
-            backward_fn, entry = backward_impl, getattr(ctx, "entry", None)
 
     def run(dout, need_dq, need_dkdv):
         args = (ctx.softmax_scale, ctx.causal, ctx.bhsd, need_dq, need_dkdv, *ctx.window, ctx.softcap)
-        inputs = (dout, q, k, v, out, lse, dlse)
-        if entry is None:
-            return backward_fn(*inputs, *args, alibi_slopes, sinks)
-        return launch.call(_backward_entry(entry, inputs + (alibi_slopes, sinks), need_dq, need_dkdv),
-                           _backward_call, inputs + (alibi_slopes, sinks), *args)
+        return backward_fn(dout, q, k, v, out, lse, dlse, *args, alibi_slopes, sinks)
     return _input_grads(ctx, dout, out, run, _SINKS_INPUT)
 
 
-def _backward_entry(entry, inputs, need_dq: bool, need_dkdv: bool):
-    """The backward's call-cache entry under the forward's: keyed on every tensor it reads (saved
-    tensors can come back from hooks with other strides) and which gradients are asked for."""
+def _backward_entry(entry, inputs, need_dq: bool, need_dkdv: bool, as_saved: bool = False):
+    """The backward's call-cache entry under the forward's, keyed on which gradients are asked for
+    and every tensor it reads: saved tensors can come back from hooks with other strides. With
+    ``as_saved`` (no hooks at the forward) they are the forward's own tensors, which the forward's
+    key and plan fix, and dout and dlse are the only new ones."""
     if entry.sub is None:
         entry.sub = {}
-    if type(inputs[0]) is not Tensor or type(inputs[6]) not in (Tensor, type(None)):
+    dout, dlse = inputs[0], inputs[6]
+    if type(dout) is not Tensor or type(dlse) not in (Tensor, type(None)):
         return None
-    key = (need_dq, need_dkdv, *(None if t is None else launch.meta(t) for t in inputs))
+    if as_saved:
+        key = (need_dq, need_dkdv, launch.meta(dout), None if dlse is None else launch.meta(dlse))
+    else:
+        key = (need_dq, need_dkdv, *(None if t is None else launch.meta(t) for t in inputs))
     sub = entry.sub.get(key)
     if sub is None:
         if len(entry.sub) >= 64:
             entry.sub.clear()
-        sub = entry.sub[key] = launch.Entry()
+        sub = entry.sub[key] = launch.Entry(keyed=True)
     return sub
+
+
+_TOP_HOOKS = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+
+
+def _no_saved_tensor_hooks() -> bool:
+    """No default saved-tensor hooks are set (torch.autograd.graph.saved_tensors_hooks; False where
+    this torch cannot tell)."""
+    return _TOP_HOOKS is not None and _TOP_HOOKS(False) is None
+
+
+def _eager_apply(cls):
+    """``cls.apply`` without Function.apply's Python layer (argument binding for setup_context
+    Functions, functorch checks, unwrapping dead functorch wrappers), where this torch has the
+    C++ apply it calls; else ``cls.apply``."""
+    raw = getattr(torch._C._FunctionBase, "__dict__", {}).get("apply")
+    return raw.__get__(None, cls) if hasattr(raw, "__get__") else cls.apply
 
 
 def _input_grads(ctx, dout, out, run, sinks_input: int):
@@ -361,22 +381,48 @@ attn_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 class _EagerAttention(torch.autograd.Function):
     """The op's forward and autograd formula as a plain autograd.Function (see the module docstring).
-    The forward takes ``ctx`` itself: the setup_context style binds arguments through inspect.signature
-    on every call."""
+
+    Host time per call is what it is for: the scalars travel as one tuple (``call``: softmax_scale,
+    causal, bhsd, window_left, window_right, softcap, alibi_slopes, entry), since autograd handles each
+    input of a Function (and each gradient slot of its backward) one by one; the forward takes ``ctx``
+    itself (the setup_context style binds arguments through inspect.signature on every call); and
+    the backward replays from a plan keyed on dout alone when the saved tensors come back as they
+    were saved (no saved-tensor hooks at the forward)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, softmax_scale, causal, bhsd, window_left=-1, window_right=-1, softcap=0.0,
-                alibi_slopes=None, sinks=None, entry=None):
+    def forward(ctx, q, k, v, sinks, call):
+        softmax_scale, causal, bhsd, window_left, window_right, softcap, alibi_slopes, entry = call
         out, lse = launch.call(entry, _forward_call, (q, k, v, alibi_slopes, sinks), softmax_scale, causal, bhsd,
                                window_left, window_right, softcap)
-        _save(ctx, q, k, v, out, lse, softmax_scale, causal, bhsd, window_left, window_right, softcap,
-              alibi_slopes, sinks)
-        ctx.entry = entry
+        ctx.save_for_backward(q, k, v, out, lse, sinks)
+        ctx.call = call
+        # Saved tensors come back as saved unless a pack hook is set (save_on_cpu, checkpointing):
+        # then the backward's plan key needs only dout's metadata.
+        ctx.as_saved = entry is not None and entry.keyed and _no_saved_tensor_hooks()
+        ctx.set_materialize_grads(False)       # as _save: an unused lse's gradient stays None
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        return _gradients(ctx, dout, dlse)
+        q, k, v, out, lse, sinks = ctx.saved_tensors
+        softmax_scale, causal, bhsd, window_left, window_right, softcap, alibi_slopes, entry = ctx.call
+        needs = ctx.needs_input_grad
+        need_dq, need_dkdv = needs[0], needs[1] or needs[2]
+        if dout is None:                       # a loss on lse alone
+            dout = torch.zeros_like(out)
+        args = (softmax_scale, causal, bhsd, need_dq, need_dkdv, window_left, window_right, softcap)
+        inputs = (dout, q, k, v, out, lse, dlse, alibi_slopes, sinks)
+        if torch.is_grad_enabled() or _needs_op(q, k, v, alibi_slopes, sinks):
+            # Recorded (create_graph) or watched: through the op (see _gradients).
+            dq, dk, dv, dsink = attn_bwd(*inputs[:7], *args, alibi_slopes, sinks)
+        else:
+            sub = None if entry is None else _backward_entry(entry, inputs, need_dq, need_dkdv, ctx.as_saved)
+            dq, dk, dv, dsink = launch.call(sub, _eager_backward_call, inputs, *args)
+        return (dq if need_dq else None, dk if needs[1] else None, dv if needs[2] else None,
+                dsink if needs[3] else None, None)
+
+
+_EAGER_APPLY = _eager_apply(_EagerAttention)
 
 
 class _FunctorchAttention(torch.autograd.Function):

@@ -13,7 +13,7 @@ from typing import NamedTuple
 
 import torch
 
-from .kernels import configs
+from .kernels import configs, launch
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -233,8 +233,8 @@ def check_score_variants(softcap, alibi_slopes, sinks, q: torch.Tensor, batch: i
 def variant_key(softcap, alibi_slopes, sinks):
     """The score variants' part of a call key (None: no key, validate on every call: a tensor that
     is not a plain one, or slopes that require grad, which validation refuses while autograd records)."""
-    from .kernels import launch
-
+    if alibi_slopes is None and sinks is None:
+        return (softcap, softcap.__class__, None, None)
     if alibi_slopes is not None and alibi_slopes.requires_grad:
         return None
     return (softcap, softcap.__class__, None if alibi_slopes is None else launch.meta(alibi_slopes),

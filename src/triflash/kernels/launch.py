@@ -52,7 +52,11 @@ MAX_KEYS = 4096
 # Why the last recording that failed could not be replayed (for tests and debugging).
 LAST_FAILURE: str | None = None
 
-_local = threading.local()
+class _Local(threading.local):
+    recorder = None                 # the recording in progress on this thread, if any
+
+
+_local = _Local()
 _CACHES: list[dict] = []
 
 
@@ -81,12 +85,14 @@ def cache() -> dict:
 
 class Entry:
     """One call shape: what validation resolved (``info``), calls seen, and its plan (None until
-    recorded, False when not replayable). ``sub`` holds dependent shapes (a forward's backwards)."""
+    recorded, False when not replayable). ``sub`` holds dependent shapes (a forward's backwards).
+    ``keyed``: the entry belongs to a key (its tensors are plain ones with storage); an unkeyed
+    entry lives for one call."""
 
-    __slots__ = ("info", "plan", "calls", "sub")
+    __slots__ = ("info", "plan", "calls", "sub", "keyed")
 
-    def __init__(self, info=None):
-        self.info, self.plan, self.calls, self.sub = info, None, 0, None
+    def __init__(self, info=None, keyed=False):
+        self.info, self.plan, self.calls, self.sub, self.keyed = info, None, 0, None, keyed
 
 
 def lookup(table: dict, key, validate, *args):
@@ -103,7 +109,7 @@ def lookup(table: dict, key, validate, *args):
         entry.plan = False
         return entry
     if entry is None:
-        entry = Entry(validate(*args))
+        entry = Entry(validate(*args), keyed=True)
         if len(table) >= MAX_KEYS:
             table.clear()
         table[key] = entry
@@ -124,7 +130,7 @@ def meta(t: torch.Tensor) -> tuple:
 def call(entry: Entry | None, fn, inputs: tuple, *args):
     """``fn(*inputs, *args)``, through ``entry``'s plan once it has one. ``inputs`` are the call's
     tensors (None allowed), ``args`` everything else; both must be determined by the entry's key."""
-    if entry is None or not ENABLED or getattr(_local, "recorder", None) is not None:
+    if entry is None or not ENABLED or _local.recorder is not None:
         return fn(*inputs, *args)
     plan = entry.plan
     if plan:
@@ -144,7 +150,7 @@ def call(entry: Entry | None, fn, inputs: tuple, *args):
 def run(kernel, grid, *args, **kwargs):
     """Launch ``kernel`` over ``grid``: ``kernel[grid](*args, **kwargs)``, noted by the recorder
     when a plan is being recorded."""
-    recorder = getattr(_local, "recorder", None)
+    recorder = _local.recorder
     if recorder is None:
         return kernel[grid](*args, **kwargs)
     with _disable_current_modes():
