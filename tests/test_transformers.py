@@ -234,6 +234,27 @@ def test_padding_segments(rows, seqlen_q, expect_q, expect_k):
         assert q_len == q_rows[b].sum() and k_len == keys[b].sum()
 
 
+def test_layers_share_the_padding_offsets(device, monkeypatch):
+    """The layers of one forward pass get the same mask tensor: its offsets are derived once, and again
+    for other queries or after the mask changed in place; each call equals the one computed afresh."""
+    derived = []
+    real = integrations._padding_segments
+    monkeypatch.setattr(integrations, "_padding_segments", lambda *a: derived.append(1) or real(*a))
+    keys = torch.tensor([[False, True, True, True], [True, True, True, False]], device=device)
+    q, k, v = (torch.randn(2, 4, 2, 16, dtype=torch.float16, device=device) for _ in range(3))
+
+    def fresh(q, k, v, keys):
+        return integrations._padded(q, k, v, keys.clone(), None, True, (-1, -1))
+    for _ in range(3):                                    # three layers
+        assert torch.equal(integrations._padded(q, k, v, keys, None, True, (-1, -1)), fresh(q, k, v, keys))
+    assert len(derived) == 1 + 3                          # once for the layers, once per fresh call
+    q1 = q[:, -1:]
+    assert torch.equal(integrations._padded(q1, k, v, keys, None, True, (-1, -1)), fresh(q1, k, v, keys))
+    keys[0, 0] = True                                     # changed in place: new offsets
+    assert torch.equal(integrations._padded(q, k, v, keys, None, True, (-1, -1)), fresh(q, k, v, keys))
+    assert len(derived) == 4 + 2 + 2
+
+
 def _queries(q_length, q_offset=0):
     """The queries' arguments of a mask builder call: q_length and q_offset (recent transformers), or
     their positions, cache_position (up to transformers 5.1 or so)."""

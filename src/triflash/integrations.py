@@ -306,7 +306,17 @@ def _padded(q, k, v, keys, scale, causal, window, softcap=0.0, sinks=None):
     batch, seqlen_q, heads, head_dim = q.shape
     seqlen_k = keys.shape[1]
     k, v = k[:, :seqlen_k], v[:, :seqlen_k]
-    cu_q, cu_k, q_rows = _padding_segments(keys, seqlen_q)
+    # Every layer of a forward pass gets the same mask tensor from the mask builder: its offsets are
+    # derived once (a dozen small device ops) and kept on it, keyed on the queries' length and the
+    # mask's version (a mask changed in place gets new offsets).
+    cached = getattr(keys, "_triflash_segments", None)
+    if cached is not None and cached[0] == (seqlen_q, keys._version):
+        cu_q, cu_k = cached[1]
+        q_rows = keys[:, seqlen_k - seqlen_q:]
+    else:
+        cu_q, cu_k, q_rows = _padding_segments(keys, seqlen_q)
+        if type(keys) is torch.Tensor and not torch.compiler.is_compiling():
+            keys._triflash_segments = ((seqlen_q, keys._version), (cu_q, cu_k))
     out = api.flash_attn_varlen_func(q.reshape(batch * seqlen_q, heads, head_dim),
                                      k.reshape(batch * seqlen_k, *k.shape[2:]),
                                      v.reshape(batch * seqlen_k, *v.shape[2:]),
