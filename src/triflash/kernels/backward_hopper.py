@@ -24,8 +24,6 @@ writer (``_bwd_writer``). Numerics are backward.py's fp16/bf16 path: P recompute
 input dtype for their products. Rows past the ends read as zeros and are never stored.
 """
 
-from __future__ import annotations
-
 import torch
 import triton
 import triton.language as tl
@@ -43,7 +41,19 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTen
 from . import launch
 from .common import LOG2E, on_input_device
 from .configs import cdiv, gluon_hopper_applies, sm_count
-from .sm90_common import PLAIN, descriptor, row_limits, shared_layout, tile_coords, tma_supported
+from .sm90_common import (
+    PLAIN,
+    SCALAR,
+    SMEM,
+    Ring,
+    aggregate,
+    constexprs,
+    descriptor,
+    row_limits,
+    shared_layout,
+    tile_coords,
+    tma_supported,
+)
 
 BLOCK_N = 128              # keys per CTA: 64 per consumer partition
 NUM_WG = 2                 # consumer partitions (one warpgroup each)
@@ -110,6 +120,111 @@ def variant_config(variant: str, head_dim: int) -> dict:
 
 
 # --------------------------------------------------------------------------------------------------
+# Kernel state
+# --------------------------------------------------------------------------------------------------
+
+@aggregate
+class BwdConfig:
+    """The compile-time configuration of a dK/dV launch."""
+    HEAD_DIM: gl.constexpr
+    BLOCK_M: gl.constexpr
+    BLOCK_N: gl.constexpr
+    STAGES: gl.constexpr
+    DQ_BUFS: gl.constexpr
+    IS_CAUSAL: gl.constexpr
+    NUM_WG: gl.constexpr
+    DQ: gl.constexpr
+
+    @gluon.constexpr_function
+    def __init__(self, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, DQ_BUFS, IS_CAUSAL, NUM_WG, DQ):
+        constexprs(self, HEAD_DIM=HEAD_DIM, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, STAGES=STAGES, DQ_BUFS=DQ_BUFS,
+                   IS_CAUSAL=IS_CAUSAL, NUM_WG=NUM_WG, DQ=DQ)
+
+
+@aggregate
+class BwdWork:
+    """The problem's sizes and the grid's grouping (``_bwd_coords``): every partition derives its
+    CTA's key block and steps from these, so they all walk the same steps."""
+    num_n_blocks: SCALAR
+    num_heads_q: SCALAR
+    num_heads_k: SCALAR
+    kv_group_size: SCALAR
+    seqlen_q: SCALAR
+    seqlen_k: SCALAR
+    num_m_blocks: SCALAR
+    batch: SCALAR
+    heads_per_group: SCALAR
+    stats_rows: SCALAR
+
+    @gluon.constexpr_function
+    def __init__(self, num_n_blocks, num_heads_q, num_heads_k, kv_group_size, seqlen_q, seqlen_k, num_m_blocks,
+                 batch, heads_per_group, stats_rows):
+        constexprs(self, num_n_blocks=num_n_blocks, num_heads_q=num_heads_q, num_heads_k=num_heads_k,
+                   kv_group_size=kv_group_size, seqlen_q=seqlen_q, seqlen_k=seqlen_k, num_m_blocks=num_m_blocks,
+                   batch=batch, heads_per_group=heads_per_group, stats_rows=stats_rows)
+
+    @gluon.jit
+    def coords(self, cfg):
+        """``_bwd_coords``: (pid_n, batch, KV head, first key, steps, first query block, its step)."""
+        return _bwd_coords(self.num_n_blocks, self.num_heads_k, self.kv_group_size, self.seqlen_q, self.seqlen_k,
+                           self.num_m_blocks, self.batch, self.heads_per_group, cfg.BLOCK_M, cfg.BLOCK_N,
+                           cfg.IS_CAUSAL)
+
+
+@aggregate
+class BwdShared:
+    """A CTA's shared memory: its K and V block (``kv_ready`` once), the ring of steps (``q``: the Q
+    tiles with ``q_ready`` / ``q_empty``; ``do``, ``lse``, ``delta`` share its slots and barriers) and,
+    fused (DQ), dS^T and the ring of dQ partials the consumers hand the writer (``dq``: ready = full)."""
+    k: SMEM
+    v: SMEM
+    kv_ready: SMEM
+    q: Ring
+    do: SMEM
+    lse: SMEM
+    delta: SMEM
+    ds: SMEM
+    dq: Ring
+
+    @gluon.constexpr_function
+    def __init__(self, k, v, kv_ready, q, do, lse, delta, ds, dq):
+        constexprs(self, k=k, v=v, kv_ready=kv_ready, q=q, do=do, lse=lse, delta=delta, ds=ds, dq=dq)
+
+
+@aggregate
+class BwdIO:
+    """What the partitions read and write in global memory: Q, K, V, dO, lse2 and delta through TMA
+    descriptors (the producer), dK and dV by pointer and strides (the consumers), the dQ workspace and
+    its turn counters (the writer), and the scales."""
+    q_desc: tma.tensor_descriptor
+    k_desc: tma.tensor_descriptor
+    v_desc: tma.tensor_descriptor
+    do_desc: tma.tensor_descriptor
+    lse_desc: tma.tensor_descriptor
+    delta_desc: tma.tensor_descriptor
+    DK: gl.tensor
+    DV: gl.tensor
+    DQW: gl.tensor
+    SEM: gl.tensor
+    stride_dkb: SCALAR
+    stride_dks: SCALAR
+    stride_dkh: SCALAR
+    stride_dvb: SCALAR
+    stride_dvs: SCALAR
+    stride_dvh: SCALAR
+    sm_scale: gl.tensor
+    qk_scale: gl.tensor
+
+    @gluon.constexpr_function
+    def __init__(self, q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, DK, DV, DQW, SEM, stride_dkb,
+                 stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh, sm_scale, qk_scale):
+        constexprs(self, q_desc=q_desc, k_desc=k_desc, v_desc=v_desc, do_desc=do_desc, lse_desc=lse_desc,
+                   delta_desc=delta_desc, DK=DK, DV=DV, DQW=DQW, SEM=SEM, stride_dkb=stride_dkb,
+                   stride_dks=stride_dks, stride_dkh=stride_dkh, stride_dvb=stride_dvb, stride_dvs=stride_dvs,
+                   stride_dvh=stride_dvh, sm_scale=sm_scale, qk_scale=qk_scale)
+
+
+# --------------------------------------------------------------------------------------------------
 # Work of one CTA
 # --------------------------------------------------------------------------------------------------
 
@@ -160,61 +275,49 @@ def _step_block(i, m_first, m_step, off_hk, kv_group_size):
 
 
 @gluon.jit
-def _bwd_producer(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc,
-                  q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem,
-                  kv_ready, q_ready, q_empty,
-                  num_n_blocks, num_heads_k, kv_group_size, seqlen_q, seqlen_k, num_m_blocks,
-                  batch, heads_per_group, stats_rows,
-                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                  IS_CAUSAL: gl.constexpr):
+def _bwd_producer(cfg, work, io, sh):
     """K and V once; per step the Q and dO tiles and the step's BLOCK_M entries of lse2 and delta
     (flat [B * Hq * stats_rows] descriptors: a tile never straddles two heads)."""
-    pid_n, off_b, off_hk, start_n, n_steps, m_first, m_step = _bwd_coords(
-        num_n_blocks, num_heads_k, kv_group_size, seqlen_q, seqlen_k, num_m_blocks, batch,
-        heads_per_group, BLOCK_M, BLOCK_N, IS_CAUSAL)
-    mbarrier.expect(kv_ready, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(k_desc, [off_b, start_n, off_hk, 0], kv_ready, k_smem)
-    tma.async_copy_global_to_shared(v_desc, [off_b, start_n, off_hk, 0], kv_ready, v_smem)
+    BLOCK_M: gl.constexpr = cfg.BLOCK_M
+    pid_n, off_b, off_hk, start_n, n_steps, m_first, m_step = work.coords(cfg)
+    mbarrier.expect(sh.kv_ready, io.k_desc.block_type.nbytes + io.v_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(io.k_desc, [off_b, start_n, off_hk, 0], sh.kv_ready, sh.k)
+    tma.async_copy_global_to_shared(io.v_desc, [off_b, start_n, off_hk, 0], sh.kv_ready, sh.v)
     for i in range(n_steps):
-        s = i % STAGES
-        m, off_h = _step_block(i, m_first, m_step, off_hk, kv_group_size)
-        mbarrier.wait(q_empty.index(s), ((i // STAGES) & 1) ^ 1)     # a fresh barrier passes parity 1
-        mbarrier.expect(q_ready.index(s), q_desc.block_type.nbytes + do_desc.block_type.nbytes
-                        + 2 * lse_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [off_b, m * BLOCK_M, off_h, 0], q_ready.index(s),
-                                        q_smem.index(s))
-        tma.async_copy_global_to_shared(do_desc, [off_b, m * BLOCK_M, off_h, 0], q_ready.index(s),
-                                        do_smem.index(s))
-        row = (off_b * num_heads_k * kv_group_size + off_h) * stats_rows + m * BLOCK_M
-        tma.async_copy_global_to_shared(lse_desc, [row], q_ready.index(s), lse_smem.index(s))
-        tma.async_copy_global_to_shared(delta_desc, [row], q_ready.index(s), delta_smem.index(s))
+        s = sh.q.index(i)
+        m, off_h = _step_block(i, m_first, m_step, off_hk, work.kv_group_size)
+        sh.q.acquire(i)
+        sh.q.expect(s, io.q_desc.block_type.nbytes + io.do_desc.block_type.nbytes
+                    + 2 * io.lse_desc.block_type.nbytes)
+        sh.q.load(io.q_desc, [off_b, m * BLOCK_M, off_h, 0], s)
+        tma.async_copy_global_to_shared(io.do_desc, [off_b, m * BLOCK_M, off_h, 0], sh.q.ready.index(s),
+                                        sh.do.index(s))
+        row = (off_b * work.num_heads_k * work.kv_group_size + off_h) * work.stats_rows + m * BLOCK_M
+        tma.async_copy_global_to_shared(io.lse_desc, [row], sh.q.ready.index(s), sh.lse.index(s))
+        tma.async_copy_global_to_shared(io.delta_desc, [row], sh.q.ready.index(s), sh.delta.index(s))
 
 
 @gluon.jit
-def _bwd_step(i, dk, dv, zero_st, zero_dq,
-              q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem,
-              q_ready, q_empty, dq_full, dq_empty,
-              keys, cols0, seqlen_k, m_first, m_step, kv_group_size, causal_offset,
-              qk_scale, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, DQ_BUFS: gl.constexpr,
-              WG: gl.constexpr, NUM_WG: gl.constexpr, col_layout: gl.constexpr, a_layout: gl.constexpr,
-              DQ: gl.constexpr, MASK: gl.constexpr):
-    """One (query block, key block) step of a consumer partition: returns the updated dK, dV and (DQ)
-    hands its dQ partial to the writer. MASK (compile time, so a step has no branch): 0 none, 1 the
-    causal diagonal, 2 the key rows past seqlen_k (the caller runs each kind of step in its own loop).
-    (Issuing the next step's S^T / dP^T before waiting for this step's products was tried:
-    ptxas then serialises the wgmmas, C7514.)"""
-    dtype: gl.constexpr = q_smem.dtype
-    s = i % STAGES
-    q_tile = q_smem.index(s)
-    do_tile = do_smem.index(s)
-    mbarrier.wait(q_ready.index(s), (i // STAGES) & 1)
+def _bwd_step(cfg, sh, WG: gl.constexpr, i, dk, dv, zero_st, zero_dq, k_smem, v_smem, ds_smem, keys, cols0,
+              seqlen_k, m_first, m_step, kv_group_size, causal_offset, qk_scale, col_layout: gl.constexpr,
+              a_layout: gl.constexpr, MASK: gl.constexpr):
+    """One (query block, key block) step of a consumer partition (its key rows: ``k_smem``, ``v_smem``,
+    ``ds_smem``): returns the updated dK, dV and (DQ) hands its dQ partial to the writer. MASK (compile
+    time, so a step has no branch): 0 none, 1 the causal diagonal, 2 the key rows past seqlen_k (the
+    caller runs each kind of step in its own loop). (Issuing the next step's S^T / dP^T before waiting
+    for this step's products was tried: ptxas then serialises the wgmmas, C7514.)"""
+    dtype: gl.constexpr = sh.q.mem.dtype
+    s = sh.q.index(i)
+    q_tile = sh.q.tile(s)
+    do_tile = sh.do.index(s)
+    sh.q.wait(i)
     st_tok = warpgroup_mma(k_smem, q_tile.permute((1, 0)), zero_st, use_acc=False, is_async=True)
     dpt_tok = warpgroup_mma(v_smem, do_tile.permute((1, 0)), zero_st, use_acc=False, is_async=True)
     m, _ = _step_block(i, m_first, m_step, 0, kv_group_size)
-    cols = m * BLOCK_M + cols0                                     # query positions
+    cols = m * cfg.BLOCK_M + cols0                                 # query positions
     s_t = warpgroup_mma_wait(1, deps=(st_tok,))
     # Rows past seqlen_q (and rows that saw no key) have lse2 = +inf: their p is 0.
-    p_t = gl.exp2(s_t * qk_scale - lse_smem.index(s).load(col_layout)[None, :])
+    p_t = gl.exp2(s_t * qk_scale - sh.lse.index(s).load(col_layout)[None, :])
     if MASK == 1:
         # Causal: keys after a row's diagonal (which include every key past seqlen_k) get p = 0.
         p_t = gl.where(keys[:, None] <= cols[None, :] + causal_offset, p_t, 0.0)
@@ -224,12 +327,12 @@ def _bwd_step(i, dk, dv, zero_st, zero_dq,
         # zero K row) would put NaN into dQ. Their p is set to 0.
         p_t = gl.where(keys[:, None] < seqlen_k, p_t, 0.0)
     dp_t = warpgroup_mma_wait(0, deps=(dpt_tok,))
-    ds_t = (p_t * (dp_t - delta_smem.index(s).load(col_layout)[None, :])).to(dtype)
+    ds_t = (p_t * (dp_t - sh.delta.index(s).load(col_layout)[None, :])).to(dtype)
     p_a = gl.convert_layout(p_t.to(dtype), a_layout)
     ds_a = gl.convert_layout(ds_t, a_layout)
     dv_tok = warpgroup_mma(p_a, do_tile, dv, is_async=True)
     dk_tok = warpgroup_mma(ds_a, q_tile, dk, is_async=True)
-    if DQ:
+    if cfg.DQ:
         # dQ (this partition's share: its keys) = dS K, with dS^T read back from shared memory,
         # transposed.
         ds_smem.store(ds_t)
@@ -237,45 +340,38 @@ def _bwd_step(i, dk, dv, zero_st, zero_dq,
         gl.thread_barrier()
         dq_tok = warpgroup_mma(ds_smem.permute((1, 0)), k_smem, zero_dq, use_acc=False, is_async=True)
         dv, dk, dq, p_a, ds_a = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, dq_tok, p_a, ds_a))
-        gl.thread_barrier()                  # every warp of the partition is past its wait
-        mbarrier.arrive(q_empty.index(s), count=1)
-        b = i % DQ_BUFS
-        mbarrier.wait(dq_empty.index(b), ((i // DQ_BUFS) & 1) ^ 1)
-        dq_smem.index(b * NUM_WG + WG).store(dq)
+        sh.q.release(s, True)                # after every warp of the partition is past its wait
+        b = sh.dq.index(i)
+        sh.dq.acquire(i)
+        sh.dq.tile(b * cfg.NUM_WG + WG).store(dq)
         gl.thread_barrier()
-        mbarrier.arrive(dq_full.index(b), count=1)
+        mbarrier.arrive(sh.dq.ready.index(b), count=1)
     else:
         dv, dk, p_a, ds_a = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, p_a, ds_a))
-        gl.thread_barrier()                  # every warp of the partition is past its wait
-        mbarrier.arrive(q_empty.index(s), count=1)
+        sh.q.release(s, True)                # after every warp of the partition is past its wait
     return dk, dv
 
 
 @gluon.jit
-def _bwd_consumer(DK, DV, q_smem, do_smem, k_all, v_all, lse_smem, delta_smem, ds_all, dq_smem,
-                  kv_ready, q_ready, q_empty, dq_full, dq_empty,
-                  stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh,
-                  num_n_blocks, num_heads_q, num_heads_k, kv_group_size, seqlen_q, seqlen_k, num_m_blocks,
-                  batch, heads_per_group, sm_scale, qk_scale,
-                  HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                  STAGES: gl.constexpr, DQ_BUFS: gl.constexpr, IS_CAUSAL: gl.constexpr,
-                  WG: gl.constexpr, NUM_WG: gl.constexpr, DQ: gl.constexpr):
+def _bwd_consumer(cfg, WG: gl.constexpr, work, io, sh):
     """Consumer partition WG of NUM_WG (one warpgroup each): key rows [WG * KEYS, WG * KEYS + KEYS) of
     the CTA's block, KEYS = BLOCK_N / NUM_WG = 64. The partitions run unsynchronised, so one's softmax
     overlaps the other's products."""
-    dtype: gl.constexpr = q_smem.dtype
-    KEYS: gl.constexpr = BLOCK_N // NUM_WG
+    dtype: gl.constexpr = sh.q.mem.dtype
+    HEAD_DIM: gl.constexpr = cfg.HEAD_DIM
+    BLOCK_M: gl.constexpr = cfg.BLOCK_M
+    KEYS: gl.constexpr = cfg.BLOCK_N // cfg.NUM_WG
     gl.static_assert(KEYS == 64, "a consumer partition is one warpgroup: 64 key rows")
-    pid_n, off_b, off_hk, start_n, n_steps, m_first, m_step = _bwd_coords(
-        num_n_blocks, num_heads_k, kv_group_size, seqlen_q, seqlen_k, num_m_blocks, batch,
-        heads_per_group, BLOCK_M, BLOCK_N, IS_CAUSAL)
+    seqlen_k = work.seqlen_k
+    kv_group_size = work.kv_group_size
+    pid_n, off_b, off_hk, start_n, n_steps, m_first, m_step = work.coords(cfg)
     start_n = start_n + WG * KEYS
-    k_smem = k_all.slice(WG * KEYS, KEYS)
-    v_smem = v_all.slice(WG * KEYS, KEYS)
-    if DQ:
-        ds_smem = ds_all.slice(WG * KEYS, KEYS)
+    k_smem = sh.k.slice(WG * KEYS, KEYS)
+    v_smem = sh.v.slice(WG * KEYS, KEYS)
+    if cfg.DQ:
+        ds_smem = sh.ds.slice(WG * KEYS, KEYS)
     else:
-        ds_smem = ds_all                     # not read
+        ds_smem = sh.ds                      # not read
     # wgmma accumulators: S^T, dP^T [KEYS, BM], dK, dV [KEYS, D] and dQ [BM, D], 4 warps on the rows.
     st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                         instr_shape=[16, BLOCK_M, 16])
@@ -288,9 +384,9 @@ def _bwd_consumer(DK, DV, q_smem, do_smem, k_all, v_all, lse_smem, delta_smem, d
     key_layout: gl.constexpr = gl.SliceLayout(1, st_layout)             # one value per key
     cols0 = gl.arange(0, BLOCK_M, layout=col_layout)
     keys = start_n + gl.arange(0, KEYS, layout=key_layout)
-    causal_offset = seqlen_k - seqlen_q
+    causal_offset = seqlen_k - work.seqlen_q
     # Query blocks from m_full on see every key of this partition's rows (no mask needed).
-    if IS_CAUSAL:
+    if cfg.IS_CAUSAL:
         m_full = gl.cdiv(gl.maximum(start_n + KEYS - 1 - causal_offset, 0), BLOCK_M)
     else:
         m_full = 0
@@ -300,45 +396,39 @@ def _bwd_consumer(DK, DV, q_smem, do_smem, k_all, v_all, lse_smem, delta_smem, d
     zero_dq = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, dq_layout)
     dk = gl.zeros([KEYS, HEAD_DIM], gl.float32, kv_layout)
     dv = gl.zeros([KEYS, HEAD_DIM], gl.float32, kv_layout)
-    mbarrier.wait(kv_ready, 0)
+    mbarrier.wait(sh.kv_ready, 0)
     # Steps by the mask they need, each kind in its own loop (no branch inside a step): causal, the
     # query blocks below m_full (the first steps: they go up from the diagonal); then the rest, with
     # the key-tail mask where this partition holds key rows past seqlen_k. (The three calls written
     # as one gl.static_range(3) over the mask kind spill 8-16 bytes at head_dim 128.)
-    if IS_CAUSAL:
+    if cfg.IS_CAUSAL:
         n_masked = gl.minimum(gl.maximum(m_full - m_first, 0) * kv_group_size, n_steps)
         for i in range(0, n_masked):
-            dk, dv = _bwd_step(i, dk, dv, zero_st, zero_dq,
-                               q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem,
-                               q_ready, q_empty, dq_full, dq_empty,
-                               keys, cols0, seqlen_k, m_first, m_step, kv_group_size, causal_offset,
-                               qk_scale, BLOCK_M, STAGES, DQ_BUFS, WG, NUM_WG, col_layout, a_layout, DQ, 1)
+            dk, dv = _bwd_step(cfg, sh, WG, i, dk, dv, zero_st, zero_dq, k_smem, v_smem, ds_smem, keys, cols0,
+                               seqlen_k, m_first, m_step, kv_group_size, causal_offset, io.qk_scale, col_layout,
+                               a_layout, 1)
     else:
         n_masked = 0
     if key_tail:
         for i in range(n_masked, n_steps):
-            dk, dv = _bwd_step(i, dk, dv, zero_st, zero_dq,
-                               q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem,
-                               q_ready, q_empty, dq_full, dq_empty,
-                               keys, cols0, seqlen_k, m_first, m_step, kv_group_size, causal_offset,
-                               qk_scale, BLOCK_M, STAGES, DQ_BUFS, WG, NUM_WG, col_layout, a_layout, DQ, 2)
+            dk, dv = _bwd_step(cfg, sh, WG, i, dk, dv, zero_st, zero_dq, k_smem, v_smem, ds_smem, keys, cols0,
+                               seqlen_k, m_first, m_step, kv_group_size, causal_offset, io.qk_scale, col_layout,
+                               a_layout, 2)
     else:
         for i in range(n_masked, n_steps):
-            dk, dv = _bwd_step(i, dk, dv, zero_st, zero_dq,
-                               q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem,
-                               q_ready, q_empty, dq_full, dq_empty,
-                               keys, cols0, seqlen_k, m_first, m_step, kv_group_size, causal_offset,
-                               qk_scale, BLOCK_M, STAGES, DQ_BUFS, WG, NUM_WG, col_layout, a_layout, DQ, 0)
+            dk, dv = _bwd_step(cfg, sh, WG, i, dk, dv, zero_st, zero_dq, k_smem, v_smem, ds_smem, keys, cols0,
+                               seqlen_k, m_first, m_step, kv_group_size, causal_offset, io.qk_scale, col_layout,
+                               a_layout, 0)
 
     # -- epilogue: dK * sm_scale and dV; key rows past seqlen_k are not stored --
     out_keys = start_n + gl.arange(0, KEYS, layout=gl.SliceLayout(1, kv_layout))
     dims = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, kv_layout))
     mask = (out_keys < seqlen_k)[:, None]
-    dk_ptrs = DK + off_b.to(gl.int64) * stride_dkb + off_hk.to(gl.int64) * stride_dkh \
-        + out_keys[:, None].to(gl.int64) * stride_dks + dims[None, :]
-    dv_ptrs = DV + off_b.to(gl.int64) * stride_dvb + off_hk.to(gl.int64) * stride_dvh \
-        + out_keys[:, None].to(gl.int64) * stride_dvs + dims[None, :]
-    gl.store(dk_ptrs, (dk * sm_scale).to(dtype), mask=mask)
+    dk_ptrs = io.DK + off_b.to(gl.int64) * io.stride_dkb + off_hk.to(gl.int64) * io.stride_dkh \
+        + out_keys[:, None].to(gl.int64) * io.stride_dks + dims[None, :]
+    dv_ptrs = io.DV + off_b.to(gl.int64) * io.stride_dvb + off_hk.to(gl.int64) * io.stride_dvh \
+        + out_keys[:, None].to(gl.int64) * io.stride_dvs + dims[None, :]
+    gl.store(dk_ptrs, (dk * io.sm_scale).to(dtype), mask=mask)
     gl.store(dv_ptrs, dv.to(dtype), mask=mask)
 
 
@@ -398,25 +488,28 @@ def _dq_partial(dq_smem, b, c, CHUNK: gl.constexpr, NUM_WG: gl.constexpr, layout
 
 
 @gluon.jit
-def _bwd_writer(DQW, SEM, dq_smem, dq_full, dq_empty,
-                num_n_blocks, num_heads_k, kv_group_size, seqlen_q, seqlen_k, num_m_blocks,
-                batch, heads_per_group,
-                HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                DQ_BUFS: gl.constexpr, IS_CAUSAL: gl.constexpr, THREADS: gl.constexpr,
-                NUM_WG: gl.constexpr):
-    """Adds each step's dQ partial into workspace rows [m * BM, m * BM + BM) of its (batch, query head),
-    in key-block order. DQW is [B, Hq, num_m_blocks * BM, D] fp32, SEM [B, Hq, num_m_blocks,
-    SEM_STRIDE] int32.
+def _bwd_writer(cfg, work, io, sh, THREADS: gl.constexpr):
+    """Adds each step's dQ partial (the ``sh.dq`` ring, from the consumers) into workspace rows
+    [m * BM, m * BM + BM) of its (batch, query head), in key-block order. DQW is [B, Hq,
+    num_m_blocks * BM, D] fp32, SEM [B, Hq, num_m_blocks, SEM_STRIDE] int32.
 
     Two steps per round: both turns are awaited, both tiles loaded, summed, stored and released
     together, so one round trip to L2 (and one release) serves two steps. Their counters are different
     (two query blocks), and a round only waits on what the previous key block released in its own
     round for the same two steps, so the chains stay one step deep. With an odd step count the last
     round's second step is the first one again, masked off (its release rewrites the same value)."""
-    pid_n, off_b, off_hk, start_n, n_steps, m_first, m_step = _bwd_coords(
-        num_n_blocks, num_heads_k, kv_group_size, seqlen_q, seqlen_k, num_m_blocks, batch,
-        heads_per_group, BLOCK_M, BLOCK_N, IS_CAUSAL)
-    num_heads_q = num_heads_k * kv_group_size
+    HEAD_DIM: gl.constexpr = cfg.HEAD_DIM
+    BLOCK_M: gl.constexpr = cfg.BLOCK_M
+    BLOCK_N: gl.constexpr = cfg.BLOCK_N
+    IS_CAUSAL: gl.constexpr = cfg.IS_CAUSAL
+    NUM_WG: gl.constexpr = cfg.NUM_WG
+    num_n_blocks = work.num_n_blocks
+    kv_group_size = work.kv_group_size
+    num_m_blocks = work.num_m_blocks
+    DQW = io.DQW
+    SEM = io.SEM
+    pid_n, off_b, off_hk, start_n, n_steps, m_first, m_step = work.coords(cfg)
+    num_heads_q = work.num_heads_k * kv_group_size
     # 4 fp32 (16 bytes) per thread along D; CHUNK rows at a time (16 values per thread and step: 32 made
     # no difference).
     TPR: gl.constexpr = HEAD_DIM // 4                     # threads per row
@@ -425,7 +518,7 @@ def _bwd_writer(DQW, SEM, dq_smem, dq_full, dq_empty,
     rows0 = gl.arange(0, CHUNK, layout=gl.SliceLayout(1, layout))
     dims = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, layout))
     offs = rows0[:, None] * HEAD_DIM + dims[None, :]
-    causal_offset = seqlen_k - seqlen_q
+    causal_offset = work.seqlen_k - work.seqlen_q
     for j in range(0, n_steps, 2):
         j1 = gl.minimum(j + 1, n_steps - 1)
         has1 = j + 1 < n_steps
@@ -437,10 +530,10 @@ def _bwd_writer(DQW, SEM, dq_smem, dq_full, dq_empty,
                                 BLOCK_M, HEAD_DIM)
         sem1, base1 = _dq_block(j1, SEM, DQW, off_b, off_hk, kv_group_size, num_heads_q, num_m_blocks, m_first, m_step,
                                 BLOCK_M, HEAD_DIM)
-        b0 = j % DQ_BUFS
-        b1 = j1 % DQ_BUFS
-        mbarrier.wait(dq_full.index(b0), (j // DQ_BUFS) & 1)
-        mbarrier.wait(dq_full.index(b1), (j1 // DQ_BUFS) & 1, pred=has1)
+        b0 = sh.dq.index(j)
+        b1 = sh.dq.index(j1)
+        sh.dq.wait(j)
+        sh.dq.wait(j1, pred=has1)
         _wait_turn(sem0, turn0)
         _wait_turn(sem1, turn1)
         for c in gl.static_range(BLOCK_M // CHUNK):
@@ -449,12 +542,12 @@ def _bwd_writer(DQW, SEM, dq_smem, dq_full, dq_empty,
             # The first contribution to a block (turn 0) is stored as it is: no load.
             x0 = gl.load(ptr0, mask=turn0 > 0, other=0.0, cache_modifier=".cg")
             x1 = gl.load(ptr1, mask=has1 & (turn1 > 0), other=0.0, cache_modifier=".cg")
-            gl.store(ptr0, x0 + _dq_partial(dq_smem, b0, c, CHUNK, NUM_WG, layout))
-            gl.store(ptr1, x1 + _dq_partial(dq_smem, b1, c, CHUNK, NUM_WG, layout), mask=has1)
+            gl.store(ptr0, x0 + _dq_partial(sh.dq.mem, b0, c, CHUNK, NUM_WG, layout))
+            gl.store(ptr1, x1 + _dq_partial(sh.dq.mem, b1, c, CHUNK, NUM_WG, layout), mask=has1)
         # (Gluon's arrive is a barrier of the partition, then one thread's arrive: every warp has read
         # the buffers before the consumers may refill them.)
-        mbarrier.arrive(dq_empty.index(b0), count=1)
-        mbarrier.arrive(dq_empty.index(b1), count=1, pred=has1)
+        sh.dq.release(b0)
+        sh.dq.release(b1, pred=has1)
         _pass_turns(sem0, sem1, turn0 + 1, turn1 + 1)
 
 
@@ -472,6 +565,11 @@ def _attn_bwd_hopper_kernel(
 ):
     dtype: gl.constexpr = q_desc.dtype
     gl.static_assert(DQ_BUFS >= 2, "the writer takes two steps' partials per round")
+    cfg = BwdConfig(HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, DQ_BUFS, IS_CAUSAL, NUM_WG, DQ)
+    work = BwdWork(num_n_blocks, num_heads_q, num_heads_k, kv_group_size, seqlen_q, seqlen_k, num_m_blocks, batch,
+                   heads_per_group, stats_rows)
+    io = BwdIO(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, DK, DV, DQW, SEM, stride_dkb, stride_dks,
+               stride_dkh, stride_dvb, stride_dvs, stride_dvh, sm_scale, qk_scale)
     kv_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
     q_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], dtype)
     ds_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype)
@@ -501,54 +599,22 @@ def _attn_bwd_hopper_kernel(
     for b in gl.static_range(DQ_BUFS):
         mbarrier.init(dq_full.index(b), count=NUM_WG)      # every consumer partition's partial
         mbarrier.init(dq_empty.index(b), count=1)
+    sh = BwdShared(k_smem, v_smem, kv_ready, Ring(q_smem, q_ready, q_empty, STAGES), do_smem, lse_smem, delta_smem,
+                   ds_smem, Ring(dq_smem, dq_full, dq_empty, DQ_BUFS))
 
-    # The partitions' argument lists are spelled out, in both branches (see forward_hopper.py: a tuple
-    # built once and reused loses the constexpr-ness of the block sizes in Triton 3.6's warp_specialize;
-    # tried again for these two lists later, and the fused form then failed to compile).
     gl.static_assert(NUM_WG == 2, "two consumer partitions")
     if DQ:
         gl.warp_specialize([
-            (_bwd_consumer, (DK, DV, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem,
-                             kv_ready, q_ready, q_empty, dq_full, dq_empty,
-                             stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh,
-                             num_n_blocks, num_heads_q, num_heads_k, kv_group_size, seqlen_q, seqlen_k,
-                             num_m_blocks, batch, heads_per_group, sm_scale, qk_scale,
-                             HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, DQ_BUFS, IS_CAUSAL, 0, NUM_WG, DQ)),
-            (_bwd_consumer, (DK, DV, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem,
-                             kv_ready, q_ready, q_empty, dq_full, dq_empty,
-                             stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh,
-                             num_n_blocks, num_heads_q, num_heads_k, kv_group_size, seqlen_q, seqlen_k,
-                             num_m_blocks, batch, heads_per_group, sm_scale, qk_scale,
-                             HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, DQ_BUFS, IS_CAUSAL, 1, NUM_WG, DQ)),
-            (_bwd_writer, (DQW, SEM, dq_smem, dq_full, dq_empty,
-                           num_n_blocks, num_heads_k, kv_group_size, seqlen_q, seqlen_k, num_m_blocks,
-                           batch, heads_per_group, HEAD_DIM, BLOCK_M, BLOCK_N, DQ_BUFS, IS_CAUSAL, 128,
-                           NUM_WG)),
-            (_bwd_producer, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc,
-                             q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem,
-                             kv_ready, q_ready, q_empty,
-                             num_n_blocks, num_heads_k, kv_group_size, seqlen_q, seqlen_k, num_m_blocks,
-                             batch, heads_per_group, stats_rows, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL)),
+            (_bwd_consumer, (cfg, 0, work, io, sh)),
+            (_bwd_consumer, (cfg, 1, work, io, sh)),
+            (_bwd_writer, (cfg, work, io, sh, 128)),
+            (_bwd_producer, (cfg, work, io, sh)),
         ], [4, 4, 1], [CONSUMER_REGS_, WRITER_REGS_, PRODUCER_REGS_])
     else:
         gl.warp_specialize([
-            (_bwd_consumer, (DK, DV, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem,
-                             kv_ready, q_ready, q_empty, dq_full, dq_empty,
-                             stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh,
-                             num_n_blocks, num_heads_q, num_heads_k, kv_group_size, seqlen_q, seqlen_k,
-                             num_m_blocks, batch, heads_per_group, sm_scale, qk_scale,
-                             HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, DQ_BUFS, IS_CAUSAL, 0, NUM_WG, DQ)),
-            (_bwd_consumer, (DK, DV, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem,
-                             kv_ready, q_ready, q_empty, dq_full, dq_empty,
-                             stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh,
-                             num_n_blocks, num_heads_q, num_heads_k, kv_group_size, seqlen_q, seqlen_k,
-                             num_m_blocks, batch, heads_per_group, sm_scale, qk_scale,
-                             HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, DQ_BUFS, IS_CAUSAL, 1, NUM_WG, DQ)),
-            (_bwd_producer, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc,
-                             q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem,
-                             kv_ready, q_ready, q_empty,
-                             num_n_blocks, num_heads_k, kv_group_size, seqlen_q, seqlen_k, num_m_blocks,
-                             batch, heads_per_group, stats_rows, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL)),
+            (_bwd_consumer, (cfg, 0, work, io, sh)),
+            (_bwd_consumer, (cfg, 1, work, io, sh)),
+            (_bwd_producer, (cfg, work, io, sh)),
         ], [4, 1], [CONSUMER_REGS_, PRODUCER_REGS_])
 
 
@@ -590,76 +656,149 @@ DQ_ROWS = 64
 assert STATS_TILE % (DQ_WG * DQ_ROWS) == 0
 
 
+@aggregate
+class DqConfig:
+    """The compile-time configuration of a dQ launch."""
+    ROWS: gl.constexpr
+    NUM_WG: gl.constexpr
+    BLOCK_N: gl.constexpr
+    HEAD_DIM: gl.constexpr
+    STAGES: gl.constexpr
+    IS_CAUSAL: gl.constexpr
+
+    @gluon.constexpr_function
+    def __init__(self, ROWS, NUM_WG, BLOCK_N, HEAD_DIM, STAGES, IS_CAUSAL):
+        constexprs(self, ROWS=ROWS, NUM_WG=NUM_WG, BLOCK_N=BLOCK_N, HEAD_DIM=HEAD_DIM, STAGES=STAGES,
+                   IS_CAUSAL=IS_CAUSAL)
+
+
+@aggregate
+class DqWork:
+    """The problem's sizes: every partition derives its tile and key blocks from them (``coords``)."""
+    num_heads_q: SCALAR
+    kv_group_size: SCALAR
+    seqlen_q: SCALAR
+    seqlen_k: SCALAR
+    num_m_blocks: SCALAR
+    stats_rows: SCALAR
+
+    @gluon.constexpr_function
+    def __init__(self, num_heads_q, kv_group_size, seqlen_q, seqlen_k, num_m_blocks, stats_rows):
+        constexprs(self, num_heads_q=num_heads_q, kv_group_size=kv_group_size, seqlen_q=seqlen_q,
+                   seqlen_k=seqlen_k, num_m_blocks=num_m_blocks, stats_rows=stats_rows)
+
+    @gluon.jit
+    def coords(self, cfg):
+        """The forward's ``tile_coords`` for this program's tile (one per program, PLAIN order)."""
+        return tile_coords(gl.program_id(0), 0, self.num_m_blocks, self.num_heads_q, self.kv_group_size,
+                           self.seqlen_q, self.seqlen_k, gl.num_programs(0), 1, cfg.ROWS * cfg.NUM_WG, cfg.BLOCK_N,
+                           cfg.IS_CAUSAL, PLAIN)
+
+
+@aggregate
+class DqShared:
+    """The query side of the tile (one slot per consumer warpgroup, all behind ``q_ready``) and the K/V
+    ring (``kv``: the K tiles and their barriers; ``v`` shares its slots)."""
+    q: SMEM
+    do: SMEM
+    lse: SMEM
+    delta: SMEM
+    q_ready: SMEM
+    kv: Ring
+    v: SMEM
+
+    @gluon.constexpr_function
+    def __init__(self, q, do, lse, delta, q_ready, kv, v):
+        constexprs(self, q=q, do=do, lse=lse, delta=delta, q_ready=q_ready, kv=kv, v=v)
+
+
+@aggregate
+class DqIO:
+    """Q, K, V, dO, lse2 and delta through TMA descriptors; dQ by pointer and strides; the scales."""
+    q_desc: tma.tensor_descriptor
+    k_desc: tma.tensor_descriptor
+    v_desc: tma.tensor_descriptor
+    do_desc: tma.tensor_descriptor
+    lse_desc: tma.tensor_descriptor
+    delta_desc: tma.tensor_descriptor
+    DQ: gl.tensor
+    stride_dqb: SCALAR
+    stride_dqs: SCALAR
+    stride_dqh: SCALAR
+    sm_scale: gl.tensor
+    qk_scale: gl.tensor
+
+    @gluon.constexpr_function
+    def __init__(self, q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, DQ, stride_dqb, stride_dqs,
+                 stride_dqh, sm_scale, qk_scale):
+        constexprs(self, q_desc=q_desc, k_desc=k_desc, v_desc=v_desc, do_desc=do_desc, lse_desc=lse_desc,
+                   delta_desc=delta_desc, DQ=DQ, stride_dqb=stride_dqb, stride_dqs=stride_dqs, stride_dqh=stride_dqh,
+                   sm_scale=sm_scale, qk_scale=qk_scale)
+
+
 @gluon.jit
-def _dq_producer(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc,
-                 q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, q_ready, kv_ready, kv_empty,
-                 num_heads_q, kv_group_size, seqlen_q, seqlen_k, num_m_blocks, stats_rows,
-                 ROWS: gl.constexpr, NUM_WG: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                 IS_CAUSAL: gl.constexpr):
+def _dq_producer(cfg, work, io, sh):
     """The query side once (one barrier for all of it), then K_j and V_j into ring slot j % STAGES.
     The tile and its key blocks are the forward's (``tile_coords``: every key block some row of the
     tile sees; causal, one head after the other, the heaviest query blocks first)."""
-    pid_bh, off_b, off_h, off_hk, start_m, n_blocks, _ = tile_coords(
-        gl.program_id(0), 0, num_m_blocks, num_heads_q, kv_group_size, seqlen_q, seqlen_k,
-        gl.num_programs(0), 1, ROWS * NUM_WG, BLOCK_N, IS_CAUSAL, PLAIN)
-    mbarrier.expect(q_ready, NUM_WG * (q_desc.block_type.nbytes + do_desc.block_type.nbytes
-                                       + 2 * lse_desc.block_type.nbytes))
+    ROWS: gl.constexpr = cfg.ROWS
+    NUM_WG: gl.constexpr = cfg.NUM_WG
+    stats_rows = work.stats_rows
+    pid_bh, off_b, off_h, off_hk, start_m, n_blocks, _ = work.coords(cfg)
+    mbarrier.expect(sh.q_ready, NUM_WG * (io.q_desc.block_type.nbytes + io.do_desc.block_type.nbytes
+                                          + 2 * io.lse_desc.block_type.nbytes))
     for w in gl.static_range(NUM_WG):
         row0 = start_m + w * ROWS
-        tma.async_copy_global_to_shared(q_desc, [off_b, row0, off_h, 0], q_ready, q_smem.index(w))
-        tma.async_copy_global_to_shared(do_desc, [off_b, row0, off_h, 0], q_ready, do_smem.index(w))
-        tma.async_copy_global_to_shared(lse_desc, [pid_bh * stats_rows + row0], q_ready, lse_smem.index(w))
-        tma.async_copy_global_to_shared(delta_desc, [pid_bh * stats_rows + row0], q_ready,
-                                        delta_smem.index(w))
+        tma.async_copy_global_to_shared(io.q_desc, [off_b, row0, off_h, 0], sh.q_ready, sh.q.index(w))
+        tma.async_copy_global_to_shared(io.do_desc, [off_b, row0, off_h, 0], sh.q_ready, sh.do.index(w))
+        tma.async_copy_global_to_shared(io.lse_desc, [pid_bh * stats_rows + row0], sh.q_ready, sh.lse.index(w))
+        tma.async_copy_global_to_shared(io.delta_desc, [pid_bh * stats_rows + row0], sh.q_ready,
+                                        sh.delta.index(w))
     for j in range(n_blocks):
-        s = j % STAGES
-        mbarrier.wait(kv_empty.index(s), ((j // STAGES) & 1) ^ 1)     # a fresh barrier passes parity 1
-        mbarrier.expect(kv_ready.index(s), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [off_b, j * BLOCK_N, off_hk, 0], kv_ready.index(s),
-                                        k_smem.index(s))
-        tma.async_copy_global_to_shared(v_desc, [off_b, j * BLOCK_N, off_hk, 0], kv_ready.index(s),
-                                        v_smem.index(s))
+        s = sh.kv.index(j)
+        sh.kv.acquire(j)
+        sh.kv.expect(s, io.k_desc.block_type.nbytes + io.v_desc.block_type.nbytes)
+        sh.kv.load(io.k_desc, [off_b, j * cfg.BLOCK_N, off_hk, 0], s)
+        tma.async_copy_global_to_shared(io.v_desc, [off_b, j * cfg.BLOCK_N, off_hk, 0], sh.kv.ready.index(s),
+                                        sh.v.index(s))
 
 
 @gluon.jit
-def _dq_step(j, dq, q_tile, do_tile, k_smem, v_smem, kv_ready, kv_empty, zero_s, lse2, delta, cols0,
-             col_limit, qk_scale, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, a_layout: gl.constexpr,
-             MASK: gl.constexpr):
+def _dq_step(cfg, sh, j, dq, q_tile, do_tile, zero_s, lse2, delta, cols0, col_limit, qk_scale,
+             a_layout: gl.constexpr, MASK: gl.constexpr):
     """One key block j of the dQ consumer: S, dP, dS = P (dP - delta), dQ += dS K_j. MASK: keys at or
     past a row's column limit (its causal diagonal + 1, or seqlen_k) get p = 0."""
     dtype: gl.constexpr = q_tile.dtype
-    s = j % STAGES
-    mbarrier.wait(kv_ready.index(s), (j // STAGES) & 1)
-    k_tile = k_smem.index(s)
+    s = sh.kv.index(j)
+    sh.kv.wait(j)
+    k_tile = sh.kv.tile(s)
     s_tok = warpgroup_mma(q_tile, k_tile.permute((1, 0)), zero_s, use_acc=False, is_async=True)
-    dp_tok = warpgroup_mma(do_tile, v_smem.index(s).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+    dp_tok = warpgroup_mma(do_tile, sh.v.index(s).permute((1, 0)), zero_s, use_acc=False, is_async=True)
     s_ij = warpgroup_mma_wait(1, deps=(s_tok,))
     p = gl.exp2(s_ij * qk_scale - lse2[:, None])
     if MASK:
-        cols = j * BLOCK_N + cols0
+        cols = j * cfg.BLOCK_N + cols0
         p = gl.where(cols[None, :] < col_limit[:, None], p, 0.0)
     dp = warpgroup_mma_wait(0, deps=(dp_tok,))
     ds = gl.convert_layout((p * (dp - delta[:, None])).to(dtype), a_layout)
     dq_tok = warpgroup_mma(ds, k_tile, dq, is_async=True)
     dq, ds = warpgroup_mma_wait(0, deps=(dq_tok, ds))
-    gl.thread_barrier()                  # every warp of the partition is past its wait
-    mbarrier.arrive(kv_empty.index(s), count=1)
+    sh.kv.release(s, True)               # after every warp of the partition is past its wait
     return dq
 
 
 @gluon.jit
-def _dq_consumer(DQ, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, q_ready, kv_ready, kv_empty,
-                 stride_dqb, stride_dqs, stride_dqh, num_heads_q, kv_group_size, seqlen_q, seqlen_k,
-                 num_m_blocks, sm_scale, qk_scale,
-                 WG: gl.constexpr, ROWS: gl.constexpr, NUM_WG: gl.constexpr, BLOCK_N: gl.constexpr,
-                 HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr):
+def _dq_consumer(cfg, WG: gl.constexpr, work, io, sh):
     """Query rows [start_m + WG * ROWS, + ROWS): dQ over every key block of the tile. Rows past
     seqlen_q (zero Q and dO, lse2 = +inf) and rows that see no key (lse2 = +inf) get p = 0; key rows
     past seqlen_k and keys after a row's causal diagonal are masked to p = 0 (their zero K rows would
     otherwise give p = exp2(-lse2), see _bwd_step)."""
-    pid_bh, off_b, off_h, off_hk, start_m, n_blocks, _ = tile_coords(
-        gl.program_id(0), 0, num_m_blocks, num_heads_q, kv_group_size, seqlen_q, seqlen_k,
-        gl.num_programs(0), 1, ROWS * NUM_WG, BLOCK_N, IS_CAUSAL, PLAIN)
+    ROWS: gl.constexpr = cfg.ROWS
+    BLOCK_N: gl.constexpr = cfg.BLOCK_N
+    HEAD_DIM: gl.constexpr = cfg.HEAD_DIM
+    seqlen_q = work.seqlen_q
+    seqlen_k = work.seqlen_k
+    pid_bh, off_b, off_h, off_hk, start_m, n_blocks, _ = work.coords(cfg)
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
     dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -671,28 +810,28 @@ def _dq_consumer(DQ, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, q_re
     cols0 = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
     causal_offset = seqlen_k - seqlen_q
     # Key blocks [0, n_full) are seen in full by every row of this warpgroup: no mask there.
-    n_full, col_limit = row_limits(row0, rows, causal_offset, seqlen_k, ROWS, BLOCK_N, IS_CAUSAL,
+    n_full, col_limit = row_limits(row0, rows, causal_offset, seqlen_k, ROWS, BLOCK_N, cfg.IS_CAUSAL,
                                     row_layout)
-    q_tile = q_smem.index(WG)
-    do_tile = do_smem.index(WG)
-    mbarrier.wait(q_ready, 0)
-    lse2 = lse_smem.index(WG).load(row_layout)
-    delta = delta_smem.index(WG).load(row_layout)
+    q_tile = sh.q.index(WG)
+    do_tile = sh.do.index(WG)
+    mbarrier.wait(sh.q_ready, 0)
+    lse2 = sh.lse.index(WG).load(row_layout)
+    delta = sh.delta.index(WG).load(row_layout)
     zero_s = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
     dq = gl.zeros([ROWS, HEAD_DIM], gl.float32, dq_layout)
     # Key blocks [0, n_full) unmasked, then the rest masked, in two loops (no branch inside a step).
     n_lo = gl.minimum(n_full, n_blocks)
     for j in range(0, n_lo):
-        dq = _dq_step(j, dq, q_tile, do_tile, k_smem, v_smem, kv_ready, kv_empty, zero_s, lse2, delta,
-                      cols0, col_limit, qk_scale, BLOCK_N, STAGES, a_layout, False)
+        dq = _dq_step(cfg, sh, j, dq, q_tile, do_tile, zero_s, lse2, delta, cols0, col_limit, io.qk_scale,
+                      a_layout, False)
     for j in range(n_lo, n_blocks):
-        dq = _dq_step(j, dq, q_tile, do_tile, k_smem, v_smem, kv_ready, kv_empty, zero_s, lse2, delta,
-                      cols0, col_limit, qk_scale, BLOCK_N, STAGES, a_layout, True)
+        dq = _dq_step(cfg, sh, j, dq, q_tile, do_tile, zero_s, lse2, delta, cols0, col_limit, io.qk_scale,
+                      a_layout, True)
     out_rows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, dq_layout))
     dims = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, dq_layout))
-    ptrs = DQ + off_b.to(gl.int64) * stride_dqb + off_h.to(gl.int64) * stride_dqh \
-        + out_rows[:, None].to(gl.int64) * stride_dqs + dims[None, :]
-    gl.store(ptrs, (dq * sm_scale).to(DQ.dtype.element_ty), mask=(out_rows < seqlen_q)[:, None])
+    ptrs = io.DQ + off_b.to(gl.int64) * io.stride_dqb + off_h.to(gl.int64) * io.stride_dqh \
+        + out_rows[:, None].to(gl.int64) * io.stride_dqs + dims[None, :]
+    gl.store(ptrs, (dq * io.sm_scale).to(io.DQ.dtype.element_ty), mask=(out_rows < seqlen_q)[:, None])
 
 
 @gluon.jit(do_not_specialize=["num_heads_q", "kv_group_size", "seqlen_q", "seqlen_k", "num_m_blocks"])
@@ -704,6 +843,10 @@ def _attn_bwd_dq_hopper_kernel(
     STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, PRODUCER_REGS_: gl.constexpr, CONSUMER_REGS_: gl.constexpr,
 ):
     dtype: gl.constexpr = q_desc.dtype
+    cfg = DqConfig(ROWS, NUM_WG, BLOCK_N, HEAD_DIM, STAGES, IS_CAUSAL)
+    work = DqWork(num_heads_q, kv_group_size, seqlen_q, seqlen_k, num_m_blocks, stats_rows)
+    io = DqIO(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, DQ, stride_dqb, stride_dqs, stride_dqh,
+              sm_scale, qk_scale)
     kv_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
     q_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, HEAD_DIM], dtype)
     row_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS], gl.float32)
@@ -720,20 +863,12 @@ def _attn_bwd_dq_hopper_kernel(
     for s in gl.static_range(STAGES):
         mbarrier.init(kv_ready.index(s), count=1)
         mbarrier.init(kv_empty.index(s), count=NUM_WG)     # every consumer warpgroup releases
+    sh = DqShared(q_smem, do_smem, lse_smem, delta_smem, q_ready, Ring(k_smem, kv_ready, kv_empty, STAGES), v_smem)
     gl.static_assert(NUM_WG == 2, "two consumer partitions")
     gl.warp_specialize([
-        (_dq_consumer, (DQ, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, q_ready, kv_ready, kv_empty,
-                        stride_dqb, stride_dqs, stride_dqh, num_heads_q, kv_group_size, seqlen_q, seqlen_k,
-                        num_m_blocks, sm_scale, qk_scale, 0, ROWS, NUM_WG, BLOCK_N, HEAD_DIM, STAGES,
-                        IS_CAUSAL)),
-        (_dq_consumer, (DQ, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, q_ready, kv_ready, kv_empty,
-                        stride_dqb, stride_dqs, stride_dqh, num_heads_q, kv_group_size, seqlen_q, seqlen_k,
-                        num_m_blocks, sm_scale, qk_scale, 1, ROWS, NUM_WG, BLOCK_N, HEAD_DIM, STAGES,
-                        IS_CAUSAL)),
-        (_dq_producer, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc,
-                        q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, q_ready, kv_ready, kv_empty,
-                        num_heads_q, kv_group_size, seqlen_q, seqlen_k, num_m_blocks, stats_rows,
-                        ROWS, NUM_WG, BLOCK_N, STAGES, IS_CAUSAL)),
+        (_dq_consumer, (cfg, 0, work, io, sh)),
+        (_dq_consumer, (cfg, 1, work, io, sh)),
+        (_dq_producer, (cfg, work, io, sh)),
     ], [4, 1], [CONSUMER_REGS_, PRODUCER_REGS_])
 
 
@@ -797,10 +932,13 @@ def backward_hopper(dout, q, k, v, lse2, delta, sm_scale: float, causal: bool, d
     v_desc = descriptor(v, BLOCK_N, head_dim)
     launch.run(
         _attn_bwd_hopper_kernel, (batch * heads_k * num_n_blocks,),
-        q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dk, dv, dq_work, sem,
-        dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
-        num_n_blocks, heads_q, heads_k, heads_q // heads_k, seqlen_q, seqlen_k, num_m_blocks,
-        batch, heads_per_group, lse2.shape[-1], sm_scale, sm_scale * LOG2E,
+        q_desc=q_desc, k_desc=k_desc, v_desc=v_desc, do_desc=do_desc, lse_desc=lse_desc, delta_desc=delta_desc,
+        DK=dk, DV=dv, DQW=dq_work, SEM=sem,
+        stride_dkb=dk.stride(0), stride_dks=dk.stride(1), stride_dkh=dk.stride(2),
+        stride_dvb=dv.stride(0), stride_dvs=dv.stride(1), stride_dvh=dv.stride(2),
+        num_n_blocks=num_n_blocks, num_heads_q=heads_q, num_heads_k=heads_k, kv_group_size=heads_q // heads_k,
+        seqlen_q=seqlen_q, seqlen_k=seqlen_k, num_m_blocks=num_m_blocks, batch=batch,
+        heads_per_group=heads_per_group, stats_rows=lse2.shape[-1], sm_scale=sm_scale, qk_scale=sm_scale * LOG2E,
         HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=BLOCK_N, STAGES=cfg["stages"], DQ_BUFS=cfg["dq_bufs"],
         IS_CAUSAL=causal, NUM_WG=NUM_WG,
         WRITER_REGS_=cfg["writer_regs"], PRODUCER_REGS_=PRODUCER_REGS, CONSUMER_REGS_=cfg["consumer_regs"],
@@ -811,8 +949,9 @@ def backward_hopper(dout, q, k, v, lse2, delta, sm_scale: float, causal: bool, d
     rows = 32
     launch.run(
         _dq_finish_kernel, (batch * heads_q * cdiv(seqlen_q, rows),),
-        dq_work, sem, dq, dq.stride(0), dq.stride(1), dq.stride(2), heads_q, seqlen_q, num_m_blocks,
-        sm_scale, HEAD_DIM=head_dim, BLOCK_M=block_m, ROWS=rows, SEM_STRIDE_=int(SEM_STRIDE), num_warps=4,
+        DQW=dq_work, SEM=sem, DQ=dq, stride_dqb=dq.stride(0), stride_dqs=dq.stride(1), stride_dqh=dq.stride(2),
+        num_heads_q=heads_q, seqlen_q=seqlen_q, num_m_blocks=num_m_blocks, sm_scale=sm_scale,
+        HEAD_DIM=head_dim, BLOCK_M=block_m, ROWS=rows, SEM_STRIDE_=int(SEM_STRIDE), num_warps=4,
     )
     return dq, dk, dv
 
@@ -835,11 +974,12 @@ def dq_hopper(dout, q, k, v, lse2, delta, sm_scale: float, causal: bool, dq, *, 
     _check_stats(lse2, delta, seqlen_q)
     launch.run(
         _attn_bwd_dq_hopper_kernel, (batch * heads_q * num_m_blocks,),
-        descriptor(q, rows, head_dim), descriptor(k, block_n, head_dim), descriptor(v, block_n, head_dim),
-        descriptor(dout, rows, head_dim), _row_descriptor(lse2, rows), _row_descriptor(delta, rows), dq,
-        dq.stride(0), dq.stride(1), dq.stride(2),
-        heads_q, heads_q // heads_k, seqlen_q, seqlen_k, num_m_blocks, lse2.shape[-1], sm_scale,
-        sm_scale * LOG2E,
+        q_desc=descriptor(q, rows, head_dim), k_desc=descriptor(k, block_n, head_dim),
+        v_desc=descriptor(v, block_n, head_dim), do_desc=descriptor(dout, rows, head_dim),
+        lse_desc=_row_descriptor(lse2, rows), delta_desc=_row_descriptor(delta, rows), DQ=dq,
+        stride_dqb=dq.stride(0), stride_dqs=dq.stride(1), stride_dqh=dq.stride(2),
+        num_heads_q=heads_q, kv_group_size=heads_q // heads_k, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
+        num_m_blocks=num_m_blocks, stats_rows=lse2.shape[-1], sm_scale=sm_scale, qk_scale=sm_scale * LOG2E,
         HEAD_DIM=head_dim, ROWS=rows, NUM_WG=DQ_WG, BLOCK_N=block_n, STAGES=stages, IS_CAUSAL=causal,
         PRODUCER_REGS_=PRODUCER_REGS, CONSUMER_REGS_=CONSUMER_REGS_3WG,
         num_warps=4, maxnreg=MAXNREG_3WG,

@@ -21,8 +21,6 @@ Supported: fp16/bf16, head_dim 64 or 128, TMA-compatible caches (``supported``),
 with a power-of-two page size of at least 8. Everything else takes the Triton kernel.
 """
 
-from __future__ import annotations
-
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -39,13 +37,114 @@ from .block_ranges import split_key_range, split_program
 from .common import LOG2E, needs_int64_rows, on_input_device, partial_and_table_strides, rows_past_int32
 from .configs import GLUON_DECODE_ROWS, cdiv, gluon_hopper_applies
 from .launch import tma_compatible
-from .sm90_common import descriptor, finish_rows, softmax, to_operand
+from .sm90_common import SCALAR, Ring, aggregate, constexprs, descriptor, finish_rows, softmax, to_operand
 
 ROWS = gl.constexpr(GLUON_DECODE_ROWS)   # query rows per program: the wgmma M of one warpgroup
 HALF = gl.constexpr(64)      # head-dim columns per shared-memory tile (128-byte rows at 16 bits)
 MIN_BOX = 8          # rows of one 128-byte swizzle atom: the smallest page a box may hold
 PRODUCER_REGS = 48   # setmaxnreg of the producer's warpgroup
 SHARED_PER_SM = 232448   # bytes of shared memory the CTAs of one H100/H200 SM may use together
+
+
+@aggregate
+class DecConfig:
+    """The compile-time configuration of a launch and the consumer warpgroup's register layouts: S
+    [ROWS, BLOCK_N] and O [ROWS, HALF] wgmma accumulators (four warps on the rows), P as the A operand
+    of P V, a blocked layout for loading the query tile and zeroing V rows."""
+    GROUP: gl.constexpr
+    BLOCK_N: gl.constexpr
+    BOX: gl.constexpr
+    PAGE_SIZE: gl.constexpr
+    PAGED: gl.constexpr
+    HAS_SEQLENS: gl.constexpr
+    IS_CAUSAL: gl.constexpr
+    STAGES: gl.constexpr
+    HALVES: gl.constexpr
+    s_layout: gl.constexpr
+    o_layout: gl.constexpr
+    p_layout: gl.constexpr
+    ld_layout: gl.constexpr
+
+    @gluon.constexpr_function
+    def __init__(self, GROUP, BLOCK_N, BOX, PAGE_SIZE, PAGED, HAS_SEQLENS, IS_CAUSAL, STAGES, HALVES):
+        constexprs(self, GROUP=GROUP, BLOCK_N=BLOCK_N, BOX=BOX, PAGE_SIZE=PAGE_SIZE, PAGED=PAGED,
+                   HAS_SEQLENS=HAS_SEQLENS, IS_CAUSAL=IS_CAUSAL, STAGES=STAGES, HALVES=HALVES)
+        s = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
+        o = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HALF.value, 16])
+        constexprs(self, s_layout=s, o_layout=o, p_layout=gl.DotOperandLayout(operand_index=0, parent=o, k_width=2),
+                   ld_layout=gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0]))
+
+
+@aggregate
+class DecWork:
+    """How the launch cuts the work (``block_ranges.split_program``, ``split_key_range``): both
+    partitions derive their program's keys from these, so they walk the same blocks."""
+    SEQLENS: gl.tensor
+    stride_sl: SCALAR
+    heads_kv: SCALAR
+    seqlen_q: SCALAR
+    seqlen_k: SCALAR
+    seqlen_new: SCALAR
+    num_m_blocks: SCALAR
+    num_splits: SCALAR
+
+    @gluon.constexpr_function
+    def __init__(self, SEQLENS, stride_sl, heads_kv, seqlen_q, seqlen_k, seqlen_new, num_m_blocks, num_splits):
+        constexprs(self, SEQLENS=SEQLENS, stride_sl=stride_sl, heads_kv=heads_kv, seqlen_q=seqlen_q,
+                   seqlen_k=seqlen_k, seqlen_new=seqlen_new, num_m_blocks=num_m_blocks, num_splits=num_splits)
+
+    @gluon.jit
+    def program(self, cfg):
+        """(pid_m, split, off_hk, off_b, lo, mid, hi, causal_offset) of this program."""
+        pid_m, split, off_hk, off_b, seqlen = split_program(
+            self.SEQLENS, self.stride_sl, self.heads_kv, self.seqlen_k, self.seqlen_new, self.num_m_blocks,
+            self.num_splits, cfg.HAS_SEQLENS)
+        lo, mid, hi, causal_offset = split_key_range(seqlen, split, self.num_splits, self.seqlen_q, cfg.BLOCK_N,
+                                                     cfg.IS_CAUSAL)
+        return pid_m, split, off_hk, off_b, lo, mid, hi, causal_offset
+
+
+@aggregate
+class DecCache:
+    """The producer's inputs: the K and V caches through TMA descriptors, and the block table."""
+    k_desc: tma.tensor_descriptor
+    v_desc: tma.tensor_descriptor
+    BLOCK_TABLE: gl.tensor
+    stride_btb: SCALAR
+    stride_btp: SCALAR
+
+    @gluon.constexpr_function
+    def __init__(self, k_desc, v_desc, BLOCK_TABLE, stride_btb, stride_btp):
+        constexprs(self, k_desc=k_desc, v_desc=v_desc, BLOCK_TABLE=BLOCK_TABLE, stride_btb=stride_btb,
+                   stride_btp=stride_btp)
+
+
+@aggregate
+class DecIO:
+    """The consumer's inputs and outputs: Q, and out / lse (a split's partials when num_splits > 1)
+    by pointer and strides, and the softmax scales."""
+    Q: gl.tensor
+    O: gl.tensor
+    LSE: gl.tensor
+    stride_qb: SCALAR
+    stride_qs: SCALAR
+    stride_qh: SCALAR
+    stride_on: SCALAR
+    stride_ob: SCALAR
+    stride_os: SCALAR
+    stride_oh: SCALAR
+    stride_ln: SCALAR
+    stride_lb: SCALAR
+    stride_lh: SCALAR
+    sm_scale: gl.tensor
+    qk_scale: gl.tensor
+
+    @gluon.constexpr_function
+    def __init__(self, Q, O, LSE, stride_qb, stride_qs, stride_qh, stride_on, stride_ob, stride_os, stride_oh,
+                 stride_ln, stride_lb, stride_lh, sm_scale, qk_scale):
+        constexprs(self, Q=Q, O=O, LSE=LSE, stride_qb=stride_qb, stride_qs=stride_qs, stride_qh=stride_qh,
+                   stride_on=stride_on, stride_ob=stride_ob, stride_os=stride_os, stride_oh=stride_oh,
+                   stride_ln=stride_ln, stride_lb=stride_lb, stride_lh=stride_lh, sm_scale=sm_scale, qk_scale=qk_scale)
 
 
 @gluon.jit
@@ -57,48 +156,45 @@ def _page_ids(table, start, hi, stride_btp, offs_p, BOX: gl.constexpr, PAGE_SIZE
 
 
 @gluon.jit
-def _producer(k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
-              SEQLENS, BLOCK_TABLE, stride_sl, stride_btb, stride_btp,
-              heads_kv, seqlen_q, seqlen_k, seqlen_new, num_m_blocks, num_splits,
-              BLOCK_N: gl.constexpr, BOX: gl.constexpr, PAGE_SIZE: gl.constexpr, PAGED: gl.constexpr,
-              HAS_SEQLENS: gl.constexpr, IS_CAUSAL: gl.constexpr, STAGES: gl.constexpr,
-              HALVES: gl.constexpr):
-    """One warp: for each key block of [lo, hi), wait for its ring slot, then one TMA box per page
-    (BOX keys) and per 64 head-dim columns, for K and for V."""
-    pid_m, split, off_hk, off_b, seqlen = split_program(
-        SEQLENS, stride_sl, heads_kv, seqlen_k, seqlen_new, num_m_blocks, num_splits, HAS_SEQLENS)
-    lo, mid, hi, causal_offset = split_key_range(seqlen, split, num_splits, seqlen_q, BLOCK_N, IS_CAUSAL)
+def _producer(cfg, work, cache, k, v):
+    """One warp: for each key block of [lo, hi), wait for its ring slot (``k`` and ``v``: one slot
+    number, separate barriers), then one TMA box per page (BOX keys) and per 64 head-dim columns, for
+    K and for V."""
+    pid_m, split, off_hk, off_b, lo, mid, hi, causal_offset = work.program(cfg)
+    BLOCK_N: gl.constexpr = cfg.BLOCK_N
+    BOX: gl.constexpr = cfg.BOX
+    HALVES: gl.constexpr = cfg.HALVES
     PAGES: gl.constexpr = BLOCK_N // BOX
-    NBYTES: gl.constexpr = BLOCK_N * HALVES * k_desc.block_type.nbytes // BOX
+    NBYTES: gl.constexpr = BLOCK_N * HALVES * cache.k_desc.block_type.nbytes // BOX
     p_layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
     offs_p = gl.arange(0, PAGES, layout=p_layout)
-    table = BLOCK_TABLE + off_b.to(gl.int64) * stride_btb
+    table = cache.BLOCK_TABLE + off_b.to(gl.int64) * cache.stride_btb
     n = gl.maximum(hi - lo + BLOCK_N - 1, 0) // BLOCK_N
-    if PAGED:
-        ids = _page_ids(table, lo, hi, stride_btp, offs_p, BOX, PAGE_SIZE)
+    if cfg.PAGED:
+        ids = _page_ids(table, lo, hi, cache.stride_btp, offs_p, BOX, cfg.PAGE_SIZE)
     for j in range(n):
         start = lo + j * BLOCK_N
-        s = j % STAGES
-        phase = ((j // STAGES) & 1) ^ 1                 # a fresh barrier passes parity 1 at once
-        mbarrier.wait(k_empty.index(s), phase)
-        mbarrier.wait(v_empty.index(s), phase)
-        mbarrier.expect(k_ready.index(s), NBYTES)
-        mbarrier.expect(v_ready.index(s), NBYTES)
+        s = k.index(j)
+        phase = k.phase(j) ^ 1                          # a fresh barrier passes parity 1 at once
+        k.acquire_at(s, phase)
+        v.acquire_at(s, phase)
+        mbarrier.expect(k.ready.index(s), NBYTES)
+        mbarrier.expect(v.ready.index(s), NBYTES)
         for p in gl.static_range(PAGES):
-            if PAGED:
+            if cfg.PAGED:
                 page = gl.sum(gl.where(offs_p == p, ids, 0), axis=0)
-                slot = (start + p * BOX) % PAGE_SIZE
+                slot = (start + p * BOX) % cfg.PAGE_SIZE
             else:
                 page = off_b
                 slot = start + p * BOX
             for h in gl.static_range(HALVES):
-                tma.async_copy_global_to_shared(k_desc, [page, slot, off_hk, h * HALF], k_ready.index(s),
-                                                k_smem.index(s * HALVES + h).slice(p * BOX, BOX))
-                tma.async_copy_global_to_shared(v_desc, [page, slot, off_hk, h * HALF], v_ready.index(s),
-                                                v_smem.index(s * HALVES + h).slice(p * BOX, BOX))
-        if PAGED:
+                tma.async_copy_global_to_shared(cache.k_desc, [page, slot, off_hk, h * HALF], k.ready.index(s),
+                                                k.mem.index(s * HALVES + h).slice(p * BOX, BOX))
+                tma.async_copy_global_to_shared(cache.v_desc, [page, slot, off_hk, h * HALF], v.ready.index(s),
+                                                v.mem.index(s * HALVES + h).slice(p * BOX, BOX))
+        if cfg.PAGED:
             # The next block's entries: their latency passes while this warp waits for a free slot.
-            ids = _page_ids(table, start + BLOCK_N, hi, stride_btp, offs_p, BOX, PAGE_SIZE)
+            ids = _page_ids(table, start + BLOCK_N, hi, cache.stride_btp, offs_p, BOX, cfg.PAGE_SIZE)
 
 
 @gluon.jit
@@ -116,113 +212,100 @@ def _zero_tail(v_smem, first, start, hi, HALVES: gl.constexpr, BLOCK_N: gl.const
 
 
 @gluon.jit
-def _consume(c, lo, hi, q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
-             acc0, acc1, m_i, l_i, s_zero, col_limit, qk_scale,
-             MASKED: gl.constexpr, HALVES: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-             s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr,
-             ld_layout: gl.constexpr):
+def _consume(cfg, q_smem, k, v, c, lo, hi, acc0, acc1, m_i, l_i, s_zero, col_limit, qk_scale,
+             MASKED: gl.constexpr):
     """Fold key blocks [lo, hi) into (acc0, acc1, m, l); ``c`` counts blocks (ring slot and phase).
     MASKED: scores at columns >= col_limit (per row) are -inf and V rows past ``hi`` are zeroed."""
     dtype: gl.constexpr = q_smem.dtype
-    cols0 = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+    BLOCK_N: gl.constexpr = cfg.BLOCK_N
+    HALVES: gl.constexpr = cfg.HALVES
+    cols0 = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, cfg.s_layout))
     for start in range(lo, hi, BLOCK_N):
-        s = c % STAGES
-        phase = (c // STAGES) & 1
-        mbarrier.wait(k_ready.index(s), phase)
-        tok = warpgroup_mma(q_smem.index(0), k_smem.index(s * HALVES).permute((1, 0)), s_zero,
+        s = k.index(c)
+        phase = k.phase(c)
+        k.wait_at(s, phase)
+        tok = warpgroup_mma(q_smem.index(0), k.tile(s * HALVES).permute((1, 0)), s_zero,
                             use_acc=False, is_async=True)
         if HALVES == 2:
-            tok = warpgroup_mma(q_smem.index(1), k_smem.index(s * HALVES + 1).permute((1, 0)), tok,
+            tok = warpgroup_mma(q_smem.index(1), k.tile(s * HALVES + 1).permute((1, 0)), tok,
                                 is_async=True)
         sc = warpgroup_mma_wait(0, deps=(tok,))
-        mbarrier.arrive(k_empty.index(s), count=1)
+        k.release(s)
         p, m_i, l_i, alpha = softmax(sc, m_i, l_i, col_limit, start + cols0, qk_scale, MASKED)
-        alpha_o = gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-        p_op = to_operand(p, dtype, p_layout)
-        mbarrier.wait(v_ready.index(s), phase)
+        alpha_o = gl.convert_layout(alpha, gl.SliceLayout(1, cfg.o_layout))[:, None]
+        p_op = to_operand(p, dtype, cfg.p_layout)
+        v.wait_at(s, phase)
         if MASKED:
             if start + BLOCK_N > hi:
-                _zero_tail(v_smem, s * HALVES, start, hi, HALVES, BLOCK_N, ld_layout)
-        tok0 = warpgroup_mma(p_op, v_smem.index(s * HALVES), acc0 * alpha_o, is_async=True)
+                _zero_tail(v.mem, s * HALVES, start, hi, HALVES, BLOCK_N, cfg.ld_layout)
+        tok0 = warpgroup_mma(p_op, v.tile(s * HALVES), acc0 * alpha_o, is_async=True)
         if HALVES == 2:
-            tok1 = warpgroup_mma(p_op, v_smem.index(s * HALVES + 1), acc1 * alpha_o, is_async=True)
+            tok1 = warpgroup_mma(p_op, v.tile(s * HALVES + 1), acc1 * alpha_o, is_async=True)
             acc0, acc1, p_op = warpgroup_mma_wait(0, deps=(tok0, tok1, p_op))
         else:
             acc0, p_op = warpgroup_mma_wait(0, deps=(tok0, p_op))
-        mbarrier.arrive(v_empty.index(s), count=1)
+        v.release(s)
         c += 1
     return c, acc0, acc1, m_i, l_i
 
 
 @gluon.jit
-def _consumer(Q, O, LSE, q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
-              SEQLENS, stride_sl, stride_qb, stride_qs, stride_qh,
-              stride_on, stride_ob, stride_os, stride_oh, stride_ln, stride_lb, stride_lh,
-              heads_kv, seqlen_q, seqlen_k, seqlen_new, num_m_blocks, num_splits, sm_scale, qk_scale,
-              GROUP: gl.constexpr, BLOCK_N: gl.constexpr, HAS_SEQLENS: gl.constexpr,
-              IS_CAUSAL: gl.constexpr, STAGES: gl.constexpr, HALVES: gl.constexpr):
+def _consumer(cfg, work, io, q_smem, k, v):
     """One warpgroup: load the packed query tile (row r: position r // GROUP of query head
     hk * GROUP + r % GROUP) into shared memory, fold the unmasked then the masked key blocks, and
     write out / lse (a split's partial when num_splits > 1)."""
-    pid_m, split, off_hk, off_b, seqlen = split_program(
-        SEQLENS, stride_sl, heads_kv, seqlen_k, seqlen_new, num_m_blocks, num_splits, HAS_SEQLENS)
-    lo, mid, hi, causal_offset = split_key_range(seqlen, split, num_splits, seqlen_q, BLOCK_N, IS_CAUSAL)
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, BLOCK_N, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, HALF, 16])
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-    ld_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+    pid_m, split, off_hk, off_b, lo, mid, hi, causal_offset = work.program(cfg)
+    GROUP: gl.constexpr = cfg.GROUP
+    HALVES: gl.constexpr = cfg.HALVES
+    o_layout: gl.constexpr = cfg.o_layout
+    ld_layout: gl.constexpr = cfg.ld_layout
+    row_layout: gl.constexpr = gl.SliceLayout(1, cfg.s_layout)
+    seqlen_q = work.seqlen_q
 
     # -- the query tile, zero in padded rows --
     offs_r = pid_m * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, ld_layout))
     offs_c = gl.arange(0, HALF, layout=gl.SliceLayout(0, ld_layout))
-    q_rows = (off_b.to(gl.int64) * stride_qb + (offs_r // GROUP) * stride_qs
-              + (off_hk * GROUP + offs_r % GROUP) * stride_qh)
+    q_rows = (off_b.to(gl.int64) * io.stride_qb + (offs_r // GROUP) * io.stride_qs
+              + (off_hk * GROUP + offs_r % GROUP) * io.stride_qh)
     r_ok = offs_r < GROUP * seqlen_q
     for h in gl.static_range(HALVES):
-        q = gl.load(Q + q_rows[:, None] + (h * HALF + offs_c)[None, :], mask=r_ok[:, None], other=0.0)
+        q = gl.load(io.Q + q_rows[:, None] + (h * HALF + offs_c)[None, :], mask=r_ok[:, None], other=0.0)
         q_smem.index(h).store(q)
     fence_async_shared()
     gl.thread_barrier()
 
     # Per-row bound of the masked loop: the range's end, and (causal) the row's diagonal.
     rows = pid_m * ROWS + gl.arange(0, ROWS, layout=row_layout)
-    if IS_CAUSAL:
+    if cfg.IS_CAUSAL:
         col_limit = gl.minimum(rows // GROUP + causal_offset + 1, hi)
     else:
         col_limit = gl.full([ROWS], 0, gl.int32, row_layout) + hi
-    s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
+    s_zero = gl.zeros([ROWS, cfg.BLOCK_N], gl.float32, cfg.s_layout)
     acc0 = gl.zeros([ROWS, HALF], gl.float32, o_layout)
     acc1 = gl.zeros([ROWS, HALF], gl.float32, o_layout)
     m_i = gl.full([ROWS], float("-inf"), gl.float32, row_layout)
     l_i = gl.zeros([ROWS], gl.float32, row_layout)
     c = 0
-    c, acc0, acc1, m_i, l_i = _consume(c, lo, mid, q_smem, k_smem, v_smem, k_ready, k_empty, v_ready,
-                                       v_empty, acc0, acc1, m_i, l_i, s_zero, col_limit, qk_scale,
-                                       False, HALVES, BLOCK_N, STAGES, s_layout, o_layout, p_layout,
-                                       ld_layout)
-    c, acc0, acc1, m_i, l_i = _consume(c, mid, hi, q_smem, k_smem, v_smem, k_ready, k_empty, v_ready,
-                                       v_empty, acc0, acc1, m_i, l_i, s_zero, col_limit, qk_scale,
-                                       True, HALVES, BLOCK_N, STAGES, s_layout, o_layout, p_layout,
-                                       ld_layout)
+    c, acc0, acc1, m_i, l_i = _consume(cfg, q_smem, k, v, c, lo, mid, acc0, acc1, m_i, l_i, s_zero, col_limit,
+                                       io.qk_scale, False)
+    c, acc0, acc1, m_i, l_i = _consume(cfg, q_smem, k, v, c, mid, hi, acc0, acc1, m_i, l_i, s_zero, col_limit,
+                                       io.qk_scale, True)
 
     # -- epilogue: out = acc / l, lse = m * sm_scale + ln(l); no visible key: 0 and -inf --
-    lse, inv_l = finish_rows(m_i, l_i, sm_scale, o_layout)
+    lse, inv_l = finish_rows(m_i, l_i, io.sm_scale, o_layout)
     inv_l = inv_l[:, None]
     o_r = pid_m * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, o_layout))
     o_c = gl.arange(0, HALF, layout=gl.SliceLayout(0, o_layout))
-    o_rows = (split.to(gl.int64) * stride_on + off_b.to(gl.int64) * stride_ob
-              + (o_r // GROUP) * stride_os + (off_hk * GROUP + o_r % GROUP) * stride_oh)
+    o_rows = (split.to(gl.int64) * io.stride_on + off_b.to(gl.int64) * io.stride_ob
+              + (o_r // GROUP) * io.stride_os + (off_hk * GROUP + o_r % GROUP) * io.stride_oh)
     o_ok = (o_r < GROUP * seqlen_q)[:, None]
-    out_ty: gl.constexpr = O.dtype.element_ty
-    gl.store(O + o_rows[:, None] + o_c[None, :], (acc0 * inv_l).to(out_ty), mask=o_ok)
+    out_ty: gl.constexpr = io.O.dtype.element_ty
+    gl.store(io.O + o_rows[:, None] + o_c[None, :], (acc0 * inv_l).to(out_ty), mask=o_ok)
     if HALVES == 2:
-        gl.store(O + o_rows[:, None] + (HALF + o_c)[None, :], (acc1 * inv_l).to(out_ty), mask=o_ok)
-    l_rows = (split.to(gl.int64) * stride_ln + off_b.to(gl.int64) * stride_lb
-              + (off_hk * GROUP + rows % GROUP) * stride_lh + rows // GROUP)
-    gl.store(LSE + l_rows, lse.to(LSE.dtype.element_ty), mask=rows < GROUP * seqlen_q)
+        gl.store(io.O + o_rows[:, None] + (HALF + o_c)[None, :], (acc1 * inv_l).to(out_ty), mask=o_ok)
+    l_rows = (split.to(gl.int64) * io.stride_ln + off_b.to(gl.int64) * io.stride_lb
+              + (off_hk * GROUP + rows % GROUP) * io.stride_lh + rows // GROUP)
+    gl.store(io.LSE + l_rows, lse.to(io.LSE.dtype.element_ty), mask=rows < GROUP * seqlen_q)
 
 
 # Lengths and counts that change from one decode step to the next are not specialised (as in
@@ -242,6 +325,11 @@ def _decode_hopper_kernel(
 ):
     HALVES: gl.constexpr = HEAD_DIM // HALF
     dtype: gl.constexpr = k_desc.dtype
+    cfg = DecConfig(GROUP, BLOCK_N, BOX, PAGE_SIZE, PAGED, HAS_SEQLENS, IS_CAUSAL, STAGES, HALVES)
+    work = DecWork(SEQLENS, stride_sl, heads_kv, seqlen_q, seqlen_k, seqlen_new, num_m_blocks, num_splits)
+    io = DecIO(Q, O, LSE, stride_qb, stride_qs, stride_qh, stride_on, stride_ob, stride_os, stride_oh,
+               stride_ln, stride_lb, stride_lh, sm_scale, qk_scale)
+    cache = DecCache(k_desc, v_desc, BLOCK_TABLE, stride_btb, stride_btp)
     tile_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HALF], dtype)
     q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, HALF], dtype)
     q_smem = gl.allocate_shared_memory(dtype, [HALVES, ROWS, HALF], q_layout)
@@ -256,16 +344,12 @@ def _decode_hopper_kernel(
         mbarrier.init(k_empty.index(s), count=1)
         mbarrier.init(v_ready.index(s), count=1)
         mbarrier.init(v_empty.index(s), count=1)
+    # The K and V rings: slot s holds HALVES tiles of 64 head-dim columns (mem index s * HALVES + h).
+    k = Ring(k_smem, k_ready, k_empty, STAGES)
+    v = Ring(v_smem, v_ready, v_empty, STAGES)
     gl.warp_specialize([
-        (_consumer, (Q, O, LSE, q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
-                     SEQLENS, stride_sl, stride_qb, stride_qs, stride_qh,
-                     stride_on, stride_ob, stride_os, stride_oh, stride_ln, stride_lb, stride_lh,
-                     heads_kv, seqlen_q, seqlen_k, seqlen_new, num_m_blocks, num_splits, sm_scale,
-                     qk_scale, GROUP, BLOCK_N, HAS_SEQLENS, IS_CAUSAL, STAGES, HALVES)),
-        (_producer, (k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
-                     SEQLENS, BLOCK_TABLE, stride_sl, stride_btb, stride_btp,
-                     heads_kv, seqlen_q, seqlen_k, seqlen_new, num_m_blocks, num_splits,
-                     BLOCK_N, BOX, PAGE_SIZE, PAGED, HAS_SEQLENS, IS_CAUSAL, STAGES, HALVES)),
+        (_consumer, (cfg, work, io, q_smem, k, v)),
+        (_producer, (cfg, work, cache, k, v)),
     ], [1], [PRODUCER_REGS_])
 
 
@@ -321,14 +405,18 @@ def decode_hopper(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     # (a launch limit of 128 per thread over its 8 warps, the producer's padded to a warpgroup, which
     # setmaxnreg then shares out between consumer and producer).
     maxnreg = 128 if programs_per_sm(head_dim, block_n, stages) == 2 else None
+    (stride_on, stride_ob, stride_os, stride_oh, stride_ln, stride_lb, stride_lh, stride_sl, stride_btb,
+     stride_btp) = partial_and_table_strides(o_part, l_part, cache_seqlens, block_table)
     launch.run(
         _decode_hopper_kernel, grid,
-        q, descriptor(k_cache, box, HALF.value), descriptor(v_cache, box, HALF.value), o_part, l_part,
-        cache_seqlens if has_seqlens else l_part, block_table if paged else l_part,
-        q.stride(0), q.stride(1), q.stride(2),
-        *partial_and_table_strides(o_part, l_part, cache_seqlens, block_table),
-        heads_kv, seqlen_q, k_cache.shape[1], seqlen_new, num_m_blocks, num_splits,
-        sm_scale, sm_scale * LOG2E,
+        Q=q, k_desc=descriptor(k_cache, box, HALF.value), v_desc=descriptor(v_cache, box, HALF.value), O=o_part,
+        LSE=l_part, SEQLENS=cache_seqlens if has_seqlens else l_part, BLOCK_TABLE=block_table if paged else l_part,
+        stride_qb=q.stride(0), stride_qs=q.stride(1), stride_qh=q.stride(2),
+        stride_on=stride_on, stride_ob=stride_ob, stride_os=stride_os, stride_oh=stride_oh,
+        stride_ln=stride_ln, stride_lb=stride_lb, stride_lh=stride_lh,
+        stride_sl=stride_sl, stride_btb=stride_btb, stride_btp=stride_btp,
+        heads_kv=heads_kv, seqlen_q=seqlen_q, seqlen_k=k_cache.shape[1], seqlen_new=seqlen_new,
+        num_m_blocks=num_m_blocks, num_splits=num_splits, sm_scale=sm_scale, qk_scale=sm_scale * LOG2E,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_N=block_n, BOX=box, PAGE_SIZE=page_size, PAGED=paged,
         HAS_SEQLENS=has_seqlens, IS_CAUSAL=causal, STAGES=stages, PRODUCER_REGS_=PRODUCER_REGS,
         num_warps=4, **({} if maxnreg is None else {"maxnreg": maxnreg}),

@@ -305,16 +305,21 @@ def _launch(Q, K, V, O, lse, q_strides, k_strides, v_strides, o_strides, batch, 
     longest sequence)."""
     num_m_blocks = configs.cdiv(max_seqlen_q, config.block_m)
     grid = (num_m_blocks * batch * heads_q,)
-    window_args, window_flags = window_kernel_args(window)
+    (window_left, window_right), window_flags = window_kernel_args(window)
+    tanh_scale, softcap, alibi_slopes, stride_ab, stride_ah, sinks = scores.kernel_args(sm_scale)
     launch.run(
         _attn_fwd_kernel, grid,
-        Q, K, V, O, lse,
-        *q_strides, *k_strides, *v_strides, *o_strides,
-        heads_q, heads_q // heads_k, seqlen_q, seqlen_k, num_m_blocks,
-        sm_scale, sm_scale * LOG2E,
-        varlen.cu_seqlens_q if varlen is not None else None,
-        varlen.cu_seqlens_k if varlen is not None else None,
-        *window_args, *scores.kernel_args(sm_scale),
+        Q=Q, K=K, V=V, O=O, LSE=lse,
+        stride_qb=q_strides[0], stride_qs=q_strides[1], stride_qh=q_strides[2],
+        stride_kb=k_strides[0], stride_ks=k_strides[1], stride_kh=k_strides[2],
+        stride_vb=v_strides[0], stride_vs=v_strides[1], stride_vh=v_strides[2],
+        stride_ob=o_strides[0], stride_os=o_strides[1], stride_oh=o_strides[2],
+        num_heads_q=heads_q, kv_group_size=heads_q // heads_k, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
+        num_m_blocks=num_m_blocks, sm_scale=sm_scale, qk_scale=sm_scale * LOG2E,
+        CU_Q=varlen.cu_seqlens_q if varlen is not None else None,
+        CU_K=varlen.cu_seqlens_k if varlen is not None else None,
+        window_left=window_left, window_right=window_right, tanh_scale=tanh_scale, softcap=softcap,
+        ALIBI_SLOPES=alibi_slopes, stride_ab=stride_ab, stride_ah=stride_ah, SINKS=sinks,
         HEAD_DIM=head_dim, BLOCK_D=configs.head_dim_block(head_dim),
         BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         IS_CAUSAL=causal, TMA=tma,

@@ -25,8 +25,6 @@ with strides TMA accepts (``sm90_common.tma_supported``), read through host-buil
 [1, rows, 1, D] boxes into 128-byte-swizzled [rows, D] tiles, the operand layout wgmma reads.
 """
 
-from __future__ import annotations
-
 import functools
 
 import torch
@@ -48,12 +46,17 @@ from .sm90_common import (
     PLAIN,
     PRODUCER_REGS,
     REGISTER_FILE,
+    SMEM,
     SNAKE,
+    Ring,
+    Tiles,
+    aggregate,
+    constexprs,
     descriptor,
     finish_rows,
+    release,
     row_limits,
     softmax,
-    tile_coords,
     to_operand,
 )
 
@@ -114,112 +117,172 @@ def variant_config(variant: str, head_dim: int) -> dict:
 
 
 # --------------------------------------------------------------------------------------------------
+# Kernel state: the tile config, the kernel's inputs and outputs, its shared memory
+# --------------------------------------------------------------------------------------------------
+
+@aggregate
+class FwdConfig:
+    """The compile-time configuration of a launch (the kernel's constexpr arguments) and the register
+    layouts of a consumer warpgroup: wgmma accumulators S [ROWS, BLOCK_N] and O [ROWS, HEAD_DIM] with
+    the warps stacked along the rows (every row lives in one warp: row reductions need no shared
+    memory); P as the A operand of P V; LTC's row-sum accumulator [ROWS, 8] and its A operand."""
+    HEAD_DIM: gl.constexpr
+    ROWS: gl.constexpr
+    NUM_WG: gl.constexpr
+    BLOCK_N: gl.constexpr
+    STAGES: gl.constexpr
+    IS_CAUSAL: gl.constexpr
+    OVERLAP: gl.constexpr
+    PINGPONG: gl.constexpr
+    ORDER: gl.constexpr
+    LTC: gl.constexpr
+    SKIP: gl.constexpr
+    WARPS: gl.constexpr
+    SYNC: gl.constexpr
+    dtype: gl.constexpr
+    s_layout: gl.constexpr
+    o_layout: gl.constexpr
+    p_layout: gl.constexpr
+    l_layout: gl.constexpr
+    pl_layout: gl.constexpr
+    row_layout: gl.constexpr
+    col_layout: gl.constexpr
+
+    @gluon.constexpr_function
+    def __init__(self, HEAD_DIM, ROWS, NUM_WG, BLOCK_N, STAGES, IS_CAUSAL, OVERLAP, PINGPONG, ORDER, LTC, SKIP,
+                 dtype):
+        constexprs(self, HEAD_DIM=HEAD_DIM, ROWS=ROWS, NUM_WG=NUM_WG, BLOCK_N=BLOCK_N, STAGES=STAGES,
+                   IS_CAUSAL=IS_CAUSAL, OVERLAP=OVERLAP, PINGPONG=PINGPONG, ORDER=ORDER, LTC=LTC, SKIP=SKIP,
+                   dtype=dtype)
+        warps = self.ROWS.value // 16
+        s = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[warps, 1],
+                                      instr_shape=[16, self.BLOCK_N.value, 16])
+        o = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[warps, 1],
+                                      instr_shape=[16, self.HEAD_DIM.value, 16])
+        l = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[warps, 1], instr_shape=[16, 8, 16])
+        constexprs(self, WARPS=warps, SYNC=warps > 4, s_layout=s, o_layout=o,
+                   p_layout=gl.DotOperandLayout(operand_index=0, parent=o, k_width=2), l_layout=l,
+                   pl_layout=gl.DotOperandLayout(operand_index=0, parent=l, k_width=2),
+                   row_layout=gl.SliceLayout(1, s), col_layout=gl.SliceLayout(0, s))
+
+
+@aggregate
+class FwdIO:
+    """The tensors a launch reads and writes (Q, K, V, O through TMA descriptors, the LSE by pointer)
+    and the softmax scales."""
+    q_desc: tma.tensor_descriptor
+    k_desc: tma.tensor_descriptor
+    v_desc: tma.tensor_descriptor
+    o_desc: tma.tensor_descriptor
+    LSE: gl.tensor
+    sm_scale: gl.tensor
+    qk_scale: gl.tensor
+
+    @gluon.constexpr_function
+    def __init__(self, q_desc, k_desc, v_desc, o_desc, LSE, sm_scale, qk_scale):
+        self.q_desc, self.k_desc, self.v_desc, self.o_desc = q_desc, k_desc, v_desc, o_desc
+        self.LSE, self.sm_scale, self.qk_scale = LSE, sm_scale, qk_scale
+
+
+@aggregate
+class Turns:
+    """Ping-pong (PINGPONG): the consumer warpgroups take turns issuing their wgmmas, round robin,
+    warpgroup 0 first, through one mbarrier per warpgroup (``bars``, [NUM_WG, 1]). Turns are counted
+    over all of the CTA's tiles. Each hand-over completes one phase of the receiver's barrier, so the
+    (t+1)-th phase of bars[w] marks turn t (parity t & 1), and bars[0]'s t-th phase marks warpgroup
+    0's turn t (parity (t - 1) & 1; turn 0 needs no token)."""
+    bars: SMEM
+    NUM_WG: gl.constexpr
+    PINGPONG: gl.constexpr
+
+    @gluon.constexpr_function
+    def __init__(self, bars, NUM_WG, PINGPONG):
+        self.bars = bars
+        constexprs(self, NUM_WG=NUM_WG, PINGPONG=PINGPONG)
+
+    @gluon.jit
+    def begin(self, t, WG: gl.constexpr):
+        """Wait until warpgroup WG may issue the wgmmas of its turn t."""
+        if self.PINGPONG:
+            if WG == 0:
+                mbarrier.wait(self.bars.index(0), (t + 1) & 1, pred=t > 0)
+            else:
+                mbarrier.wait(self.bars.index(WG), t & 1)
+
+    @gluon.jit
+    def end(self, WG: gl.constexpr):
+        """Warpgroup WG's wgmmas of the turn are issued: hand the turn to the next one."""
+        if self.PINGPONG:
+            mbarrier.arrive(self.bars.index((WG + 1) % self.NUM_WG), count=1)
+
+
+@aggregate
+class FwdShared:
+    """A CTA's shared memory: the query tiles (one slot per consumer warpgroup, ``q``), the output
+    tiles (``o``), the K and V rings (one slot number and counter for both, separate barriers so S can
+    start before V lands), the ping-pong barriers and (LTC) the [BLOCK_N, 8] tile of ones."""
+    q: Ring
+    o: SMEM
+    k: Ring
+    v: Ring
+    turns: Turns
+    ones: SMEM
+
+    @gluon.constexpr_function
+    def __init__(self, q, o, k, v, turns, ones):
+        self.q, self.o, self.k, self.v, self.turns, self.ones = q, o, k, v, turns, ones
+
+
+# --------------------------------------------------------------------------------------------------
 # Partitions
 # --------------------------------------------------------------------------------------------------
 
 @gluon.jit
-def _item_bound(num_items, ORDER: gl.constexpr):
-    """The end of a program's item loop (items pid, pid + grid, ...). SNAKE: num_items rounded up to
-    whole rounds of grid items, so every program walks the same rounds (the last one's overhang is
-    not valid in ``tile_coords``)."""
-    if ORDER == SNAKE:
-        grid = gl.num_programs(0)
-        return gl.cdiv(num_items, grid) * grid
-    else:
-        return num_items
-
-
-@gluon.jit
-def _load_q(q_desc, q_smem, q_ready, q_empty, off_b, off_h, start_m, phase,
-            ROWS: gl.constexpr, NUM_WG: gl.constexpr):
+def _load_q(cfg, io, sh, off_b, off_h, start_m, phase):
     """The query tiles of one tile, one per consumer warpgroup, each once its previous one is free."""
-    for w in gl.static_range(NUM_WG):
-        mbarrier.wait(q_empty.index(w), phase ^ 1)       # a fresh barrier passes parity 1 at once
-        mbarrier.expect(q_ready.index(w), q_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [off_b, start_m + w * ROWS, off_h, 0], q_ready.index(w),
-                                        q_smem.index(w))
+    for w in gl.static_range(cfg.NUM_WG):
+        sh.q.acquire_at(w, phase ^ 1)                      # a fresh barrier passes parity 1 at once
+        sh.q.expect(w, io.q_desc.block_type.nbytes)
+        sh.q.load(io.q_desc, [off_b, start_m + w * cfg.ROWS, off_h, 0], w)
 
 
 @gluon.jit
-def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem,
-              q_ready, q_empty, k_ready, k_empty, v_ready, v_empty,
-              num_items, section, num_m_blocks, num_heads_q, kv_group_size, seqlen_q, seqlen_k,
-              ROWS: gl.constexpr, NUM_WG: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-              IS_CAUSAL: gl.constexpr, ORDER: gl.constexpr):
+def _producer(cfg, tiles, io, sh):
     """One warp: for each tile, TMA loads of the query tiles and of K_j, V_j for j in [0, n_blocks).
     ``kv`` counts K/V tiles over all of this CTA's tiles: it picks the ring slot and its phase."""
     kv = 0
     n_done = 0
-    for item in range(gl.program_id(0), _item_bound(num_items, ORDER), gl.num_programs(0)):
-        for half in range(2 if ORDER == PAIRED else 1):
-            pid_bh, off_b, off_h, off_hk, start_m, n_blocks, valid = tile_coords(
-                item, half, num_m_blocks, num_heads_q, kv_group_size, seqlen_q, seqlen_k, num_items,
-                section, ROWS * NUM_WG, BLOCK_N, IS_CAUSAL, ORDER)
+    for item in range(gl.program_id(0), tiles.bound(), gl.num_programs(0)):
+        for half in range(2 if cfg.ORDER == PAIRED else 1):
+            pid_bh, off_b, off_h, off_hk, start_m, n_blocks, valid = tiles.coords(item, half)
             if valid:
                 if n_blocks == 0:
-                    _load_q(q_desc, q_smem, q_ready, q_empty, off_b, off_h, start_m, n_done & 1, ROWS, NUM_WG)
+                    _load_q(cfg, io, sh, off_b, off_h, start_m, n_done & 1)
                 for j in range(n_blocks):
-                    s = kv % STAGES
-                    empty_phase = ((kv // STAGES) & 1) ^ 1
-                    start_n = j * BLOCK_N
+                    s = sh.k.index(kv)
+                    empty_phase = sh.k.phase(kv) ^ 1
+                    start_n = j * cfg.BLOCK_N
                     # K first: the consumers need K_j (for S_j) before V_j (for the PV product one
                     # step later). A tile's K_0 goes before its query tiles: its ring slot is free
                     # earlier than they are (released after the previous tile's last S product).
-                    mbarrier.wait(k_empty.index(s), empty_phase)
-                    mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
-                    tma.async_copy_global_to_shared(k_desc, [off_b, start_n, off_hk, 0], k_ready.index(s),
-                                                    k_smem.index(s))
+                    sh.k.acquire_at(s, empty_phase)
+                    sh.k.fill(io.k_desc, [off_b, start_n, off_hk, 0], s)
                     if j == 0:
-                        _load_q(q_desc, q_smem, q_ready, q_empty, off_b, off_h, start_m, n_done & 1, ROWS,
-                                NUM_WG)
-                    mbarrier.wait(v_empty.index(s), empty_phase)
-                    mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
-                    tma.async_copy_global_to_shared(v_desc, [off_b, start_n, off_hk, 0], v_ready.index(s),
-                                                    v_smem.index(s))
+                        _load_q(cfg, io, sh, off_b, off_h, start_m, n_done & 1)
+                    sh.v.acquire_at(s, empty_phase)
+                    sh.v.fill(io.v_desc, [off_b, start_n, off_hk, 0], s)
                     kv += 1
                 n_done += 1
 
 
 @gluon.jit
-def _turn_begin(sched, t, WG: gl.constexpr, PINGPONG: gl.constexpr):
-    """Ping-pong: wait until this warpgroup may issue the wgmmas of its turn t (counted over all of the
-    CTA's tiles). Turns go round robin, warpgroup 0 first: warpgroup w > 0 takes turn t after
-    warpgroup w - 1 handed over its turn t; warpgroup 0 takes turn t > 0 after the last warpgroup
-    handed over turn t - 1 (turn 0 needs no token). Each hand-over completes one phase of the
-    receiver's barrier, so the (t+1)-th phase of sched[w] marks turn t (parity t & 1), and sched[0]'s
-    t-th phase marks warpgroup 0's turn t (parity (t - 1) & 1)."""
-    if PINGPONG:
-        if WG == 0:
-            mbarrier.wait(sched.index(0), (t + 1) & 1, pred=t > 0)
-        else:
-            mbarrier.wait(sched.index(WG), t & 1)
-
-
-@gluon.jit
-def _turn_end(sched, WG: gl.constexpr, NUM_WG: gl.constexpr, PINGPONG: gl.constexpr):
-    """Ping-pong: this warpgroup's wgmmas of the turn are issued; hand the turn to the next one."""
-    if PINGPONG:
-        mbarrier.arrive(sched.index((WG + 1) % NUM_WG), count=1)
-
-
-@gluon.jit
-def _release(bar, SYNC: gl.constexpr):
-    """Signal the producer that a K, V or Q tile has been read. SYNC (a consumer of two warpgroups in
-    one partition): wgmma waits are per warpgroup and the arrive is done once, so first make sure every
-    warp of the partition is past its wait."""
-    if SYNC:
-        gl.thread_barrier()
-    mbarrier.arrive(bar, count=1)
-
-
-@gluon.jit
-def _pv_issue(p, v_tile, acc, l_acc, ones_smem, pl_layout: gl.constexpr, LTC: gl.constexpr):
+def _pv_issue(cfg, sh, p, v_tile, acc, l_acc):
     """Issue O += P V (async) and, LTC, l += P @ ones beside it. Returns the tokens and the operands
     the wait must keep live: (o_tok, l_tok, p_l); without LTC, l_tok and p_l are placeholders."""
     o_tok = warpgroup_mma(p, v_tile, acc, is_async=True)
-    if LTC:
-        p_l = gl.convert_layout(p, pl_layout)
-        l_tok = warpgroup_mma(p_l, ones_smem, l_acc, is_async=True)
+    if cfg.LTC:
+        p_l = gl.convert_layout(p, cfg.pl_layout)
+        l_tok = warpgroup_mma(p_l, sh.ones, l_acc, is_async=True)
     else:
         p_l = p
         l_tok = l_acc
@@ -239,56 +302,51 @@ def _pv_wait(o_tok, l_tok, p, p_l, LTC: gl.constexpr):
 
 
 @gluon.jit
-def _s_wait(s_tok, k_slot_empty, LTC: gl.constexpr, SYNC: gl.constexpr):
+def _s_wait(cfg, s_tok, k_slot_empty):
     """Wait for this step's S product only (P V, and LTC's row-sum product, may still run), then
     release its K slot. Returns S."""
-    if LTC:
+    if cfg.LTC:
         s = warpgroup_mma_wait(2, deps=(s_tok,))
     else:
         s = warpgroup_mma_wait(1, deps=(s_tok,))
-    _release(k_slot_empty, SYNC)
+    release(k_slot_empty, cfg.SYNC)
     return s
 
 
 @gluon.jit
-def _pv_finish(o_tok, l_tok, p, p_l, alpha, v_slot_empty, LTC: gl.constexpr, SYNC: gl.constexpr,
-               l_layout: gl.constexpr, o_layout: gl.constexpr):
+def _pv_finish(cfg, o_tok, l_tok, p, p_l, alpha, v_slot_empty):
     """Wait for the previous step's P V (and l), release its V slot, and rescale O (and LTC's l) by
     this step's alpha. Returns (acc, l_acc)."""
-    acc, l_acc = _pv_wait(o_tok, l_tok, p, p_l, LTC)
-    if LTC:
-        l_acc = l_acc * gl.convert_layout(alpha, gl.SliceLayout(1, l_layout))[:, None]
-    _release(v_slot_empty, SYNC)
-    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+    acc, l_acc = _pv_wait(o_tok, l_tok, p, p_l, cfg.LTC)
+    if cfg.LTC:
+        l_acc = l_acc * gl.convert_layout(alpha, gl.SliceLayout(1, cfg.l_layout))[:, None]
+    release(v_slot_empty, cfg.SYNC)
+    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, cfg.o_layout))[:, None]
     return acc, l_acc
 
 
 @gluon.jit
-def _overlap_step(j, c, t, p, acc, l_acc, m_i, l_i, q_tile, k_smem, v_smem,
-                  k_ready, k_empty, v_ready, v_empty, sched, ones_smem, s_zero, col_limit, cols0, qk_scale,
-                  MASK: gl.constexpr, WG: gl.constexpr, NUM_WG: gl.constexpr, PINGPONG: gl.constexpr,
-                  LTC: gl.constexpr, SYNC: gl.constexpr, STAGES: gl.constexpr, BLOCK_N: gl.constexpr,
-                  dtype: gl.constexpr, p_layout: gl.constexpr, pl_layout: gl.constexpr,
-                  l_layout: gl.constexpr, o_layout: gl.constexpr):
+def _overlap_step(cfg, sh, WG: gl.constexpr, j, c, t, p, acc, l_acc, m_i, l_i, q_tile, s_zero, col_limit,
+                  cols0, qk_scale, MASK: gl.constexpr):
     """One step j > 0 of the split-loop schedule (OVERLAP = 2; K/V tile number c, ping-pong turn t):
     issue S_j = Q K_j^T, then (once V_{j-1} has landed) O += P_{j-1} V_{j-1}; softmax S_j while P V
     runs; wait for it and rescale. Returns (P_j as the wgmma A operand, acc, l_acc, m, l). MASK: S_j
     needs the per-row column limit (a compile-time choice: the caller runs the unmasked steps and the
     masked ones in two loops, so a step has no branch and ptxas schedules the softmax, the P V wait and
     the O rescale as one block)."""
-    st = c % STAGES
-    pst = (c - 1) % STAGES
-    mbarrier.wait(k_ready.index(st), (c // STAGES) & 1)
-    _turn_begin(sched, t, WG, PINGPONG)
-    s_tok = warpgroup_mma(q_tile, k_smem.index(st).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-    mbarrier.wait(v_ready.index(pst), ((c - 1) // STAGES) & 1)
-    o_tok, l_tok, p_l = _pv_issue(p, v_smem.index(pst), acc, l_acc, ones_smem, pl_layout, LTC)
-    _turn_end(sched, WG, NUM_WG, PINGPONG)
-    s = _s_wait(s_tok, k_empty.index(st), LTC, SYNC)
-    cols = j * BLOCK_N + cols0
-    p_new, m_i, l_i, alpha = softmax(s, m_i, l_i, col_limit, cols, qk_scale, MASK, not LTC)
-    p_new = to_operand(p_new, dtype, p_layout)
-    acc, l_acc = _pv_finish(o_tok, l_tok, p, p_l, alpha, v_empty.index(pst), LTC, SYNC, l_layout, o_layout)
+    st = sh.k.index(c)
+    pst = sh.v.index(c - 1)
+    sh.k.wait(c)
+    sh.turns.begin(t, WG)
+    s_tok = warpgroup_mma(q_tile, sh.k.tile(st).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    sh.v.wait(c - 1)
+    o_tok, l_tok, p_l = _pv_issue(cfg, sh, p, sh.v.tile(pst), acc, l_acc)
+    sh.turns.end(WG)
+    s = _s_wait(cfg, s_tok, sh.k.empty_bar(st))
+    cols = j * cfg.BLOCK_N + cols0
+    p_new, m_i, l_i, alpha = softmax(s, m_i, l_i, col_limit, cols, qk_scale, MASK, not cfg.LTC)
+    p_new = to_operand(p_new, cfg.dtype, cfg.p_layout)
+    acc, l_acc = _pv_finish(cfg, o_tok, l_tok, p, p_l, alpha, sh.v.empty_bar(pst))
     return p_new, acc, l_acc, m_i, l_i
 
 
@@ -310,9 +368,7 @@ def _blocks_seen(row0, ROWS: gl.constexpr, seqlen_q, seqlen_k, causal_offset, n_
 
 
 @gluon.jit
-def _pass_blocks(kv, turn, n_mine, n_blocks, k_ready, k_empty, v_ready, v_empty, sched,
-                 WG: gl.constexpr, NUM_WG: gl.constexpr, PINGPONG: gl.constexpr, SYNC: gl.constexpr,
-                 STAGES: gl.constexpr):
+def _pass_blocks(cfg, sh, WG: gl.constexpr, kv, turn, n_mine, n_blocks):
     """A warpgroup's part in its tile's key blocks [n_mine, n_blocks), which none of its rows see
     (``_blocks_seen``); ``kv`` and ``turn`` are the K/V tile count and the ping-pong turn at the
     start of the tile. Every ring slot still needs this warpgroup's release, and the ping-pong token
@@ -323,128 +379,113 @@ def _pass_blocks(kv, turn, n_mine, n_blocks, k_ready, k_empty, v_ready, v_empty,
     not wait for by the same turn, so no wait can close a cycle."""
     if n_blocks > 0:
         if n_mine == 0:
-            _turn_begin(sched, turn, WG, PINGPONG)
-            _turn_end(sched, WG, NUM_WG, PINGPONG)
+            sh.turns.begin(turn, WG)
+            sh.turns.end(WG)
     for b in range(n_mine, n_blocks):
         c = kv + b
-        st = c % STAGES
-        ph = (c // STAGES) & 1
-        mbarrier.wait(k_ready.index(st), ph)
-        _release(k_empty.index(st), SYNC)
-        mbarrier.wait(v_ready.index(st), ph)
-        _release(v_empty.index(st), SYNC)
-        _turn_begin(sched, turn + b + 1, WG, PINGPONG)
-        _turn_end(sched, WG, NUM_WG, PINGPONG)
+        st = sh.k.index(c)
+        ph = sh.k.phase(c)
+        sh.k.wait_at(st, ph)
+        sh.k.release(st, cfg.SYNC)
+        sh.v.wait_at(st, ph)
+        sh.v.release(st, cfg.SYNC)
+        sh.turns.begin(turn + b + 1, WG)
+        sh.turns.end(WG)
 
 
 @gluon.jit
-def _consumer(q_desc, o_desc, LSE, q_smem, o_smem, k_smem, v_smem,
-              q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, sched,
-              num_items, section, num_m_blocks, num_heads_q, kv_group_size, seqlen_q, seqlen_k, sm_scale,
-              qk_scale, WG: gl.constexpr, NUM_WG: gl.constexpr, ROWS: gl.constexpr, WARPS: gl.constexpr,
-              BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr,
-              OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, ORDER: gl.constexpr,
-              LTC: gl.constexpr, SKIP: gl.constexpr, ones_smem):
-    """One consumer partition: for each of the CTA's tiles, ROWS query rows (from start_m + WG * ROWS)
+def _consumer(cfg, WG: gl.constexpr, tiles, io, sh):
+    """Consumer warpgroup WG: for each of the CTA's tiles, ROWS query rows (from start_m + WG * ROWS)
     against key blocks [0, n_blocks) (SKIP: computes on the first n_mine of them, the ones its rows
     see, and only passes the rest on); writes O and the LSE of its rows. ``kv`` (the K/V tile count,
     as in the producer) gives ring slots and phases; ``turn`` counts ping-pong turns; ``n_done``
-    counts tiles (the query barrier's phase). LTC: the row sums come from P @ ones (``ones_smem``)."""
-    dtype: gl.constexpr = q_desc.dtype
-    SYNC: gl.constexpr = WARPS > 4
-    gl.static_assert(OVERLAP > 0 or not LTC, "LTC (row sums on the tensor cores) needs the OVERLAP schedule")
-    gl.static_assert(OVERLAP > 0 or not SKIP, "SKIP passes turns in the OVERLAP schedule's order")
-    # wgmma accumulator layouts: S [ROWS, BN] and O [ROWS, D]; warps stacked along the rows, so every
-    # row lives in one warp (a quad of threads): row reductions need no shared memory.
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
-                                                       instr_shape=[16, BLOCK_N, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
-                                                       instr_shape=[16, HEAD_DIM, 16])
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-    # LTC: l = P @ ones on the tensor cores, an [ROWS, 8] accumulator whose 8 columns are equal.
-    l_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
-                                                       instr_shape=[16, 8, 16])
-    pl_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=l_layout, k_width=2)
-    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
-    col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
-    cols0 = gl.arange(0, BLOCK_N, layout=col_layout)                    # [BN]
-    q_tile = q_smem.index(WG)
-    o_tile = o_smem.index(WG)
-    q_bar = q_ready.index(WG)
+    counts tiles (the query slot's phase). LTC: the row sums come from P @ ones (``sh.ones``)."""
+    dtype: gl.constexpr = cfg.dtype
+    SYNC: gl.constexpr = cfg.SYNC
+    ROWS: gl.constexpr = cfg.ROWS
+    BLOCK_N: gl.constexpr = cfg.BLOCK_N
+    LTC: gl.constexpr = cfg.LTC
+    SKIP: gl.constexpr = cfg.SKIP
+    o_layout: gl.constexpr = cfg.o_layout
+    row_layout: gl.constexpr = cfg.row_layout
+    gl.static_assert(cfg.OVERLAP > 0 or not LTC, "LTC (row sums on the tensor cores) needs the OVERLAP schedule")
+    gl.static_assert(cfg.OVERLAP > 0 or not SKIP, "SKIP passes turns in the OVERLAP schedule's order")
+    cols0 = gl.arange(0, BLOCK_N, layout=cfg.col_layout)                # [BN]
+    q_tile = sh.q.tile(WG)
+    o_tile = sh.o.index(WG)
+    q_bar = sh.q.ready.index(WG)          # (hoisted by hand: the same SASS as before the aggregates)
+    seqlen_q = tiles.seqlen_q
+    seqlen_k = tiles.seqlen_k
+    qk_scale = io.qk_scale
     causal_offset = seqlen_k - seqlen_q
 
     kv = 0
     turn = 0
     n_done = 0
-    for item in range(gl.program_id(0), _item_bound(num_items, ORDER), gl.num_programs(0)):
-        for half in range(2 if ORDER == PAIRED else 1):
-            pid_bh, off_b, off_h, off_hk, start_m, n_blocks, valid = tile_coords(
-                item, half, num_m_blocks, num_heads_q, kv_group_size, seqlen_q, seqlen_k, num_items,
-                section, ROWS * NUM_WG, BLOCK_N, IS_CAUSAL, ORDER)
+    for item in range(gl.program_id(0), tiles.bound(), gl.num_programs(0)):
+        for half in range(2 if cfg.ORDER == PAIRED else 1):
+            pid_bh, off_b, off_h, off_hk, start_m, n_blocks, valid = tiles.coords(item, half)
             if valid:
                 row0 = start_m + WG * ROWS
                 rows = row0 + gl.arange(0, ROWS, layout=row_layout)             # [ROWS] query positions
                 # Key blocks [0, n_full) are seen in full by every row of this warpgroup: no mask.
-                n_full, col_limit = row_limits(row0, rows, causal_offset, seqlen_k, ROWS, BLOCK_N, IS_CAUSAL,
+                n_full, col_limit = row_limits(row0, rows, causal_offset, seqlen_k, ROWS, BLOCK_N, cfg.IS_CAUSAL,
                                                 row_layout)
                 # Key blocks [0, n_mine) hold every key this warpgroup's rows see (SKIP; else all of
                 # the tile's n_blocks, which reach the causal diagonal of the tile's last row).
                 n_mine = n_blocks
                 if SKIP:
                     n_mine = _blocks_seen(row0, ROWS, seqlen_q, seqlen_k, causal_offset, n_blocks, BLOCK_N,
-                                          IS_CAUSAL)
+                                          cfg.IS_CAUSAL)
 
                 mbarrier.wait(q_bar, n_done & 1)   # always: the query's TMA must land before the tile is done
 
                 if n_mine > 0:
-                    s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
-                    acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout)
+                    s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, cfg.s_layout)
+                    acc = gl.zeros([ROWS, cfg.HEAD_DIM], gl.float32, o_layout)
                     m_i = gl.full([ROWS], float("-inf"), gl.float32, row_layout)
                     l_i = gl.zeros([ROWS], gl.float32, row_layout)
-                    l_acc = gl.zeros([ROWS, 8], gl.float32, l_layout)
-                    if OVERLAP:
+                    l_acc = gl.zeros([ROWS, 8], gl.float32, cfg.l_layout)
+                    if cfg.OVERLAP:
                         # -- step 0: S_0 only --
-                        st = kv % STAGES
-                        mbarrier.wait(k_ready.index(st), (kv // STAGES) & 1)
-                        _turn_begin(sched, turn, WG, PINGPONG)
-                        s_tok = warpgroup_mma(q_tile, k_smem.index(st).permute((1, 0)), s_zero, use_acc=False,
+                        st = sh.k.index(kv)
+                        sh.k.wait(kv)
+                        sh.turns.begin(turn, WG)
+                        s_tok = warpgroup_mma(q_tile, sh.k.tile(st).permute((1, 0)), s_zero, use_acc=False,
                                               is_async=True)
-                        _turn_end(sched, WG, NUM_WG, PINGPONG)
+                        sh.turns.end(WG)
                         s = warpgroup_mma_wait(0, deps=(s_tok,))
-                        _release(k_empty.index(st), SYNC)
+                        sh.k.release(st, SYNC)
                         if n_full > 0:
                             p, m_i, l_i, alpha = softmax(s, m_i, l_i, col_limit, cols0, qk_scale, False,
                                                           not LTC)
                         else:
                             p, m_i, l_i, alpha = softmax(s, m_i, l_i, col_limit, cols0, qk_scale, True,
                                                           not LTC)
-                        p = gl.convert_layout(p.to(dtype), p_layout)
+                        p = gl.convert_layout(p.to(dtype), cfg.p_layout)
                         # -- steps 1 .. n-1: issue S_j and P_{j-1} V_{j-1}; softmax S_j under PV --
-                        if OVERLAP >= 2:
+                        if cfg.OVERLAP >= 2:
                             # Two loops, unmasked steps [1, n_lo) then masked ones [n_lo, n_mine):
                             # no branch inside a step (static_range unrolls the pair).
                             n_lo = gl.maximum(gl.minimum(n_full, n_mine), 1)
                             for masked in gl.static_range(2):
                                 for j in range(1 + (n_lo - 1) * masked, n_lo + (n_mine - n_lo) * masked):
                                     p, acc, l_acc, m_i, l_i = _overlap_step(
-                                        j, kv + j, turn + j, p, acc, l_acc, m_i, l_i, q_tile, k_smem, v_smem,
-                                        k_ready, k_empty, v_ready, v_empty, sched, ones_smem, s_zero,
-                                        col_limit, cols0, qk_scale, masked == 1, WG, NUM_WG, PINGPONG, LTC,
-                                        SYNC, STAGES, BLOCK_N, dtype, p_layout, pl_layout, l_layout, o_layout)
+                                        cfg, sh, WG, j, kv + j, turn + j, p, acc, l_acc, m_i, l_i, q_tile, s_zero,
+                                        col_limit, cols0, qk_scale, masked == 1)
                         else:
                             for j in range(1, n_mine):
                                 c = kv + j
-                                st = c % STAGES
-                                pst = (c - 1) % STAGES
-                                mbarrier.wait(k_ready.index(st), (c // STAGES) & 1)
-                                mbarrier.wait(v_ready.index(pst), ((c - 1) // STAGES) & 1)
-                                _turn_begin(sched, turn + j, WG, PINGPONG)
-                                s_tok = warpgroup_mma(q_tile, k_smem.index(st).permute((1, 0)), s_zero,
+                                st = sh.k.index(c)
+                                pst = sh.v.index(c - 1)
+                                sh.k.wait(c)
+                                sh.v.wait(c - 1)
+                                sh.turns.begin(turn + j, WG)
+                                s_tok = warpgroup_mma(q_tile, sh.k.tile(st).permute((1, 0)), s_zero,
                                                       use_acc=False, is_async=True)
-                                o_tok, l_tok, p_l = _pv_issue(p, v_smem.index(pst), acc, l_acc, ones_smem,
-                                                              pl_layout, LTC)
-                                _turn_end(sched, WG, NUM_WG, PINGPONG)
-                                s = _s_wait(s_tok, k_empty.index(st), LTC, SYNC)
+                                o_tok, l_tok, p_l = _pv_issue(cfg, sh, p, sh.v.tile(pst), acc, l_acc)
+                                sh.turns.end(WG)
+                                s = _s_wait(cfg, s_tok, sh.k.empty_bar(st))
                                 cols = j * BLOCK_N + cols0
                                 if j < n_full:
                                     p_new, m_i, l_i, alpha = softmax(s, m_i, l_i, col_limit, cols, qk_scale,
@@ -452,77 +493,74 @@ def _consumer(q_desc, o_desc, LSE, q_smem, o_smem, k_smem, v_smem,
                                 else:
                                     p_new, m_i, l_i, alpha = softmax(s, m_i, l_i, col_limit, cols, qk_scale,
                                                                       True, not LTC)
-                                p_new = gl.convert_layout(p_new.to(dtype), p_layout)
-                                acc, l_acc = _pv_finish(o_tok, l_tok, p, p_l, alpha, v_empty.index(pst), LTC,
-                                                        SYNC, l_layout, o_layout)
+                                p_new = gl.convert_layout(p_new.to(dtype), cfg.p_layout)
+                                acc, l_acc = _pv_finish(cfg, o_tok, l_tok, p, p_l, alpha, sh.v.empty_bar(pst))
                                 p = p_new
                         # Every S product of the tile is done: the query tile may be refilled.
-                        _release(q_empty.index(WG), SYNC)
+                        sh.q.release(WG, SYNC)
                         # -- step n: the last P V --
                         lc = kv + n_mine - 1
-                        lst = lc % STAGES
-                        mbarrier.wait(v_ready.index(lst), (lc // STAGES) & 1)
-                        _turn_begin(sched, turn + n_mine, WG, PINGPONG)
-                        o_tok, l_tok, p_l = _pv_issue(p, v_smem.index(lst), acc, l_acc, ones_smem, pl_layout,
-                                                      LTC)
-                        _turn_end(sched, WG, NUM_WG, PINGPONG)
+                        lst = sh.v.index(lc)
+                        sh.v.wait(lc)
+                        sh.turns.begin(turn + n_mine, WG)
+                        o_tok, l_tok, p_l = _pv_issue(cfg, sh, p, sh.v.tile(lst), acc, l_acc)
+                        sh.turns.end(WG)
                         acc, l_acc = _pv_wait(o_tok, l_tok, p, p_l, LTC)
                         if LTC:
                             l_i = gl.convert_layout(gl.max(l_acc, 1), row_layout)
-                        _release(v_empty.index(lst), SYNC)
+                        sh.v.release(lst, SYNC)
                         if not SKIP:             # (SKIP: the counters advance below, by the whole tile)
                             turn += n_blocks + 1
                     else:
                         # No intra-warpgroup overlap: S_j, softmax, P_j V_j, one after the other.
                         for j in range(0, n_mine):
                             c = kv + j
-                            st = c % STAGES
-                            ph = (c // STAGES) & 1
-                            mbarrier.wait(k_ready.index(st), ph)
-                            _turn_begin(sched, turn + 2 * j, WG, PINGPONG)
-                            s_tok = warpgroup_mma(q_tile, k_smem.index(st).permute((1, 0)), s_zero,
+                            st = sh.k.index(c)
+                            ph = sh.k.phase(c)
+                            sh.k.wait_at(st, ph)
+                            sh.turns.begin(turn + 2 * j, WG)
+                            s_tok = warpgroup_mma(q_tile, sh.k.tile(st).permute((1, 0)), s_zero,
                                                   use_acc=False, is_async=True)
-                            _turn_end(sched, WG, NUM_WG, PINGPONG)
+                            sh.turns.end(WG)
                             s = warpgroup_mma_wait(0, deps=(s_tok,))
-                            _release(k_empty.index(st), SYNC)
+                            sh.k.release(st, SYNC)
                             cols = j * BLOCK_N + cols0
                             if j < n_full:
                                 p, m_i, l_i, alpha = softmax(s, m_i, l_i, col_limit, cols, qk_scale, False)
                             else:
                                 p, m_i, l_i, alpha = softmax(s, m_i, l_i, col_limit, cols, qk_scale, True)
                             acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-                            p = gl.convert_layout(p.to(dtype), p_layout)
-                            mbarrier.wait(v_ready.index(st), ph)
-                            _turn_begin(sched, turn + 2 * j + 1, WG, PINGPONG)
-                            o_tok = warpgroup_mma(p, v_smem.index(st), acc, is_async=True)
-                            _turn_end(sched, WG, NUM_WG, PINGPONG)
+                            p = gl.convert_layout(p.to(dtype), cfg.p_layout)
+                            sh.v.wait_at(st, ph)
+                            sh.turns.begin(turn + 2 * j + 1, WG)
+                            o_tok = warpgroup_mma(p, sh.v.tile(st), acc, is_async=True)
+                            sh.turns.end(WG)
                             acc, p = warpgroup_mma_wait(0, deps=(o_tok, p))
-                            _release(v_empty.index(st), SYNC)
-                        _release(q_empty.index(WG), SYNC)
+                            sh.v.release(st, SYNC)
+                        sh.q.release(WG, SYNC)
                         turn += 2 * n_blocks     # (no SKIP without OVERLAP: n_mine is n_blocks here)
                     if not SKIP:
                         kv += n_blocks
                 else:
                     # No visible key block at all: every row of this warpgroup is empty (or past
                     # the end of the queries).
-                    _release(q_empty.index(WG), SYNC)
-                    acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout)
+                    sh.q.release(WG, SYNC)
+                    acc = gl.zeros([ROWS, cfg.HEAD_DIM], gl.float32, o_layout)
                     m_i = gl.full([ROWS], float("-inf"), gl.float32, row_layout)
                     l_i = gl.zeros([ROWS], gl.float32, row_layout)
                 if SKIP:
                     # The tile's key blocks [n_mine, n_blocks), which this warpgroup's rows do not
                     # see: released as they land, their ping-pong turns handed straight on. Then
                     # the ring and turn counters move past the whole tile, as for every warpgroup.
-                    _pass_blocks(kv, turn, n_mine, n_blocks, k_ready, k_empty, v_ready, v_empty, sched,
-                                 WG, NUM_WG, PINGPONG, SYNC, STAGES)
+                    _pass_blocks(cfg, sh, WG, kv, turn, n_mine, n_blocks)
                     if n_blocks > 0:
                         turn += n_blocks + 1
                     kv += n_blocks
 
                 # -- epilogue: out = acc / l, lse = m * sm_scale + ln(l); empty rows (l = 0): 0 and -inf --
-                lse, inv_l = finish_rows(m_i, l_i, sm_scale, o_layout)
+                lse, inv_l = finish_rows(m_i, l_i, io.sm_scale, o_layout)
                 out = (acc * inv_l[:, None]).to(dtype)
-                gl.store(LSE + pid_bh.to(gl.int64) * seqlen_q + rows, lse, mask=rows < seqlen_q)
+                gl.store(io.LSE + pid_bh.to(gl.int64) * seqlen_q + rows, lse, mask=rows < seqlen_q)
                 # O goes out through this warpgroup's own shared-memory tile and one TMA store, which
                 # drops the rows past seqlen_q. The previous tile's store must have finished reading
                 # the tile first (store_wait is per issuing thread, so a barrier follows it); the fence
@@ -531,7 +569,7 @@ def _consumer(q_desc, o_desc, LSE, q_smem, o_smem, k_smem, v_smem,
                 gl.thread_barrier()
                 o_tile.store(out)
                 fence_async_shared()
-                tma.async_copy_shared_to_global(o_desc, [off_b, row0, off_h, 0], o_tile)
+                tma.async_copy_shared_to_global(io.o_desc, [off_b, row0, off_h, 0], o_tile)
                 n_done += 1
     tma.store_wait(0)
 
@@ -556,8 +594,11 @@ def _attn_fwd_hopper_kernel(
     """A program takes work items pid, pid + grid, ... of num_items; an item is one tile (BLOCK_M =
     ROWS * NUM_WG query rows of one (batch, query head)) or, ORDER == PAIRED, two (``tile_coords``). With
     grid = num_items (not persistent) that is one item per program."""
-    WARPS: gl.constexpr = ROWS // 16
     dtype: gl.constexpr = q_desc.dtype
+    cfg = FwdConfig(HEAD_DIM, ROWS, NUM_WG, BLOCK_N, STAGES, IS_CAUSAL, OVERLAP, PINGPONG, ORDER, LTC, SKIP, dtype)
+    tiles = Tiles(num_items, section, num_m_blocks, num_heads_q, kv_group_size, seqlen_q, seqlen_k,
+                  ROWS * NUM_WG, BLOCK_N, IS_CAUSAL, ORDER)
+    io = FwdIO(q_desc, k_desc, v_desc, o_desc, LSE, sm_scale, qk_scale)
 
     # -- shared memory: query and output tiles, the K/V ring, barriers --
     tile_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
@@ -584,7 +625,7 @@ def _attn_fwd_hopper_kernel(
         fence_async_shared()
         gl.thread_barrier()
     else:
-        ones_smem = q_smem                 # not read: a placeholder for the partitions' argument lists
+        ones_smem = q_smem                 # not read: a placeholder
     for w in gl.static_range(NUM_WG):
         mbarrier.init(q_ready.index(w), count=1)
         mbarrier.init(q_empty.index(w), count=1)
@@ -594,60 +635,30 @@ def _attn_fwd_hopper_kernel(
         mbarrier.init(v_ready.index(s), count=1)
         mbarrier.init(k_empty.index(s), count=NUM_WG)       # every consumer warpgroup releases
         mbarrier.init(v_empty.index(s), count=NUM_WG)
+    sh = FwdShared(Ring(q_smem, q_ready, q_empty, NUM_WG), o_smem, Ring(k_smem, k_ready, k_empty, STAGES),
+                   Ring(v_smem, v_ready, v_empty, STAGES), Turns(sched, NUM_WG, PINGPONG), ones_smem)
 
-    # The partitions' arguments: the same for every consumer but its index (WG). They are spelled out
-    # per branch: building them as one tuple (and `(w,) + args`) loses the constexpr-ness of the
-    # block sizes in Triton 3.6's warp_specialize, and the consumers then fail to trace.
+    # The partitions, written out per warpgroup count (warp_specialize takes a list of literal
+    # (function, arguments) pairs).
     if NUM_WG == 1:
         gl.warp_specialize([
-            (_consumer, (q_desc, o_desc, LSE, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
-                         k_empty, v_ready, v_empty, sched, num_items, section, num_m_blocks, num_heads_q,
-                         kv_group_size, seqlen_q, seqlen_k, sm_scale, qk_scale,
-                         0, NUM_WG, ROWS, WARPS, BLOCK_N, HEAD_DIM, STAGES, IS_CAUSAL, OVERLAP, PINGPONG,
-                         ORDER, LTC, SKIP, ones_smem)),
-            (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty,
-                         v_ready, v_empty, num_items, section, num_m_blocks, num_heads_q, kv_group_size,
-                         seqlen_q, seqlen_k, ROWS, NUM_WG, BLOCK_N, STAGES, IS_CAUSAL, ORDER)),
+            (_consumer, (cfg, 0, tiles, io, sh)),
+            (_producer, (cfg, tiles, io, sh)),
         ], [1], [PRODUCER_REGS_])
     elif NUM_WG == 2:
         gl.warp_specialize([
-            (_consumer, (q_desc, o_desc, LSE, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
-                         k_empty, v_ready, v_empty, sched, num_items, section, num_m_blocks, num_heads_q,
-                         kv_group_size, seqlen_q, seqlen_k, sm_scale, qk_scale,
-                         0, NUM_WG, ROWS, WARPS, BLOCK_N, HEAD_DIM, STAGES, IS_CAUSAL, OVERLAP, PINGPONG,
-                         ORDER, LTC, SKIP, ones_smem)),
-            (_consumer, (q_desc, o_desc, LSE, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
-                         k_empty, v_ready, v_empty, sched, num_items, section, num_m_blocks, num_heads_q,
-                         kv_group_size, seqlen_q, seqlen_k, sm_scale, qk_scale,
-                         1, NUM_WG, ROWS, WARPS, BLOCK_N, HEAD_DIM, STAGES, IS_CAUSAL, OVERLAP, PINGPONG,
-                         ORDER, LTC, SKIP, ones_smem)),
-            (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty,
-                         v_ready, v_empty, num_items, section, num_m_blocks, num_heads_q, kv_group_size,
-                         seqlen_q, seqlen_k, ROWS, NUM_WG, BLOCK_N, STAGES, IS_CAUSAL, ORDER)),
+            (_consumer, (cfg, 0, tiles, io, sh)),
+            (_consumer, (cfg, 1, tiles, io, sh)),
+            (_producer, (cfg, tiles, io, sh)),
         ], [4, 1], [CONSUMER_REGS_, PRODUCER_REGS_])
     else:
         gl.static_assert(NUM_WG == 3, "NUM_WG: 1, 2 or 3 consumer warpgroups")
         gl.warp_specialize([
-            (_consumer, (q_desc, o_desc, LSE, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
-                         k_empty, v_ready, v_empty, sched, num_items, section, num_m_blocks, num_heads_q,
-                         kv_group_size, seqlen_q, seqlen_k, sm_scale, qk_scale,
-                         0, NUM_WG, ROWS, WARPS, BLOCK_N, HEAD_DIM, STAGES, IS_CAUSAL, OVERLAP, PINGPONG,
-                         ORDER, LTC, SKIP, ones_smem)),
-            (_consumer, (q_desc, o_desc, LSE, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
-                         k_empty, v_ready, v_empty, sched, num_items, section, num_m_blocks, num_heads_q,
-                         kv_group_size, seqlen_q, seqlen_k, sm_scale, qk_scale,
-                         1, NUM_WG, ROWS, WARPS, BLOCK_N, HEAD_DIM, STAGES, IS_CAUSAL, OVERLAP, PINGPONG,
-                         ORDER, LTC, SKIP, ones_smem)),
-            (_consumer, (q_desc, o_desc, LSE, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
-                         k_empty, v_ready, v_empty, sched, num_items, section, num_m_blocks, num_heads_q,
-                         kv_group_size, seqlen_q, seqlen_k, sm_scale, qk_scale,
-                         2, NUM_WG, ROWS, WARPS, BLOCK_N, HEAD_DIM, STAGES, IS_CAUSAL, OVERLAP, PINGPONG,
-                         ORDER, LTC, SKIP, ones_smem)),
-            (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty,
-                         v_ready, v_empty, num_items, section, num_m_blocks, num_heads_q, kv_group_size,
-                         seqlen_q, seqlen_k, ROWS, NUM_WG, BLOCK_N, STAGES, IS_CAUSAL, ORDER)),
+            (_consumer, (cfg, 0, tiles, io, sh)),
+            (_consumer, (cfg, 1, tiles, io, sh)),
+            (_consumer, (cfg, 2, tiles, io, sh)),
+            (_producer, (cfg, tiles, io, sh)),
         ], [4, 4, 1], [CONSUMER_REGS_, CONSUMER_REGS_, PRODUCER_REGS_])
-
 
 # --------------------------------------------------------------------------------------------------
 # Launcher
@@ -774,9 +785,10 @@ def forward_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: 
     section = min(section, batch * heads_q)
     launch.run(
         _attn_fwd_hopper_kernel, (grid,),
-        q_desc, k_desc, v_desc, o_desc, lse,
-        heads_q, heads_q // heads_k, seqlen_q, seqlen_k, num_m_blocks, num_items, section,
-        sm_scale, sm_scale * LOG2E,
+        q_desc=q_desc, k_desc=k_desc, v_desc=v_desc, o_desc=o_desc, LSE=lse,
+        num_heads_q=heads_q, kv_group_size=heads_q // heads_k, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
+        num_m_blocks=num_m_blocks, num_items=num_items, section=section,
+        sm_scale=sm_scale, qk_scale=sm_scale * LOG2E,
         HEAD_DIM=head_dim, ROWS=cfg["rows"], NUM_WG=cfg["num_wg"], BLOCK_N=cfg["block_n"],
         STAGES=cfg["stages"], IS_CAUSAL=causal, OVERLAP=cfg["overlap"], PINGPONG=cfg["pingpong"],
         ORDER=ORDERS[order], LTC=cfg["ltc"], SKIP=cfg["skip"] and causal,

@@ -133,12 +133,14 @@ def merge(out_partials: torch.Tensor, lse_partials: torch.Tensor, out: torch.Ten
     grid = (configs.cdiv(num_rows, block_r),)
     launch.run(
         _merge_kernel, grid,
-        out_partials, lse_partials, out, lse,
-        out_partials.stride(0), out_partials.stride(1), out_partials.stride(2), out_partials.stride(3),
-        lse_partials.stride(0), lse_partials.stride(1), lse_partials.stride(2), lse_partials.stride(3),
-        out.stride(0), out.stride(1), out.stride(2),
-        lse.stride(0), lse.stride(1), lse.stride(2),
-        num_parts, seqlen, heads, num_rows, sinks,
+        O_PART=out_partials, LSE_PART=lse_partials, O=out, LSE=lse,
+        stride_pn=out_partials.stride(0), stride_pb=out_partials.stride(1), stride_ps=out_partials.stride(2),
+        stride_ph=out_partials.stride(3),
+        stride_qn=lse_partials.stride(0), stride_qb=lse_partials.stride(1), stride_qh=lse_partials.stride(2),
+        stride_qs=lse_partials.stride(3),
+        stride_ob=out.stride(0), stride_os=out.stride(1), stride_oh=out.stride(2),
+        stride_lb=lse.stride(0), stride_lh=lse.stride(1), stride_ls=lse.stride(2),
+        num_parts=num_parts, seqlen=seqlen, heads=heads, num_rows=num_rows, SINKS=sinks,
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_R=block_r, BLOCK_P=block_p, HAS_SINKS=sinks is not None,
         num_warps=num_warps,
     )

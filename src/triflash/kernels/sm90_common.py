@@ -1,17 +1,22 @@
 """Pieces the Hopper (Gluon, sm_90) kernels share: the forward, backward and decode kernels import
-them from here, never from each other. Tile orders and the persistent tile walk, per-row key limits,
-the online-softmax step on wgmma accumulators, operand conversion, the epilogue's normalisation,
-host-built TMA descriptors and the check of what TMA accepts. The design: docs/hopper.md.
-"""
+them from here, never from each other. Aggregates of kernel state (``Ring``: slots and their
+barriers; ``Tiles``: the persistent tile walk), tile orders, per-row key limits, the online-softmax
+step on wgmma accumulators, operand conversion, the epilogue's normalisation, host-built TMA
+descriptors and the check of what TMA accepts. The design: docs/hopper.md.
 
-from __future__ import annotations
+No ``from __future__ import annotations`` here: an aggregate checks its fields against its class
+annotations at trace time, so they must be types, not strings.
+"""
 
 import functools
 
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTensorDescriptor
+from triton.language.core import _aggregate as aggregate
+from triton.language.core import base_value  # Triton 3.5/3.6's name (later gluon.aggregate)
 
 from .launch import tma_compatible
 
@@ -23,6 +28,149 @@ SNAKE = gl.constexpr(2)
 PRODUCER_REGS = 24          # setmaxnreg of the producer's warpgroup (the minimum)
 REGISTER_FILE = 65536       # 32-bit registers per SM (and the most one CTA may use)
 GL_DTYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}
+# The type of an aggregate field holding a scalar kernel argument: a runtime value, or the constant a
+# launch specialised it to (an int argument equal to 1 that is not in do_not_specialize).
+SCALAR = (gl.tensor, gl.constexpr)
+SMEM = gl.shared_memory_descriptor
+
+
+@gluon.constexpr_function
+def constexprs(obj, **values):
+    """Set an aggregate's fields in its ``__init__`` (a constexpr_function, run at trace time with
+    constexpr arguments unwrapped): Triton values as they are, anything else as a constexpr."""
+    for name, value in values.items():
+        setattr(obj, name, value if isinstance(value, base_value) else gl.constexpr(value))
+
+
+@aggregate
+class Ring:
+    """``SLOTS`` shared-memory slots (``mem``, [SLOTS, ...]) that a producer fills by TMA and consumers
+    read, each with a *ready* barrier (the producer arms it, TMA completes it) and an *empty* one (the
+    consumers arrive once they are done with the slot); docs/hopper.md#rings-and-barriers. Tile c of
+    the ring, counted over all of a CTA's work, takes slot c % SLOTS on its use k = c // SLOTS:
+    consumers wait for parity k & 1 on ready, the producer for (k & 1) ^ 1 on empty, which a fresh
+    barrier passes at once (the first SLOTS fills need no release)."""
+    mem: SMEM
+    ready: SMEM
+    empty: SMEM
+    SLOTS: gl.constexpr
+
+    @gluon.constexpr_function
+    def __init__(self, mem, ready, empty, SLOTS):
+        constexprs(self, mem=mem, ready=ready, empty=empty, SLOTS=SLOTS)
+
+    @gluon.jit
+    def index(self, c):
+        """Tile c's slot."""
+        return c % self.SLOTS
+
+    @gluon.jit
+    def phase(self, c):
+        """The parity the consumers wait for on tile c's ready barrier (the producer: its opposite)."""
+        return (c // self.SLOTS) & 1
+
+    @gluon.jit
+    def tile(self, s):
+        return self.mem.index(s)
+
+    @gluon.jit
+    def acquire(self, c):
+        """Producer: wait until tile c's slot is free."""
+        mbarrier.wait(self.empty.index(c % self.SLOTS), ((c // self.SLOTS) & 1) ^ 1)
+
+    @gluon.jit
+    def acquire_at(self, s, empty_phase):
+        """Producer: ``acquire`` with the slot and parity (``phase(c) ^ 1``) already at hand."""
+        mbarrier.wait(self.empty.index(s), empty_phase)
+
+    @gluon.jit
+    def fill(self, desc, coords, s):
+        """Producer: one TMA box of ``desc`` at ``coords`` into slot s, completing its ready barrier."""
+        self.expect(s, desc.block_type.nbytes)
+        self.load(desc, coords, s)
+
+    @gluon.jit
+    def expect(self, s, nbytes):
+        """Producer: arm slot s's ready barrier for ``nbytes`` bytes of TMA copies."""
+        mbarrier.expect(self.ready.index(s), nbytes)
+
+    @gluon.jit
+    def load(self, desc, coords, s):
+        """Producer: a TMA box of ``desc`` at ``coords`` into slot s (after ``expect``)."""
+        tma.async_copy_global_to_shared(desc, coords, self.ready.index(s), self.mem.index(s))
+
+    @gluon.jit
+    def wait(self, c, pred=True):
+        """Consumer: wait until tile c has landed."""
+        mbarrier.wait(self.ready.index(c % self.SLOTS), (c // self.SLOTS) & 1, pred=pred)
+
+    @gluon.jit
+    def wait_at(self, s, phase):
+        """Consumer: ``wait`` with the slot and phase already at hand."""
+        mbarrier.wait(self.ready.index(s), phase)
+
+    @gluon.jit
+    def empty_bar(self, s):
+        return self.empty.index(s)
+
+    @gluon.jit
+    def release(self, s, SYNC: gl.constexpr = False, pred=True):
+        """Consumer: slot s has been read (SYNC: see ``release``)."""
+        if SYNC:
+            gl.thread_barrier()
+        mbarrier.arrive(self.empty.index(s), count=1, pred=pred)
+
+
+@gluon.jit
+def release(bar, SYNC: gl.constexpr = False):
+    """Arrive on an empty barrier: a consumer has read its slot. SYNC (a consumer partition of several
+    warpgroups): wgmma waits are per warpgroup and the arrive is done once, so first make sure every
+    warp of the partition is past its wait."""
+    if SYNC:
+        gl.thread_barrier()
+    mbarrier.arrive(bar, count=1)
+
+
+@aggregate
+class Tiles:
+    """The persistent tile walk (``tile_coords``): a program takes work items pid, pid + grid, ...
+    below ``bound()``, each one tile or (PAIRED) two. Every partition walks it with the same fields."""
+    num_items: SCALAR
+    section: SCALAR
+    num_m_blocks: SCALAR
+    num_heads_q: SCALAR
+    kv_group_size: SCALAR
+    seqlen_q: SCALAR
+    seqlen_k: SCALAR
+    BLOCK_M: gl.constexpr
+    BLOCK_N: gl.constexpr
+    IS_CAUSAL: gl.constexpr
+    ORDER: gl.constexpr
+
+    @gluon.constexpr_function
+    def __init__(self, num_items, section, num_m_blocks, num_heads_q, kv_group_size, seqlen_q, seqlen_k,
+                 BLOCK_M, BLOCK_N, IS_CAUSAL, ORDER):
+        constexprs(self, num_items=num_items, section=section, num_m_blocks=num_m_blocks, num_heads_q=num_heads_q,
+                   kv_group_size=kv_group_size, seqlen_q=seqlen_q, seqlen_k=seqlen_k, BLOCK_M=BLOCK_M,
+                   BLOCK_N=BLOCK_N, IS_CAUSAL=IS_CAUSAL, ORDER=ORDER)
+
+    @gluon.jit
+    def bound(self):
+        """The end of a program's item loop. SNAKE: num_items rounded up to whole rounds of grid
+        items, so every program walks the same rounds (the last one's overhang is not valid)."""
+        if self.ORDER == SNAKE:
+            grid = gl.num_programs(0)
+            return gl.cdiv(self.num_items, grid) * grid
+        else:
+            return self.num_items
+
+    @gluon.jit
+    def coords(self, item, half):
+        """``tile_coords`` of (item, half): (pid_bh, batch, query head, kv head, first query row, key
+        blocks to visit, valid)."""
+        return tile_coords(item, half, self.num_m_blocks, self.num_heads_q, self.kv_group_size, self.seqlen_q,
+                           self.seqlen_k, self.num_items, self.section, self.BLOCK_M, self.BLOCK_N,
+                           self.IS_CAUSAL, self.ORDER)
 
 
 @gluon.jit
