@@ -270,6 +270,18 @@ def test_sinks_train(device):
     assert losses[-1] < losses[0]
 
 
+def test_slopes_changed_in_place_before_the_backward_raise(device):
+    """The backward reads the slopes the forward saw: slopes modified in place in between raise
+    autograd's version error instead of giving gradients of other slopes."""
+    q, k, v = make_qkv(1, 16, 16, HEADS_Q, HEADS_KV, 16, torch.float32, device)
+    q.requires_grad_(True)
+    slopes = torch.rand(HEADS_Q, device=device)
+    out = triflash.flash_attn_func(q, k, v, causal=True, alibi_slopes=slopes)
+    slopes.mul_(2)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.sum().backward()
+
+
 # -- torch.compile and the custom ops ----------------------------------------------------------------
 
 def test_compiled_call_with_variants_matches_eager(device):

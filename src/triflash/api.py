@@ -94,9 +94,10 @@ def _positional_options(name: str, options: str, extra: tuple) -> TypeError:
 
 
 def _validate_dense(q, k, v, layout, scale_name, softmax_scale, causal, return_lse, window_size, dropout_p,
-                    softcap, alibi_slopes, sinks):
+                    softcap, alibi_slopes, sinks, deterministic):
     scale = validate_qkv(q, k, v, layout, scale_name, softmax_scale, causal)
     require_bool("return_lse", return_lse)
+    require_bool("deterministic", deterministic)
     check_dropout(dropout_p)
     window = check_window(window_size, causal)
     qs = dims(q, layout)
@@ -104,7 +105,7 @@ def _validate_dense(q, k, v, layout, scale_name, softmax_scale, causal, return_l
 
 
 def dense_call(q, k, v, layout, scale_name, softmax_scale, causal, return_lse, window_size, dropout_p=0.0,
-               softcap=0.0, alibi_slopes=None, sinks=None):
+               softcap=0.0, alibi_slopes=None, sinks=None, deterministic=False):
     """flash_attn_func and attention (and integrations' SDPA signature): validate (once per call key),
     then the forward. ``layout`` is "bshd" or "bhsd"; ``scale_name`` names the scale argument in errors."""
     key = None
@@ -114,21 +115,22 @@ def dense_call(q, k, v, layout, scale_name, softmax_scale, causal, return_lse, w
             key = None if variants is None else (
                 layout, launch.meta(q), launch.meta(k), launch.meta(v), softmax_scale, softmax_scale.__class__,
                 causal, causal.__class__, return_lse, return_lse.__class__, window_key(window_size),
-                dropout_p, dropout_p.__class__, variants)
+                dropout_p, dropout_p.__class__, variants, deterministic, deterministic.__class__)
         except (AttributeError, TypeError, RuntimeError):
             key = None
     entry = launch.lookup(_DENSE, key, _validate_dense, q, k, v, layout, scale_name, softmax_scale, causal,
-                          return_lse, window_size, dropout_p, softcap, alibi_slopes, sinks)
+                          return_lse, window_size, dropout_p, softcap, alibi_slopes, sinks, deterministic)
     scale, window, softcap = entry.info
     if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
         q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
     out, lse = _autograd.forward(q, k, v, scale, causal, layout == "bhsd", *window, softcap, alibi_slopes,
-                                 unit_stride(sinks), entry=entry)
+                                 unit_stride(sinks), deterministic, entry=entry)
     return (out, lse) if return_lse else out
 
 
 def flash_attn_func(q, k, v, *options, softmax_scale=None, causal=False, return_lse=False,
-                    window_size=NO_WINDOW, dropout_p=0.0, softcap=0.0, alibi_slopes=None, sinks=None):
+                    window_size=NO_WINDOW, dropout_p=0.0, softcap=0.0, alibi_slopes=None, sinks=None,
+                    deterministic=False):
     """Attention in FlashAttention's layout. Every argument after q, k, v is keyword-only (a
     positional one raises a TypeError: FlashAttention 2's fourth argument is dropout_p).
 
@@ -159,6 +161,10 @@ def flash_attn_func(q, k, v, *options, softmax_scale=None, causal=False, return_
             sees no key gets out = 0 and lse = sink.
             The three variants run on the portable Triton kernels on every GPU (not yet on the Gluon
             Hopper kernels).
+        deterministic: the backward gives bit-identical gradients from run to run (dQ summed in a
+            fixed order). False (default) lets it add dQ's parts with atomics where that is faster,
+            whose order, and so the last bits, vary between runs; ``torch.use_deterministic_algorithms
+            (True)`` makes every backward deterministic whatever this says. The forward always is.
 
     Returns:
         out [batch, seqlen_q, heads_q, head_dim] in q's dtype; with ``return_lse``, (out, lse) where
@@ -166,20 +172,20 @@ def flash_attn_func(q, k, v, *options, softmax_scale=None, causal=False, return_
     """
     if options:
         raise _positional_options("flash_attn_func", "softmax_scale=, causal=, return_lse=, window_size=, "
-                                  "dropout_p=, softcap=, alibi_slopes=, sinks=", options)
+                                  "dropout_p=, softcap=, alibi_slopes=, sinks=, deterministic=", options)
     return dense_call(q, k, v, "bshd", "softmax_scale", softmax_scale, causal, return_lse, window_size, dropout_p,
-                      softcap, alibi_slopes, sinks)
+                      softcap, alibi_slopes, sinks, deterministic)
 
 
 def attention(q, k, v, *options, causal=False, sm_scale=None, return_lse=False, window_size=NO_WINDOW,
-              softcap=0.0, alibi_slopes=None, sinks=None):
+              softcap=0.0, alibi_slopes=None, sinks=None, deterministic=False):
     """Attention in the seeds' (and SDPA's) layout. Every argument after q, k, v is keyword-only.
 
     Args:
         q: [batch, heads_q, seqlen_q, head_dim]; k, v: [batch, heads_kv, seqlen_k, head_dim].
-        causal, sm_scale, return_lse, window_size, softcap, alibi_slopes, sinks: as
+        causal, sm_scale, return_lse, window_size, softcap, alibi_slopes, sinks, deterministic: as
             ``flash_attn_func``'s causal, softmax_scale, return_lse, window_size, softcap, alibi_slopes,
-            sinks.
+            sinks, deterministic.
 
     Returns:
         out [batch, heads_q, seqlen_q, head_dim] (contiguous) in q's dtype; with ``return_lse``,
@@ -187,9 +193,9 @@ def attention(q, k, v, *options, causal=False, sm_scale=None, return_lse=False, 
     """
     if options:
         raise _positional_options("attention", "causal=, sm_scale=, return_lse=, window_size=, softcap=, "
-                                  "alibi_slopes=, sinks=", options)
+                                  "alibi_slopes=, sinks=, deterministic=", options)
     return dense_call(q, k, v, "bhsd", "sm_scale", sm_scale, causal, return_lse, window_size, 0.0, softcap,
-                      alibi_slopes, sinks)
+                      alibi_slopes, sinks, deterministic)
 
 
 # -- packed variable-length batches ------------------------------------------------------------------
@@ -278,11 +284,12 @@ def check_cu_seqlens_values(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_
 
 
 def _validate_varlen_call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
-                          causal, return_lse, window_size, dropout_p, softcap, alibi_slopes, sinks):
+                          causal, return_lse, window_size, dropout_p, softcap, alibi_slopes, sinks, deterministic):
     """Everything flash_attn_varlen_func checks that its key decides (the offsets' values aside)."""
     checked = validate_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
                               causal)
     require_bool("return_lse", return_lse)
+    require_bool("deterministic", deterministic)
     check_dropout(dropout_p)
     window = check_window(window_size, causal)
     return checked, window, check_score_variants(softcap, alibi_slopes, sinks, q, cu_seqlens_q.shape[0] - 1,
@@ -291,7 +298,7 @@ def _validate_varlen_call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
                            softmax_scale=None, causal=False, window_size=NO_WINDOW, return_lse=False,
-                           dropout_p=0.0, softcap=0.0, alibi_slopes=None, sinks=None):
+                           dropout_p=0.0, softcap=0.0, alibi_slopes=None, sinks=None, deterministic=False):
     """Attention over a batch of sequences of different lengths, packed without padding
     (FlashAttention's varlen layout and argument names).
 
@@ -305,7 +312,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
             total_k. A sequence may be empty (no queries, or no keys: its rows get out = 0).
         max_seqlen_q, max_seqlen_k: ints at least as large as the longest sequence (they size the
             launch; larger only costs idle programs).
-        softmax_scale, causal, window_size, return_lse, dropout_p, softcap, alibi_slopes, sinks: as
+        softmax_scale, causal, window_size, return_lse, dropout_p, softcap, alibi_slopes, sinks,
+            deterministic: as
             ``flash_attn_func`` (the window and ALiBi apply within each sequence, with its own lengths;
             [batch, heads_q] slopes are per sequence), keyword only (FlashAttention 2 has
             dropout_p in the eighth place, FlashAttention 3 seqused_q: a call ported with positional
@@ -331,14 +339,14 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                    launch.meta(cu_seqlens_k), max_seqlen_q, max_seqlen_q.__class__, max_seqlen_k,
                    max_seqlen_k.__class__, softmax_scale, softmax_scale.__class__, causal, causal.__class__,
                    return_lse, return_lse.__class__, window_key(window_size), dropout_p, dropout_p.__class__,
-                   variant_key(softcap, alibi_slopes, sinks))
+                   deterministic, deterministic.__class__, variant_key(softcap, alibi_slopes, sinks))
             if key[-1] is None:
                 key = None
         except (AttributeError, TypeError, RuntimeError):
             key = None
     entry = launch.lookup(_VARLEN, key, _validate_varlen_call, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                           max_seqlen_k, softmax_scale, causal, return_lse, window_size, dropout_p, softcap,
-                          alibi_slopes, sinks)
+                          alibi_slopes, sinks, deterministic)
     (scale, max_q, max_k), window, softcap = entry.info
     check_cu_seqlens_values(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
@@ -347,5 +355,5 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         cu_seqlens_q, cu_seqlens_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()
     varlen = Varlen(cu_seqlens_q, cu_seqlens_k, max_q, max_k)
     out, lse = _autograd.varlen_forward(q, k, v, varlen, scale, causal, window, softcap, alibi_slopes,
-                                        unit_stride(sinks), entry=entry)
+                                        unit_stride(sinks), deterministic, entry=entry)
     return (out, lse) if return_lse else out

@@ -70,15 +70,17 @@ def _forward_call(q, k, v, alibi_slopes, sinks, softmax_scale, causal, bhsd, win
 @torch.library.custom_op("triflash::attn_fwd", mutates_args=())
 def attn_fwd(q: Tensor, k: Tensor, v: Tensor, softmax_scale: float, causal: bool, bhsd: bool,
              window_left: int = -1, window_right: int = -1, softcap: float = 0.0,
-             alibi_slopes: Tensor | None = None, sinks: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    """Forward on validated inputs. Returns (out in q's layout, lse [B, Hq, Sq] float32)."""
+             alibi_slopes: Tensor | None = None, sinks: Tensor | None = None,
+             deterministic: bool = False) -> tuple[Tensor, Tensor]:
+    """Forward on validated inputs. Returns (out in q's layout, lse [B, Hq, Sq] float32).
+    ``deterministic`` is the backward's (the forward always is)."""
     return forward_impl(q, k, v, softmax_scale, causal, bhsd, window_left, window_right, softcap, alibi_slopes,
                         sinks)
 
 
 def forward(q: Tensor, k: Tensor, v: Tensor, softmax_scale: float, causal: bool, bhsd: bool,
             window_left: int = -1, window_right: int = -1, softcap: float = 0.0, alibi_slopes: Tensor | None = None,
-            sinks: Tensor | None = None, *, entry=None) -> tuple[Tensor, Tensor]:
+            sinks: Tensor | None = None, deterministic: bool = False, *, entry=None) -> tuple[Tensor, Tensor]:
     """The forward through the custom op, through ``_EagerAttention`` or ``_FunctorchAttention``, or
     straight to the launcher.
 
@@ -89,7 +91,7 @@ def forward(q: Tensor, k: Tensor, v: Tensor, softmax_scale: float, causal: bool,
     call's ``launch.Entry`` (its key's plan), used on the two eager roads."""
     if _has_tangent(q, k, v):
         raise NotImplementedError(_NO_JVP)
-    variant = (softcap, alibi_slopes, sinks)
+    variant = (softcap, alibi_slopes, sinks, deterministic)
     if _needs_op(q, k, v, alibi_slopes, sinks):
         # Under torch.func transforms always the Function: whether a grad transform watches these
         # tensors is not visible from inside a vmap (a batched tensor over a grad-tracking one says
@@ -100,7 +102,7 @@ def forward(q: Tensor, k: Tensor, v: Tensor, softmax_scale: float, causal: bool,
         return attn_fwd(q, k, v, softmax_scale, causal, bhsd, window_left, window_right, *variant)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
                                     or (sinks is not None and sinks.requires_grad)):
-        call = (softmax_scale, causal, bhsd, window_left, window_right, softcap, alibi_slopes, entry)
+        call = (softmax_scale, causal, bhsd, window_left, window_right, softcap, alibi_slopes, deterministic, entry)
         # A keyed call holds plain tensors (launch.meta read their storage): no dead functorch
         # wrapper for Function.apply's Python layer to unwrap, so the C++ apply is called directly.
         apply = _EAGER_APPLY if entry is not None and entry.keyed else _EagerAttention.apply
@@ -139,7 +141,7 @@ def _needs_op(q: Tensor, k: Tensor, v: Tensor, *optional: Tensor | None) -> bool
 
 @attn_fwd.register_fake
 def _attn_fwd_fake(q, k, v, softmax_scale, causal, bhsd, window_left=-1, window_right=-1, softcap=0.0,
-                   alibi_slopes=None, sinks=None):
+                   alibi_slopes=None, sinks=None, deterministic=False):
     batch, heads, seqlen = (q.shape[0], q.shape[1], q.shape[2]) if bhsd else (q.shape[0], q.shape[2], q.shape[1])
     return torch.empty_like(q, memory_format=torch.contiguous_format), \
         q.new_empty((batch, heads, seqlen), dtype=torch.float32)
@@ -184,16 +186,17 @@ def _fold_slopes(alibi_slopes, n):
 
 
 def _attn_fwd_vmap(info, in_dims, q, k, v, softmax_scale, causal, bhsd, window_left=-1, window_right=-1,
-                   softcap=0.0, alibi_slopes=None, sinks=None):
+                   softcap=0.0, alibi_slopes=None, sinks=None, deterministic=False):
     """torch.func.vmap: one launch over every vmapped sample (folded into the batch), not PyTorch's
     fallback of one call per sample. Slopes or sinks that are vmapped themselves: one call per sample."""
     n = info.batch_size
-    args = (q, k, v, softmax_scale, causal, bhsd, window_left, window_right, softcap, alibi_slopes, sinks)
+    args = (q, k, v, softmax_scale, causal, bhsd, window_left, window_right, softcap, alibi_slopes, sinks,
+            deterministic)
     if any(d is not None for d in _variant_dims(in_dims, 8)):
         return _per_sample(attn_fwd, n, tuple(in_dims) + (None,) * (len(args) - len(in_dims)), args)
     out, lse = attn_fwd(_fold(q, in_dims[0], n), _fold(k, in_dims[1], n), _fold(v, in_dims[2], n),
                         softmax_scale, causal, bhsd, window_left, window_right, softcap,
-                        _fold_slopes(alibi_slopes, n), sinks)
+                        _fold_slopes(alibi_slopes, n), sinks, deterministic)
     return (_unfold(out, n), _unfold(lse, n)), (0, 0)
 
 
@@ -208,11 +211,12 @@ def _dsink_buffer(lse: Tensor, sinks: Tensor | None) -> Tensor:
 def backward_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                   dlse: Tensor | None, softmax_scale: float, causal: bool, bhsd: bool, need_dq: bool,
                   need_dkdv: bool, window_left: int = -1, window_right: int = -1, softcap: float = 0.0,
-                  alibi_slopes: Tensor | None = None, sinks: Tensor | None = None, *,
-                  placeholders: bool = True) -> tuple[Tensor | None, ...]:
+                  alibi_slopes: Tensor | None = None, sinks: Tensor | None = None, deterministic: bool = False,
+                  *, placeholders: bool = True) -> tuple[Tensor | None, ...]:
     """Gradients (dq, dk, dv, dsink) in the inputs' layouts; dsink is [Hq] float32 with sinks. Gradients
     not asked for, and dsink without sinks, come back empty (0 elements) as the op's schema wants, or
-    None with ``placeholders=False`` (the eager road: each allocation is host time)."""
+    None with ``placeholders=False`` (the eager road: each allocation is host time).
+    ``deterministic`` (or ``torch.use_deterministic_algorithms(True)``): bit-reproducible kernels only."""
     def unasked(t):
         return t.new_empty(0) if placeholders else None
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device) if need_dq else unasked(q)
@@ -226,49 +230,54 @@ def backward_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, ls
         dk=_bshd(dk, bhsd) if need_dkdv else None,
         dv=_bshd(dv, bhsd) if need_dkdv else None,
         need_dq=need_dq, need_dkdv=need_dkdv, window=(window_left, window_right),
-        scores=ScoreVariant(softcap, alibi_slopes, sinks), dsink=dsink)
+        scores=ScoreVariant(softcap, alibi_slopes, sinks), dsink=dsink,
+        deterministic=deterministic or torch.are_deterministic_algorithms_enabled())
     return dq, dk, dv, dsink
 
 
-def _eager_backward_call(dout, q, k, v, out, lse, dlse, alibi_slopes, sinks, *args):
+def _eager_backward_call(dout, q, k, v, out, lse, dlse, alibi_slopes, sinks, *args, deterministic=False):
     """``backward_impl`` with every tensor first (``launch.call``'s inputs) and no placeholder
-    allocations; ``args``: the scalars from softmax_scale to softcap."""
-    return backward_impl(dout, q, k, v, out, lse, dlse, *args, alibi_slopes, sinks, placeholders=False)
+    allocations; ``args``: the scalars from softmax_scale to softcap, then deterministic."""
+    *args, deterministic = args
+    return backward_impl(dout, q, k, v, out, lse, dlse, *args, alibi_slopes, sinks, deterministic,
+                         placeholders=False)
 
 
 @torch.library.custom_op("triflash::attn_bwd", mutates_args=())
 def attn_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
              dlse: Tensor | None, softmax_scale: float, causal: bool, bhsd: bool, need_dq: bool,
              need_dkdv: bool, window_left: int = -1, window_right: int = -1, softcap: float = 0.0,
-             alibi_slopes: Tensor | None = None,
-             sinks: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+             alibi_slopes: Tensor | None = None, sinks: Tensor | None = None,
+             deterministic: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Gradients (dq, dk, dv, dsink) in the inputs' layouts. Gradients not asked for come back empty
     (0 elements); dsink is [Hq] float32 with sinks, else empty."""
     return backward_impl(dout, q, k, v, out, lse, dlse, softmax_scale, causal, bhsd, need_dq, need_dkdv,
-                         window_left, window_right, softcap, alibi_slopes, sinks)
+                         window_left, window_right, softcap, alibi_slopes, sinks, deterministic)
 
 
 @attn_bwd.register_fake
 def _attn_bwd_fake(dout, q, k, v, out, lse, dlse, softmax_scale, causal, bhsd, need_dq, need_dkdv,
-                   window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None, sinks=None):
+                   window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None, sinks=None,
+                   deterministic=False):
     def like(t, needed):
         return torch.empty_like(t, memory_format=torch.contiguous_format) if needed else t.new_empty(0)
     return like(q, need_dq), like(k, need_dkdv), like(v, need_dkdv), _dsink_buffer(lse, sinks)
 
 
 def _attn_bwd_vmap(info, in_dims, dout, q, k, v, out, lse, dlse, softmax_scale, causal, bhsd, need_dq,
-                   need_dkdv, window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None, sinks=None):
+                   need_dkdv, window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None, sinks=None,
+                   deterministic=False):
     """torch.func.vmap of the backward (vmap over grad: per-sample gradients), in one launch; with
     sinks (their gradient sums over the batch, so a folded batch would mix the samples') or vmapped
     slopes, one call per sample."""
     n = info.batch_size
     args = (dout, q, k, v, out, lse, dlse, softmax_scale, causal, bhsd, need_dq, need_dkdv, window_left,
-            window_right, softcap, alibi_slopes, sinks)
+            window_right, softcap, alibi_slopes, sinks, deterministic)
     if sinks is not None or _variant_dims(in_dims, 14)[0] is not None:
         return _per_sample(attn_bwd, n, tuple(in_dims) + (None,) * (len(args) - len(in_dims)), args)
     folded = [_fold(t, d, n) for t, d in zip((dout, q, k, v, out, lse, dlse), in_dims)]
     grads = attn_bwd(*folded, softmax_scale, causal, bhsd, need_dq, need_dkdv, window_left, window_right,
-                     softcap, _fold_slopes(alibi_slopes, n), None)
+                     softcap, _fold_slopes(alibi_slopes, n), None, deterministic)
     needed = (need_dq, need_dkdv, need_dkdv, False)   # gradients not asked for are empty, not batched
     return (tuple(_unfold(g, n) if need else g for g, need in zip(grads, needed)),
             tuple(0 if need else None for need in needed))
@@ -284,18 +293,18 @@ def _setup_context(ctx, inputs, output):
 
 
 # Where the sinks are among the inputs of attn_fwd / _EagerAttention / _FunctorchAttention (q, k, v,
-# softmax_scale, causal, bhsd, window_left, window_right, softcap, alibi_slopes, sinks[, entry]) and of
-# varlen_fwd: the index of their gradient.
+# softmax_scale, causal, bhsd, window_left, window_right, softcap, alibi_slopes, sinks, deterministic)
+# and of varlen_fwd: the index of their gradient.
 _SINKS_INPUT = 10
 _VARLEN_SINKS_INPUT = 13
 
 
 def _save(ctx, q, k, v, out, lse, softmax_scale, causal, bhsd, window_left=-1, window_right=-1, softcap=0.0,
-          alibi_slopes=None, sinks=None):
+          alibi_slopes=None, sinks=None, deterministic=False):
     ctx.save_for_backward(q, k, v, out, lse, alibi_slopes, sinks)
     ctx.softmax_scale, ctx.causal, ctx.bhsd = softmax_scale, causal, bhsd
     ctx.window = (window_left, window_right)
-    ctx.softcap = softcap
+    ctx.softcap, ctx.deterministic = softcap, deterministic
     # An unused output's gradient arrives as None instead of a tensor of zeros: the usual loss never
     # touches lse, and its dlse would otherwise be read (as zeros) by every backward.
     ctx.set_materialize_grads(False)
@@ -312,11 +321,11 @@ def _gradients(ctx, dout, dlse, backward_fn):
 
     def run(dout, need_dq, need_dkdv):
         args = (ctx.softmax_scale, ctx.causal, ctx.bhsd, need_dq, need_dkdv, *ctx.window, ctx.softcap)
-        return backward_fn(dout, q, k, v, out, lse, dlse, *args, alibi_slopes, sinks)
+        return backward_fn(dout, q, k, v, out, lse, dlse, *args, alibi_slopes, sinks, ctx.deterministic)
     return _input_grads(ctx, dout, out, run, _SINKS_INPUT)
 
 
-def _backward_entry(entry, inputs, need_dq: bool, need_dkdv: bool, as_saved: bool = False):
+def _backward_entry(entry, inputs, need_dq: bool, need_dkdv: bool, deterministic: bool, as_saved: bool = False):
     """The backward's call-cache entry under the forward's, keyed on which gradients are asked for
     and every tensor it reads: saved tensors can come back from hooks with other strides. With
     ``as_saved`` (no hooks at the forward) they are the forward's own tensors, which the forward's
@@ -327,9 +336,9 @@ def _backward_entry(entry, inputs, need_dq: bool, need_dkdv: bool, as_saved: boo
     if type(dout) is not Tensor or type(dlse) not in (Tensor, type(None)):
         return None
     if as_saved:
-        key = (need_dq, need_dkdv, launch.meta(dout), None if dlse is None else launch.meta(dlse))
+        key = (need_dq, need_dkdv, deterministic, launch.meta(dout), None if dlse is None else launch.meta(dlse))
     else:
-        key = (need_dq, need_dkdv, *(None if t is None else launch.meta(t) for t in inputs))
+        key = (need_dq, need_dkdv, deterministic, *(None if t is None else launch.meta(t) for t in inputs))
     sub = entry.sub.get(key)
     if sub is None:
         if len(entry.sub) >= 64:
@@ -383,7 +392,8 @@ class _EagerAttention(torch.autograd.Function):
     """The op's forward and autograd formula as a plain autograd.Function (see the module docstring).
 
     Host time per call is what it is for: the scalars travel as one tuple (``call``: softmax_scale,
-    causal, bhsd, window_left, window_right, softcap, alibi_slopes, entry), since autograd handles each
+    causal, bhsd, window_left, window_right, softcap, alibi_slopes, deterministic, entry), since autograd
+    handles each
     input of a Function (and each gradient slot of its backward) one by one; the forward takes ``ctx``
     itself (the setup_context style binds arguments through inspect.signature on every call); and
     the backward replays from a plan keyed on dout alone when the saved tensors come back as they
@@ -391,10 +401,10 @@ class _EagerAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, sinks, call):
-        softmax_scale, causal, bhsd, window_left, window_right, softcap, alibi_slopes, entry = call
+        softmax_scale, causal, bhsd, window_left, window_right, softcap, alibi_slopes, _, entry = call
         out, lse = launch.call(entry, _forward_call, (q, k, v, alibi_slopes, sinks), softmax_scale, causal, bhsd,
                                window_left, window_right, softcap)
-        ctx.save_for_backward(q, k, v, out, lse, sinks)
+        ctx.save_for_backward(q, k, v, out, lse, sinks, alibi_slopes)   # alibi_slopes: version-checked
         ctx.call = call
         # Saved tensors come back as saved unless a pack hook is set (save_on_cpu, checkpointing):
         # then the backward's plan key needs only dout's metadata.
@@ -404,8 +414,10 @@ class _EagerAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        q, k, v, out, lse, sinks = ctx.saved_tensors
-        softmax_scale, causal, bhsd, window_left, window_right, softcap, alibi_slopes, entry = ctx.call
+        q, k, v, out, lse, sinks, alibi_slopes = ctx.saved_tensors
+        softmax_scale, causal, bhsd, window_left, window_right, softcap, _, deterministic, entry = ctx.call
+        # As PyTorch's own ops: the global switch, read when the backward runs, overrides the argument.
+        deterministic = deterministic or torch.are_deterministic_algorithms_enabled()
         needs = ctx.needs_input_grad
         need_dq, need_dkdv = needs[0], needs[1] or needs[2]
         if dout is None:                       # a loss on lse alone
@@ -414,10 +426,11 @@ class _EagerAttention(torch.autograd.Function):
         inputs = (dout, q, k, v, out, lse, dlse, alibi_slopes, sinks)
         if torch.is_grad_enabled() or _needs_op(q, k, v, alibi_slopes, sinks):
             # Recorded (create_graph) or watched: through the op (see _gradients).
-            dq, dk, dv, dsink = attn_bwd(*inputs[:7], *args, alibi_slopes, sinks)
+            dq, dk, dv, dsink = attn_bwd(*inputs[:7], *args, alibi_slopes, sinks, deterministic)
         else:
-            sub = None if entry is None else _backward_entry(entry, inputs, need_dq, need_dkdv, ctx.as_saved)
-            dq, dk, dv, dsink = launch.call(sub, _eager_backward_call, inputs, *args)
+            sub = None if entry is None else _backward_entry(entry, inputs, need_dq, need_dkdv, deterministic,
+                                                            ctx.as_saved)
+            dq, dk, dv, dsink = launch.call(sub, _eager_backward_call, inputs, *args, deterministic)
         return (dq if need_dq else None, dk if needs[1] else None, dv if needs[2] else None,
                 dsink if needs[3] else None, None)
 
@@ -438,9 +451,9 @@ class _FunctorchAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(q, k, v, softmax_scale, causal, bhsd, window_left=-1, window_right=-1, softcap=0.0,
-                alibi_slopes=None, sinks=None):
+                alibi_slopes=None, sinks=None, deterministic=False):
         return attn_fwd(q, k, v, softmax_scale, causal, bhsd, window_left, window_right, softcap, alibi_slopes,
-                        sinks)
+                        sinks, deterministic)
 
     setup_context = staticmethod(_setup_context)
 
@@ -464,9 +477,9 @@ class _FunctorchBackward(torch.autograd.Function):
 
     @staticmethod
     def forward(dout, q, k, v, out, lse, dlse, softmax_scale, causal, bhsd, need_dq, need_dkdv,
-                window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None, sinks=None):
+                window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None, sinks=None, deterministic=False):
         return attn_bwd(dout, q, k, v, out, lse, dlse, softmax_scale, causal, bhsd, need_dq, need_dkdv,
-                        window_left, window_right, softcap, alibi_slopes, sinks)
+                        window_left, window_right, softcap, alibi_slopes, sinks, deterministic)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -507,15 +520,18 @@ def _varlen_call(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks, *args
 def varlen_fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
                max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float, causal: bool,
                window_left: int = -1, window_right: int = -1, softcap: float = 0.0,
-               alibi_slopes: Tensor | None = None, sinks: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    """Forward on validated packed sequences. Returns (out [total_q, Hq, D], lse [Hq, total_q])."""
+               alibi_slopes: Tensor | None = None, sinks: Tensor | None = None,
+               deterministic: bool = False) -> tuple[Tensor, Tensor]:
+    """Forward on validated packed sequences. Returns (out [total_q, Hq, D], lse [Hq, total_q]).
+    ``deterministic`` is the backward's."""
     return varlen_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
                        window_left, window_right, softcap, alibi_slopes, sinks)
 
 
 @varlen_fwd.register_fake
 def _varlen_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
-                     window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None, sinks=None):
+                     window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None, sinks=None,
+                     deterministic=False):
     return (torch.empty_like(q, memory_format=torch.contiguous_format),
             q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32))
 
@@ -525,15 +541,16 @@ def varlen_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: 
                cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int,
                softmax_scale: float, causal: bool, need_dq: bool, need_dkdv: bool,
                window_left: int = -1, window_right: int = -1, softcap: float = 0.0,
-               alibi_slopes: Tensor | None = None,
-               sinks: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+               alibi_slopes: Tensor | None = None, sinks: Tensor | None = None,
+               deterministic: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Gradients (dq, dk, dv, dsink) of packed sequences. Gradients not asked for come back empty; dsink
-    is [Hq] float32 with sinks, else empty."""
+    is [Hq] float32 with sinks, else empty. ``deterministic`` as backward_impl's."""
     dsink = _dsink_buffer(lse, sinks)
     dq, dk, dv = dispatch.backward(
         dout, q, k, v, out, lse, softmax_scale, causal, dlse=dlse, need_dq=need_dq, need_dkdv=need_dkdv,
         varlen=Varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k),
-        window=(window_left, window_right), scores=ScoreVariant(softcap, alibi_slopes, sinks), dsink=dsink)
+        window=(window_left, window_right), scores=ScoreVariant(softcap, alibi_slopes, sinks), dsink=dsink,
+        deterministic=deterministic or torch.are_deterministic_algorithms_enabled())
     return (dq if need_dq else q.new_empty(0), dk if need_dkdv else k.new_empty(0),
             dv if need_dkdv else v.new_empty(0), dsink)
 
@@ -541,7 +558,7 @@ def varlen_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: 
 @varlen_bwd.register_fake
 def _varlen_bwd_fake(dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                      softmax_scale, causal, need_dq, need_dkdv, window_left=-1, window_right=-1, softcap=0.0,
-                     alibi_slopes=None, sinks=None):
+                     alibi_slopes=None, sinks=None, deterministic=False):
     def like(t, needed):
         return torch.empty_like(t, memory_format=torch.contiguous_format) if needed else t.new_empty(0)
     return like(q, need_dq), like(k, need_dkdv), like(v, need_dkdv), _dsink_buffer(lse, sinks)
@@ -549,12 +566,13 @@ def _varlen_bwd_fake(dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k, 
 
 def _varlen_setup_context(ctx, inputs, output):
     (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left,
-     window_right, softcap, alibi_slopes, sinks) = _with_defaults(inputs, (-1, -1, 0.0, None, None))
+     window_right, softcap, alibi_slopes, sinks, deterministic) = _with_defaults(
+         inputs, (-1, -1, 0.0, None, None, False))
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks)
     ctx.max_seqlens = (max_seqlen_q, max_seqlen_k)
     ctx.window = (window_left, window_right)
-    ctx.softmax_scale, ctx.causal, ctx.softcap = softmax_scale, causal, softcap
+    ctx.softmax_scale, ctx.causal, ctx.softcap, ctx.deterministic = softmax_scale, causal, softcap, deterministic
     ctx.set_materialize_grads(False)        # as _save: an unused lse's gradient stays None
 
 
@@ -569,7 +587,8 @@ def _varlen_backward(ctx, dout, dlse):
     q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks = ctx.saved_tensors
     return _input_grads(ctx, dout, out, lambda dout, need_dq, need_dkdv: varlen_bwd(
         dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k, *ctx.max_seqlens, ctx.softmax_scale,
-        ctx.causal, need_dq, need_dkdv, *ctx.window, ctx.softcap, alibi_slopes, sinks), _VARLEN_SINKS_INPUT)
+        ctx.causal, need_dq, need_dkdv, *ctx.window, ctx.softcap, alibi_slopes, sinks, ctx.deterministic),
+        _VARLEN_SINKS_INPUT)
 
 
 varlen_fwd.register_autograd(_varlen_backward, setup_context=_varlen_setup_context)
@@ -577,7 +596,7 @@ varlen_fwd.register_autograd(_varlen_backward, setup_context=_varlen_setup_conte
 
 def varlen_forward(q: Tensor, k: Tensor, v: Tensor, varlen: Varlen, softmax_scale: float,
                    causal: bool, window: tuple[int, int] = (-1, -1), softcap: float = 0.0,
-                   alibi_slopes: Tensor | None = None, sinks: Tensor | None = None, *,
+                   alibi_slopes: Tensor | None = None, sinks: Tensor | None = None, deterministic: bool = False, *,
                    entry=None) -> tuple[Tensor, Tensor]:
     """The packed forward through the op where autograd, torch.compile or a dispatch mode needs one,
     else straight to the launcher (through ``entry``'s plan)."""
@@ -590,6 +609,7 @@ def varlen_forward(q: Tensor, k: Tensor, v: Tensor, varlen: Varlen, softmax_scal
             "flash_attn_func supports the transforms")
     if _needs_op(q, k, v, alibi_slopes, sinks) or (torch.is_grad_enabled() and (
             q.requires_grad or k.requires_grad or v.requires_grad or (sinks is not None and sinks.requires_grad))):
-        return varlen_fwd(q, k, v, *varlen, softmax_scale, causal, *window, softcap, alibi_slopes, sinks)
+        return varlen_fwd(q, k, v, *varlen, softmax_scale, causal, *window, softcap, alibi_slopes, sinks,
+                          deterministic)
     return launch.call(entry, _varlen_call, (q, k, v, varlen.cu_seqlens_q, varlen.cu_seqlens_k, alibi_slopes, sinks),
                        varlen.max_seqlen_q, varlen.max_seqlen_k, softmax_scale, causal, *window, softcap)

@@ -20,6 +20,21 @@ Three launches, no atomics, so the result is bit-for-bit deterministic:
 Causal blocks are skipped in both loops exactly as in the forward (bottom-right alignment), and only
 blocks on the diagonal or at the ragged end of the keys pay for an element mask.
 
+[Note: atomic dQ] The fast, non-deterministic form (``dispatch.backward(deterministic=False)``, or the
+variant ``"atomic"``) drops the dQ kernel's second walk over the scores, which recomputes S and dP:
+the dK/dV kernel, compiled with ATOMIC_DQ, adds each query block's share dS K (in fp32, unscaled)
+into a float32 workspace [B, Hq, Sq, D] with ``tl.atomic_add``, as FlashAttention-2's Triton backward
+and FlashAttention-4 do. Also three launches: 1. the preprocess, which zeroes the workspace too
+(ZERO_DQ); 2. the dK/dV kernel with ATOMIC_DQ; 3. ``_bwd_dq_convert_kernel``: dq = sm_scale * workspace,
+in q's dtype (the dQ kernel's scaling). With ATOMIC_DQ off (the default) every kernel compiles to
+exactly the code it had before the flag existed. The sum over key blocks runs in whatever order
+the programs finish, so dQ can differ from run to run by the float32 rounding of that sum. Against
+the deterministic path (the bound tests/test_backward_atomic.py checks): dK and dV bit for bit (the
+same arithmetic), dQ within the backward's tolerance, 3x PyTorch's same-dtype error against float64
+plus its floor (the two sum dS K over different tiles). Only where all three gradients are wanted:
+dQ alone comes from the dQ kernel (less work than the fused loop, and deterministic), dK/dV alone
+from the plain dK/dV kernel.
+
 On sm_90, where ``dispatch.backward_variant`` picks it (fp16/bf16 at head_dim 64 and 128), step 2
 runs on a Gluon kernel instead (backward_hopper.py, its dK/dV-only form), and at head_dim 128 (at 64
 from 4k keys) step 3 too; LSE2/Delta rows are then padded to whole 128-row tiles, and both Triton
@@ -52,6 +67,7 @@ from .common import (
     add_rn,
     mul_rn,
     needs_int64_rows,
+    rows_past_int32,
     score_mod,
     wide,
 )
@@ -61,16 +77,18 @@ from .launch import host_descriptors, tma_compatible
 
 @triton.jit(do_not_specialize=["seqlen_q", "rows_out", "num_m_blocks"])
 def _bwd_preprocess_kernel(
-    O, DO, LSE, DLSE, Delta, LSE2,
+    O, DO, LSE, DLSE, Delta, LSE2, DQ_ACC,
     stride_ob, stride_os, stride_oh,
     stride_dob, stride_dos, stride_doh,
     num_heads, seqlen_q, rows_out, num_m_blocks,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, HAS_DLSE: tl.constexpr,
-    PRECISE_P: tl.constexpr, LONG: tl.constexpr = False,
+    PRECISE_P: tl.constexpr, LONG: tl.constexpr = False, ZERO_DQ: tl.constexpr = False,
 ):
     """Delta and LSE2 are [B, H, rows_out] with rows_out >= seqlen_q (the Hopper backward reads whole
     tiles of them with TMA): rows from seqlen_q on get delta = 0 and lse2 = +inf. LONG: 64-bit row
-    offsets (``common.needs_int64_rows``), as in every kernel of this file."""
+    offsets (``common.needs_int64_rows``), as in every kernel of this file. ZERO_DQ: also zero the
+    atomic dQ's float32 workspace DQ_ACC [B, H, rows_out, HEAD_DIM] (its rows are the stats' rows),
+    which saves the atomic path a separate fill (else DQ_ACC is None)."""
     stride_os, stride_dos = wide(stride_os, LONG), wide(stride_dos, LONG)
     pid = tl.program_id(0)
     pid_m = pid % num_m_blocks
@@ -100,6 +118,9 @@ def _bwd_preprocess_kernel(
         lse = lse * LOG2E_K                                   # to base 2 for one-FMA recomputation
     lse2 = tl.where(lse == float("-inf"), float("inf"), lse)
     tl.store(LSE2 + row, lse2, mask=out_ok)
+    if ZERO_DQ:
+        tl.store(DQ_ACC + row[:, None] * HEAD_DIM + offs_d[None, :], tl.zeros([BLOCK_M, BLOCK_D], tl.float32),
+                 mask=out_ok[:, None] & (offs_d[None, :] < HEAD_DIM))
 
 
 @triton.jit
@@ -130,10 +151,13 @@ def _dkdv_inner(
     MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr, PRECISE_P: tl.constexpr, TMA: tl.constexpr,
     window_left=0, window_right=0, HAS_LEFT: tl.constexpr = False, HAS_RIGHT: tl.constexpr = False,
     tanh_scale=None, softcap=None, slope=None, SOFTCAP: tl.constexpr = False, ALIBI: tl.constexpr = False,
+    DQ=None, stride_dqs=None, ATOMIC_DQ: tl.constexpr = False,
 ):
     """Fold query blocks [lo, hi) into this key block's dK, dV. MASKED: the causal mask, or with
     HAS_LEFT / HAS_RIGHT a local window's. SOFTCAP / ALIBI: P recomputed from the transformed scores,
-    and SOFTCAP's chain rule on dS ([Note: score variants] in common.py)."""
+    and SOFTCAP's chain rule on dS ([Note: score variants] in common.py). ATOMIC_DQ: also add each
+    query block's dQ share, dS K (unscaled, as the dQ kernel's sum), into the float32 workspace DQ
+    (this (batch, query head)'s rows, ``stride_dqs`` apart) with atomics: [Note: atomic dQ]."""
     d_ok = offs_d < HEAD_DIM
     for start_m in range(lo, hi, BLOCK_M):
         start_m = tl.multiple_of(start_m, BLOCK_M)
@@ -177,12 +201,20 @@ def _dkdv_inner(
             dk = add_rn(dk, tl.dot(ds_t, q, input_precision=DOT_PRECISION))
         else:
             dk += tl.dot(ds_t.to(q.dtype), q, input_precision=DOT_PRECISION)          # [BN, BD]
+        if ATOMIC_DQ:
+            # This block's own sum, then added (as the dQ kernel's add_rn): fp32 either way.
+            if PRECISE_P:
+                dq = tl.dot(tl.trans(ds_t), k, input_precision=DOT_PRECISION)           # [BM, BD]
+            else:
+                dq = tl.dot(tl.trans(ds_t.to(k.dtype)), k, input_precision=DOT_PRECISION)   # [BM, BD]
+            tl.atomic_add(DQ + offs_m[:, None] * stride_dqs + offs_d[None, :], dq,
+                          mask=m_ok[:, None] & d_ok[None, :], sem="relaxed")
     return dk, dv
 
 
 @triton.jit(do_not_specialize=["seqlen_q", "seqlen_k", "num_n_blocks", "stats_rows"])
 def _bwd_dkdv_kernel(
-    Q, K, V, DO, LSE2, Delta, DK, DV,
+    Q, K, V, DO, LSE2, Delta, DK, DV, DQ_ACC,
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
@@ -196,16 +228,20 @@ def _bwd_dkdv_kernel(
     IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr, PRECISE_P: tl.constexpr, TMA: tl.constexpr,
     VARLEN: tl.constexpr = False, LONG: tl.constexpr = False,
     HAS_LEFT: tl.constexpr = False, HAS_RIGHT: tl.constexpr = False,
-    SOFTCAP: tl.constexpr = False, ALIBI: tl.constexpr = False,
+    SOFTCAP: tl.constexpr = False, ALIBI: tl.constexpr = False, ATOMIC_DQ: tl.constexpr = False,
 ):
     """TMA: Q and DO are host-built 4-D tensor descriptors instead of pointers. HAS_LEFT / HAS_RIGHT:
     a local window, as in the forward kernel (``window_query_range``). LSE2 and Delta are
     [B, Hq, stats_rows] (stats_rows >= seqlen_q), as for the dQ kernel. VARLEN: packed sequences as
     in the forward kernel (batch strides 0, rows from CU_Q / CU_K); LSE2 and Delta are then
-    [Hq, stats_rows = total_q]."""
+    [Hq, stats_rows = total_q]. ATOMIC_DQ: dQ too, added with atomics into DQ_ACC, a float32
+    workspace with the stats' rows ([B, Hq, stats_rows, HEAD_DIM], varlen [Hq, total_q, HEAD_DIM])
+    that the preprocess zeroed; ``_bwd_dq_convert_kernel`` scales it into dq ([Note: atomic dQ]).
+    Else DQ_ACC is None and the kernel is the deterministic dK/dV-only one."""
     tl.static_assert(not (VARLEN and TMA), "packed sequences take pointer loads")
     stride_qs, stride_ks, stride_vs = wide(stride_qs, LONG), wide(stride_ks, LONG), wide(stride_vs, LONG)
     stride_dos, stride_dks, stride_dvs = wide(stride_dos, LONG), wide(stride_dks, LONG), wide(stride_dvs, LONG)
+    stride_acc = wide(HEAD_DIM, LONG) if ATOMIC_DQ else None                # DQ_ACC's row stride
     pid = tl.program_id(0)
     pid_n = pid % num_n_blocks
     pid_bh = pid // num_n_blocks
@@ -258,6 +294,9 @@ def _bwd_dkdv_kernel(
         else:
             q_src = Q + off_b.to(tl.int64) * stride_qb + off_h.to(tl.int64) * stride_qh
             do_src = DO + off_b.to(tl.int64) * stride_dob + off_h.to(tl.int64) * stride_doh
+        dq_src = None
+        if ATOMIC_DQ:
+            dq_src = DQ_ACC + row0 * HEAD_DIM                   # this (batch, query head)'s rows
         if HAS_LEFT or HAS_RIGHT:
             # A local window: masked rows at its edges, whole blocks between.
             dk, dv = _dkdv_inner(dk, dv, k, v, q_src, do_src, LSE2 + row0, Delta + row0,
@@ -265,32 +304,32 @@ def _bwd_dkdv_kernel(
                                  causal_offset, sm_scale, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_M, True,
                                  DOT_PRECISION, PRECISE_P, TMA, window_left, window_right, HAS_LEFT, HAS_RIGHT,
                                  tanh_scale=tanh_scale, softcap=softcap, slope=slope, SOFTCAP=SOFTCAP,
-                                 ALIBI=ALIBI)
+                                 ALIBI=ALIBI, DQ=dq_src, stride_dqs=stride_acc, ATOMIC_DQ=ATOMIC_DQ)
             dk, dv = _dkdv_inner(dk, dv, k, v, q_src, do_src, LSE2 + row0, Delta + row0,
                                  stride_qs, stride_dos, off_b, off_h, offs_n, offs_d, mid_lo, mid_hi, seqlen_q,
                                  causal_offset, sm_scale, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_M, False,
                                  DOT_PRECISION, PRECISE_P, TMA,
                                  tanh_scale=tanh_scale, softcap=softcap, slope=slope, SOFTCAP=SOFTCAP,
-                                 ALIBI=ALIBI)
+                                 ALIBI=ALIBI, DQ=dq_src, stride_dqs=stride_acc, ATOMIC_DQ=ATOMIC_DQ)
             dk, dv = _dkdv_inner(dk, dv, k, v, q_src, do_src, LSE2 + row0, Delta + row0,
                                  stride_qs, stride_dos, off_b, off_h, offs_n, offs_d, mid_hi, hi, seqlen_q,
                                  causal_offset, sm_scale, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_M, True,
                                  DOT_PRECISION, PRECISE_P, TMA, window_left, window_right, HAS_LEFT, HAS_RIGHT,
                                  tanh_scale=tanh_scale, softcap=softcap, slope=slope, SOFTCAP=SOFTCAP,
-                                 ALIBI=ALIBI)
+                                 ALIBI=ALIBI, DQ=dq_src, stride_dqs=stride_acc, ATOMIC_DQ=ATOMIC_DQ)
         else:
             dk, dv = _dkdv_inner(dk, dv, k, v, q_src, do_src, LSE2 + row0, Delta + row0,
                                  stride_qs, stride_dos, off_b, off_h, offs_n, offs_d, lo, full_from, seqlen_q,
                                  causal_offset, sm_scale, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_M, IS_CAUSAL,
                                  DOT_PRECISION, PRECISE_P, TMA,
                                  tanh_scale=tanh_scale, softcap=softcap, slope=slope, SOFTCAP=SOFTCAP,
-                                 ALIBI=ALIBI)
+                                 ALIBI=ALIBI, DQ=dq_src, stride_dqs=stride_acc, ATOMIC_DQ=ATOMIC_DQ)
             dk, dv = _dkdv_inner(dk, dv, k, v, q_src, do_src, LSE2 + row0, Delta + row0,
                                  stride_qs, stride_dos, off_b, off_h, offs_n, offs_d, full_from, q_blocks_end,
                                  seqlen_q, causal_offset, sm_scale, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_M, False,
                                  DOT_PRECISION, PRECISE_P, TMA,
                                  tanh_scale=tanh_scale, softcap=softcap, slope=slope, SOFTCAP=SOFTCAP,
-                                 ALIBI=ALIBI)
+                                 ALIBI=ALIBI, DQ=dq_src, stride_dqs=stride_acc, ATOMIC_DQ=ATOMIC_DQ)
 
     dk *= sm_scale
     tl.store(DK + off_b.to(tl.int64) * stride_dkb + off_hk.to(tl.int64) * stride_dkh
@@ -463,10 +502,16 @@ def _s(t):
     return t.stride()[:3]
 
 
-def preprocess(dout, out, lse, dlse, rows_out: int, precise_p: bool):
+def _stride_args(names, strides) -> dict:
+    """Keyword arguments stride_<name>b / s / h from (batch, seq, head) stride triples."""
+    return {f"stride_{name}{axis}": x for name, st in zip(names, strides) for axis, x in zip("bsh", st)}
+
+
+def preprocess(dout, out, lse, dlse, rows_out: int, precise_p: bool, dq_accum=None):
     """delta = rowsum(dO * O) (minus dlse) and lse2 (the LSE in base 2, or natural for fp32; +inf for
     rows that saw no key), both [B, Hq, rows_out] float32; rows from Sq on (padding for the Hopper
-    kernel's whole tiles) get delta = 0 and lse2 = +inf."""
+    kernel's whole tiles) get delta = 0 and lse2 = +inf. ``dq_accum``: the atomic dQ's float32
+    workspace [B, Hq, rows_out, D], zeroed here (the same launch)."""
     batch, seqlen_q, heads_q, head_dim = out.shape
     # One allocation for both (each allocation is host time in every backward call).
     delta, lse2 = torch.empty((2, batch, heads_q, rows_out), dtype=torch.float32, device=out.device)
@@ -476,12 +521,61 @@ def preprocess(dout, out, lse, dlse, rows_out: int, precise_p: bool):
         dlse = dlse.contiguous().float()
     launch.run(
         _bwd_preprocess_kernel, (pre_blocks * batch * heads_q,),
-        out, dout, lse.contiguous(), dlse, delta, lse2, *_s(out), *_s(dout),
-        heads_q, seqlen_q, rows_out, pre_blocks,
+        O=out, DO=dout, LSE=lse.contiguous(), DLSE=dlse, Delta=delta, LSE2=lse2, DQ_ACC=dq_accum,
+        **_stride_args(("o", "do"), (_s(out), _s(dout))),
+        num_heads=heads_q, seqlen_q=seqlen_q, rows_out=rows_out, num_m_blocks=pre_blocks,
         HEAD_DIM=head_dim, BLOCK_D=configs.head_dim_block(head_dim), BLOCK_M=pre_block,
         HAS_DLSE=dlse is not None, PRECISE_P=precise_p, LONG=needs_int64_rows(out, dout),
+        ZERO_DQ=dq_accum is not None,
     )
     return delta, lse2
+
+
+def dq_accumulator(q, rows: int):
+    """The atomic dQ's float32 workspace for q [B, Sq, Hq, D]: [B, Hq, rows, D] (rows >= Sq), the rows
+    of ``preprocess``' stats; ``preprocess(..., dq_accum=)`` zeroes it."""
+    batch, _, heads_q, head_dim = q.shape
+    return torch.empty((batch, heads_q, rows, head_dim), dtype=torch.float32, device=q.device)
+
+
+@triton.jit(do_not_specialize=["seqlen_q", "rows", "num_m_blocks"])
+def _bwd_dq_convert_kernel(
+    DQ_ACC, DQ, stride_dqb, stride_dqs, stride_dqh,
+    num_heads, seqlen_q, rows, num_m_blocks, sm_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, LONG: tl.constexpr = False,
+):
+    """dq = sm_scale * DQ_ACC in dq's dtype: the atomic dQ's last step ([Note: atomic dQ]). DQ_ACC is
+    [B, H, rows, HEAD_DIM] float32 (rows >= seqlen_q), dq a [B, Sq, H, D] view; the scaling is the dQ
+    kernel's (once, on the float32 sum)."""
+    stride_dqs = wide(stride_dqs, LONG)
+    pid = tl.program_id(0)
+    pid_m = pid % num_m_blocks
+    pid_bh = pid // num_m_blocks
+    off_b = pid_bh // num_heads
+    off_h = pid_bh % num_heads
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)                     # [BM]
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = (offs_m[:, None] < seqlen_q) & (offs_d[None, :] < HEAD_DIM)
+    row = pid_bh.to(tl.int64) * rows + offs_m                            # [BM] rows of DQ_ACC
+    dq = tl.load(DQ_ACC + row[:, None] * HEAD_DIM + offs_d[None, :], mask=mask, other=0.0)   # [BM, BD]
+    dq *= sm_scale
+    tl.store(DQ + off_b.to(tl.int64) * stride_dqb + off_h.to(tl.int64) * stride_dqh
+             + offs_m[:, None] * stride_dqs + offs_d[None, :], dq.to(DQ.dtype.element_ty), mask=mask)
+
+
+def convert_dq(dq_accum, dq, sm_scale: float):
+    """``_bwd_dq_convert_kernel``: dq [B, Sq, Hq, D] (last stride 1) from the workspace
+    ``dq_accum`` [B, Hq, rows, D]."""
+    batch, seqlen_q, heads_q, head_dim = dq.shape
+    rows = dq_accum.shape[2]
+    block = configs.BWD_PREPROCESS_BLOCK_M
+    m_blocks = configs.cdiv(seqlen_q, block)
+    launch.run(
+        _bwd_dq_convert_kernel, (m_blocks * batch * heads_q,),
+        DQ_ACC=dq_accum, DQ=dq, **_stride_args(("dq",), (_s(dq),)),
+        num_heads=heads_q, seqlen_q=seqlen_q, rows=rows, num_m_blocks=m_blocks, sm_scale=sm_scale,
+        HEAD_DIM=head_dim, BLOCK_D=configs.head_dim_block(head_dim), BLOCK_M=block, LONG=needs_int64_rows(dq),
+    )
 
 
 @triton.jit(do_not_specialize=["batch", "seqlen_q", "stats_rows"])
@@ -513,22 +607,23 @@ def sink_grad(sinks, lse, delta, stats_rows: int, dsink=None):
     batch, heads, seqlen_q = lse.shape
     if dsink is None:
         dsink = torch.empty(sinks.shape, dtype=torch.float32, device=sinks.device)
-    launch.run(_sink_grad_kernel, (heads,), lse, delta, sinks, dsink, batch, heads, seqlen_q, stats_rows,
-               BLOCK=configs.BWD_PREPROCESS_BLOCK_M)
+    launch.run(_sink_grad_kernel, (heads,), LSE=lse, Delta=delta, SINKS=sinks, DSINK=dsink, batch=batch,
+               num_heads=heads, seqlen_q=seqlen_q, stats_rows=stats_rows, BLOCK=configs.BWD_PREPROCESS_BLOCK_M)
     return dsink
 
 
 def run_dkdv(q, k, v, dout, lse2, delta, dk, dv, sm_scale: float, causal: bool, config: BwdConfig,
-             stats_rows: int, window=None, scores: ScoreVariant = PLAIN):
+             stats_rows: int, window=None, scores: ScoreVariant = PLAIN, dq_accum=None):
     """The Triton dK/dV kernel on [B, S, H, D] views (last stride 1), with ``preprocess``'s delta and
-    lse2 ([B, Hq, stats_rows]). Writes dk and dv."""
+    lse2 ([B, Hq, stats_rows]). Writes dk and dv; with ``dq_accum`` (``dq_accumulator``'s workspace,
+    zeroed by ``preprocess``) adds dQ into it too (ATOMIC_DQ; ``convert_dq`` then writes dq)."""
     batch, seqlen_q, heads_q, head_dim = q.shape
     _, seqlen_k, heads_k, _ = k.shape
     tma = config.tma and tma_compatible(q, dout)
     Q, DO = host_descriptors(config.block_m, configs.head_dim_block(head_dim), q, dout) if tma else (q, dout)
     _launch_dkdv(Q, k, v, DO, lse2, delta, dk, dv, [_s(t) for t in (q, k, v, dout, dk, dv)],
                  batch, heads_q, heads_k, head_dim, seqlen_q, seqlen_k, seqlen_k, stats_rows,
-                 sm_scale, causal, config, q.dtype, tma, window=window, scores=scores)
+                 sm_scale, causal, config, q.dtype, tma, window=window, scores=scores, dq_accum=dq_accum)
 
 
 def run_dq(q, k, v, dout, lse2, delta, dq, sm_scale: float, causal: bool, config: BwdConfig,
@@ -543,23 +638,39 @@ def run_dq(q, k, v, dout, lse2, delta, dq, sm_scale: float, causal: bool, config
                sm_scale, causal, config, q.dtype, tma, window=window, scores=scores)
 
 
+def _score_args(scores: ScoreVariant, sm_scale: float) -> dict:
+    tanh_scale, softcap, slopes, stride_ab, stride_ah = scores.kernel_args(sm_scale)[:5]
+    return dict(tanh_scale=tanh_scale, softcap=softcap, ALIBI_SLOPES=slopes, stride_ab=stride_ab,
+                stride_ah=stride_ah, **scores.transform_flags())
+
+
+def _window_args(window) -> dict:
+    (left, right), flags = window_kernel_args(window)
+    return dict(window_left=left, window_right=right, **flags)
+
+
 def _launch_dkdv(Q, K, V, DO, lse2, delta, dk, dv, strides, batch, heads_q, heads_k, head_dim,
                  seqlen_q, seqlen_k, max_seqlen_k, stats_rows, sm_scale, causal, cfg, dtype, tma,
-                 varlen=None, window=None, scores: ScoreVariant = PLAIN):
+                 varlen=None, window=None, scores: ScoreVariant = PLAIN, dq_accum=None):
     """``_bwd_dkdv_kernel`` over (batch, KV head, key block of the longest sequence); ``strides``:
-    the (batch, seq, head) strides of q, k, v, dout, dk, dv."""
+    the (batch, seq, head) strides of q, k, v, dout, dk, dv. ``dq_accum``: ATOMIC_DQ's workspace."""
     n_blocks = configs.cdiv(max_seqlen_k, cfg.block_n)
-    window_args, window_flags = window_kernel_args(window)
+    cu_q, cu_k = _cu(varlen)
+    # The workspace's rows are head_dim apart: 64-bit offsets where those pass 2^31 elements too.
+    long = needs_int64_rows(Q, K, V, DO, dk, dv) or (
+        dq_accum is not None and rows_past_int32(dq_accum.shape[2], head_dim, head_dim))
     launch.run(
         _bwd_dkdv_kernel, (n_blocks * batch * heads_k,),
-        Q, K, V, DO, lse2, delta, dk, dv, *(x for st in strides for x in st),
-        heads_q, heads_k, heads_q // heads_k, seqlen_q, seqlen_k, n_blocks, stats_rows,
-        sm_scale, sm_scale * LOG2E, *_cu(varlen), *window_args, *scores.kernel_args(sm_scale)[:5],
+        Q=Q, K=K, V=V, DO=DO, LSE2=lse2, Delta=delta, DK=dk, DV=dv, DQ_ACC=dq_accum,
+        **_stride_args(("q", "k", "v", "do", "dk", "dv"), strides),
+        num_heads_q=heads_q, num_heads_k=heads_k, kv_group_size=heads_q // heads_k, seqlen_q=seqlen_q,
+        seqlen_k=seqlen_k, num_n_blocks=n_blocks, stats_rows=stats_rows,
+        sm_scale=sm_scale, qk_scale=sm_scale * LOG2E, CU_Q=cu_q, CU_K=cu_k,
+        **_window_args(window), **_score_args(scores, sm_scale),
         HEAD_DIM=head_dim, BLOCK_D=configs.head_dim_block(head_dim), BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n, IS_CAUSAL=causal, DOT_PRECISION=_precision(dtype),
-        PRECISE_P=dtype == torch.float32, TMA=tma, VARLEN=varlen is not None,
-        LONG=needs_int64_rows(Q, K, V, DO, dk, dv), **window_flags, **scores.transform_flags(),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        PRECISE_P=dtype == torch.float32, TMA=tma, VARLEN=varlen is not None, LONG=long,
+        ATOMIC_DQ=dq_accum is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 
 
@@ -569,17 +680,19 @@ def _launch_dq(Q, K, V, DO, lse2, delta, dq, strides, batch, heads_q, heads_k, h
     """``_bwd_dq_kernel`` over (batch, query head, query block of the longest sequence); ``strides``:
     the (batch, seq, head) strides of q, k, v, dout, dq."""
     m_blocks = configs.cdiv(max_seqlen_q, cfg.block_m)
-    window_args, window_flags = window_kernel_args(window)
+    cu_q, cu_k = _cu(varlen)
     launch.run(
         _bwd_dq_kernel, (m_blocks * batch * heads_q,),
-        Q, K, V, DO, lse2, delta, dq, *(x for st in strides for x in st),
-        heads_q, heads_q // heads_k, seqlen_q, seqlen_k, m_blocks, stats_rows,
-        sm_scale, sm_scale * LOG2E, *_cu(varlen), *window_args, *scores.kernel_args(sm_scale)[:5],
+        Q=Q, K=K, V=V, DO=DO, LSE2=lse2, Delta=delta, DQ=dq,
+        **_stride_args(("q", "k", "v", "do", "dq"), strides),
+        num_heads_q=heads_q, kv_group_size=heads_q // heads_k, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
+        num_m_blocks=m_blocks, stats_rows=stats_rows,
+        sm_scale=sm_scale, qk_scale=sm_scale * LOG2E, CU_Q=cu_q, CU_K=cu_k,
+        **_window_args(window), **_score_args(scores, sm_scale),
         HEAD_DIM=head_dim, BLOCK_D=configs.head_dim_block(head_dim), BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n, IS_CAUSAL=causal, DOT_PRECISION=_precision(dtype),
         PRECISE_P=dtype == torch.float32, TMA=tma, VARLEN=varlen is not None,
-        LONG=needs_int64_rows(Q, K, V, DO, dq), **window_flags, **scores.transform_flags(),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        LONG=needs_int64_rows(Q, K, V, DO, dq), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 
 
@@ -593,11 +706,12 @@ def _precision(dtype):
 
 def run_varlen(dout, q, k, v, out, lse, sm_scale, causal, dlse, dq, dk, dv,
                config: tuple[BwdConfig, BwdConfig], varlen: Varlen, window=None, scores: ScoreVariant = PLAIN,
-               dsink=None):
+               dsink=None, atomic: bool = False):
     """The Triton backward on packed sequences (see ``Varlen``): q / out / dout / dq [total_q, Hq, D],
     k / v / dk / dv [total_k, Hkv, D], lse / dlse [Hq, total_q]; the same per-block work as the
     padded case. dq / dk / dv are those to compute, or None; ``dsink`` ([Hq] float32) is written
-    when ``scores`` has sinks."""
+    when ``scores`` has sinks. ``atomic``: where all three are computed, dQ is added by the dK/dV
+    kernel with atomics ([Note: atomic dQ]) instead of computed by the dQ kernel."""
     total_q, heads_q, head_dim = q.shape
     total_k, heads_k, _ = k.shape
     grads = [t for t in (dq, dk, dv) if t is not None]
@@ -610,9 +724,10 @@ def run_varlen(dout, q, k, v, out, lse, sm_scale, causal, dlse, dq, dk, dv,
             dsink.zero_()
             return
     dkdv_cfg, dq_cfg = config
-    # delta and lse2 are per row: the packed rows are one batch entry of total_q rows.
+    # The packed rows are one batch entry of total_q rows: delta, lse2 and the workspace are per row.
+    dq_accum = dq_accumulator(q[None], total_q) if atomic and dq is not None and dk is not None and total_k else None
     delta, lse2 = preprocess(dout[None], out[None], lse[None], dlse[None] if dlse is not None else None,
-                             total_q, q.dtype == torch.float32)
+                             total_q, q.dtype == torch.float32, dq_accum)
     if scores.sinks is not None:
         sink_grad(scores.sinks, lse.contiguous()[None], delta, total_q, dsink)
     if total_k == 0:
@@ -623,8 +738,10 @@ def run_varlen(dout, q, k, v, out, lse, sm_scale, causal, dlse, dq, dk, dv,
     if dk is not None:
         _launch_dkdv(q, k, v, dout, lse2, delta, dk, dv, strides(q, k, v, dout, dk, dv),
                      varlen.batch, heads_q, heads_k, head_dim, total_q, total_k, varlen.max_seqlen_k,
-                     total_q, sm_scale, causal, dkdv_cfg, q.dtype, False, varlen, window, scores)
-    if dq is not None:
+                     total_q, sm_scale, causal, dkdv_cfg, q.dtype, False, varlen, window, scores, dq_accum)
+    if dq_accum is not None:
+        convert_dq(dq_accum, dq[None], sm_scale)
+    elif dq is not None:
         _launch_dq(q, k, v, dout, lse2, delta, dq, strides(q, k, v, dout, dq),
                    varlen.batch, heads_q, heads_k, head_dim, total_q, total_k, varlen.max_seqlen_q,
                    total_q, sm_scale, causal, dq_cfg, q.dtype, False, varlen, window, scores)

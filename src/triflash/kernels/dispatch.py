@@ -17,7 +17,9 @@ Kernel families:
 * merge (``merge_attn_states``): one kernel, ``merge``.
 
 ``variant`` arguments force a family: ``"triton"`` the portable kernels, a Gluon variant name that
-variant (where its inputs allow it), None the rules below.
+variant (where its inputs allow it), None the rules below. The backward also takes ``"atomic"``: the
+portable kernels with dQ accumulated by atomics (fast, not deterministic), on every input the portable
+kernels take.
 
 Score variants (``scores``: softcap, ALiBi, attention sinks; [Note: score variants] in common.py) run
 on the portable Triton kernels only: a call that uses any of them never takes a Gluon kernel, whatever
@@ -43,6 +45,9 @@ from .common import PLAIN, ScoreVariant, Varlen, last_dim_contiguous, on_input_d
 from .configs import BwdConfig, DecodeConfig, FwdConfig
 
 TRITON = "triton"
+# The portable Triton backward with dQ added by the dK/dV kernel through atomics (backward.py's
+# [Note: atomic dQ]): a backward variant, not deterministic.
+ATOMIC = "atomic"
 
 # --------------------------------------------------------------------------------------------------
 # Forced choices (tests, benchmarks)
@@ -54,10 +59,10 @@ _force_lock = threading.Lock()
 
 @contextlib.contextmanager
 def force(*, forward: str | None = None, backward: str | None = None):
-    """Within the block, every call takes the given forward / backward variant (``"triton"`` or a Gluon
-    variant name) wherever the choosers would have been asked. Process-wide, not per thread: autograd
-    runs a GPU backward on its own thread. Call plans are off inside (a plan recorded under one
-    choice must not replay under another)."""
+    """Within the block, every call takes the given forward / backward variant (``"triton"``, a Gluon
+    variant name, or for the backward ``"atomic"``) wherever the choosers would have been asked.
+    Process-wide, not per thread: autograd runs a GPU backward on its own thread. Call plans are off
+    inside (a plan recorded under one choice must not replay under another)."""
     with _force_lock:
         saved = (dict(_forced), launch.ENABLED)
         _forced.update(forward=forward, backward=backward)
@@ -71,12 +76,14 @@ def force(*, forward: str | None = None, backward: str | None = None):
 
 
 def variant_names() -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """(forward, backward) Gluon variant names this Triton can run (none without Gluon's Hopper API)."""
+    """(forward, backward) variant names ``force`` takes besides ``"triton"``: the Gluon variants this
+    Triton can run (none without Gluon's Hopper API) and, for the backward, ``"atomic"`` (the portable
+    kernels with atomic dQ, everywhere)."""
     if not configs.gluon_available():
-        return (), ()
+        return (), (ATOMIC,)
     from . import backward_hopper, forward_hopper
 
-    return tuple(forward_hopper.VARIANTS), tuple(backward_hopper.VARIANTS)
+    return tuple(forward_hopper.VARIANTS), (*backward_hopper.VARIANTS, ATOMIC)
 
 
 def _forced_variant(kind: str) -> str | None:
@@ -209,16 +216,33 @@ def backward_candidates(head_dim: int) -> tuple[str, ...]:
     return HOPPER_BACKWARD_VARIANTS.get(head_dim, ())
 
 
-def backward_variant(*, head_dim: int, dtype, device, causal: bool, seqlen_q: int, seqlen_k: int) -> str:
-    """The backward's kernels: a Gluon variant or ``"triton"``. ``dkdv`` (dK and dV on the Gluon kernel;
-    dQ on the Gluon dQ kernel at head dim 128, on the Triton one at 64) at head dims 64 and 128;
-    at 64 from ``GLUON_DQ_MIN_KEYS_D64`` keys ``dkdv_long`` (dQ on the Gluon kernel too).
-    Measurements: docs/performance-notes.md#backward."""
+def backward_variant(*, head_dim: int, dtype, device, causal: bool, seqlen_q: int, seqlen_k: int,
+                     deterministic: bool = True) -> str:
+    """The backward's kernels: a Gluon variant, ``"triton"`` or ``"atomic"``. ``dkdv`` (dK and dV on the
+    Gluon kernel; dQ on the Gluon dQ kernel at head dim 128, on the Triton one at 64) at head dims 64
+    and 128; at 64 from ``GLUON_DQ_MIN_KEYS_D64`` keys ``dkdv_long`` (dQ on the Gluon kernel too).
+    Elsewhere the Triton kernels: ``"atomic"`` unless ``deterministic``. Measurements:
+    docs/performance-notes.md#backward."""
     if not configs.gluon_hopper_applies(head_dim=head_dim, dtype=dtype, device=device):
-        return TRITON
+        return TRITON if deterministic else ATOMIC
+    # Hopper (sm_90, fp16/bf16, head dim 64/128): the Gluon kernels, which are deterministic, whatever
+    # ``deterministic`` says. MEASUREMENT OWED (issue 27): the Gluon backward (dkdv / dkdv_long) against
+    # ``"atomic"`` on H100 and H200, fp16/bf16, head dims 64 and 128, causal and not, 1k-16k keys
+    # (``force(backward="atomic")``); where the atomic path is faster, return ATOMIC here when
+    # not deterministic.
     if head_dim == 64 and seqlen_k >= GLUON_DQ_MIN_KEYS_D64:
         return "dkdv_long"
     return "dkdv"
+
+
+def _portable_backward(variant: str | None, deterministic: bool) -> str:
+    """``"triton"`` or ``"atomic"`` for a call that runs on the portable kernels (packed sequences,
+    windows, score variants, explicit configs, or a Gluon variant its inputs do not allow): a forced
+    ``"atomic"`` or ``"triton"`` as given, else ``deterministic`` decides (the Gluon variants are
+    deterministic: one forced that cannot run falls back to ``"triton"``)."""
+    if variant is None:
+        return TRITON if deterministic else ATOMIC
+    return ATOMIC if variant == ATOMIC else TRITON
 
 
 @on_input_device
@@ -226,14 +250,16 @@ def backward(dout, q, k, v, out, lse, sm_scale: float, causal: bool, *, dlse=Non
              dq=None, dk=None, dv=None, need_dq=True, need_dkdv=True,
              config: tuple[BwdConfig, BwdConfig] | None = None, variant: str | None = None,
              varlen: Varlen | None = None, window: tuple[int, int] | None = None,
-             scores: ScoreVariant = PLAIN, dsink: torch.Tensor | None = None):
+             scores: ScoreVariant = PLAIN, dsink: torch.Tensor | None = None, deterministic: bool = True):
     """Gradients of attention on validated [B, S, H, D] views (last stride 1): (dq, dk, dv), None for
     those not requested (need_dq, need_dkdv). out / lse are what the forward returned; dlse
     (optional, [B, Hq, Sq]) is a gradient on the LSE; dq / dk / dv may be preallocated views.
     ``config`` forces the Triton kernels with those tiles; ``variant`` as in the module docstring
     (a dK/dV-only Gluon variant takes dQ from the Gluon dQ kernel where
-    ``backward_hopper.dq_on_gluon`` says so, else from the Triton one). ``varlen``: packed sequences
-    (q / out / dout [total_q, Hq, D], k / v [total_k, Hkv, D], lse / dlse [Hq, total_q]);
+    ``backward_hopper.dq_on_gluon`` says so, else from the Triton one; ``"atomic"`` the Triton
+    kernels with dQ added by the dK/dV kernel through atomics). ``deterministic=False`` lets the
+    choice take ``"atomic"`` (``backward_variant``; a forced variant wins). ``varlen``: packed
+    sequences (q / out / dout [total_q, Hq, D], k / v [total_k, Hkv, D], lse / dlse [Hq, total_q]);
     ``window`` as the forward's. Both run on the Triton kernels, as do score variants (``scores``,
     the forward's); with sinks, their gradient [Hq] float32 is written into ``dsink`` (allocated
     by the caller; ``backward._sink_grad_kernel``)."""
@@ -251,11 +277,12 @@ def backward(dout, q, k, v, out, lse, sm_scale: float, causal: bool, *, dlse=Non
     else:
         dk = dv = None
     head_dim = q.shape[-1]
+    forced = variant or _forced_variant("backward")
     if varlen is not None:
         if config is None:
             config = configs.backward_config(head_dim=head_dim, dtype=q.dtype, device=q.device)
         triton_backward.run_varlen(dout, q, k, v, out, lse, sm_scale, causal, dlse, dq, dk, dv, config, varlen,
-                                   window, scores, dsink)
+                                   window, scores, dsink, atomic=_portable_backward(forced, deterministic) == ATOMIC)
         return dq, dk, dv
     batch, seqlen_q, heads_q, _ = q.shape
     seqlen_k = k.shape[1]
@@ -273,13 +300,15 @@ def backward(dout, q, k, v, out, lse, sm_scale: float, causal: bool, *, dlse=Non
 
     hopper = None
     if config is None and window is None and not scores.any:
-        variant = variant or _forced_variant("backward") or backward_variant(
-            head_dim=head_dim, dtype=q.dtype, device=q.device, causal=causal, seqlen_q=seqlen_q, seqlen_k=seqlen_k)
-        if variant != TRITON and configs.gluon_available():
+        variant = forced or backward_variant(head_dim=head_dim, dtype=q.dtype, device=q.device, causal=causal,
+                                             seqlen_q=seqlen_q, seqlen_k=seqlen_k, deterministic=deterministic)
+        if variant not in (TRITON, ATOMIC) and configs.gluon_available():
             from . import backward_hopper
 
             if backward_hopper.supported(q, k, v, dout, variant):
                 hopper = variant
+    # dQ by atomics where all three gradients are wanted (dQ alone: the dQ kernel does less work).
+    atomic = hopper is None and need_dq and need_dkdv and _portable_backward(forced, deterministic) == ATOMIC
     if config is None:
         config = configs.backward_config(head_dim=head_dim, dtype=q.dtype, device=q.device)
     dkdv_cfg, dq_cfg = config
@@ -287,7 +316,8 @@ def backward(dout, q, k, v, out, lse, sm_scale: float, causal: bool, *, dlse=Non
     precise_p = q.dtype == torch.float32
     # The Hopper kernel reads delta and lse2 in whole tiles: their rows are padded to a tile multiple.
     rows = backward_hopper.padded_rows(seqlen_q) if hopper is not None else seqlen_q
-    delta, lse2 = triton_backward.preprocess(dout, out, lse, dlse, rows, precise_p)
+    dq_accum = triton_backward.dq_accumulator(q, rows) if atomic else None
+    delta, lse2 = triton_backward.preprocess(dout, out, lse, dlse, rows, precise_p, dq_accum)
     if scores.sinks is not None:
         triton_backward.sink_grad(scores.sinks, lse.contiguous(), delta, rows, dsink)
     if hopper is not None and backward_hopper.computes_dq(hopper):
@@ -306,8 +336,10 @@ def backward(dout, q, k, v, out, lse, sm_scale: float, causal: bool, *, dlse=Non
             need_dq = False
     elif need_dkdv:
         triton_backward.run_dkdv(q, k, v, dout, lse2, delta, dk, dv, sm_scale, causal, dkdv_cfg, rows, window,
-                                 scores)
-    if need_dq:
+                                 scores, dq_accum)
+    if dq_accum is not None:
+        triton_backward.convert_dq(dq_accum, dq, sm_scale)
+    elif need_dq:
         triton_backward.run_dq(q, k, v, dout, lse2, delta, dq, sm_scale, causal, dq_cfg, rows, window, scores)
     return dq, dk, dv
 

@@ -1,0 +1,269 @@
+"""The atomic dQ backward (kernels/backward.py's [Note: atomic dQ]): ``dispatch.backward(deterministic=False)``
+or the variant ``"atomic"``, where the dK/dV kernel also adds dQ into a float32 workspace with atomics.
+
+Its gradients meet the backward's 3x rule against float64 (test_backward.py's docstring) on the same
+semantics as the deterministic kernels: GQA, causal (bottom-right), windows, packed sequences with
+empty ones, Sq != Sk, rows that see no key, a gradient on the LSE, strided dO, fp16 / bf16 / fp32 and
+the score variants. Against the deterministic path (the documented bound): dK and dV bit for bit (the
+same kernel and arithmetic), dQ within the 3x rule's bound (3x PyTorch's same-dtype error against
+float64, plus the floor). Every test also checks which kernels ran, so a silent fallback to the
+deterministic kernels fails. Shapes are small: under the interpreter the whole file takes about a minute.
+"""
+
+import pytest
+import torch
+from conftest import ON_GPU
+from helpers import (
+    FLOOR,
+    assert_grads_3x,
+    assert_no_nan,
+    make_qkv,
+    max_err,
+    ref_grads,
+    relative,
+)
+from test_variants import _check_backward, _variant
+from test_varlen import _packed, _sequences
+
+import triflash
+from triflash.kernels import backward as B
+from triflash.kernels import configs, dispatch, launch
+from triflash.kernels.configs import BwdConfig
+
+ATOMIC_RUN = ["_bwd_preprocess_kernel+zero_dq", "_bwd_dkdv_kernel+atomic_dq", "_bwd_dq_convert_kernel"]
+DETERMINISTIC_RUN = ["_bwd_preprocess_kernel", "_bwd_dkdv_kernel", "_bwd_dq_kernel"]
+
+
+@pytest.fixture
+def launched(monkeypatch):
+    """The kernels launched from here on, in order: name, +zero_dq / +atomic_dq when the
+    preprocess zeroes the workspace / the dK/dV kernel adds dQ (monkeypatch also switches plans off,
+    so every call launches)."""
+    names = []
+    real = launch.run
+
+    def spy(kernel, grid, *args, **kwargs):
+        names.append(kernel.fn.__name__ + ("+zero_dq" if kwargs.get("ZERO_DQ") else "")
+                     + ("+atomic_dq" if kwargs.get("ATOMIC_DQ") else ""))
+        return real(kernel, grid, *args, **kwargs)
+
+    monkeypatch.setattr(launch, "run", spy)
+    return names
+
+
+def _dq_bound(q, k, v, dout, causal, dlse=None, window_size=(-1, -1)) -> float:
+    """The documented bound on |dq_atomic - dq_deterministic|: 3x PyTorch's own same-dtype dQ error
+    against float64, plus the 3x rule's floor."""
+    ref = ref_grads(q, k, v, dout, causal, torch.float64, dlse, window_size=window_size)
+    same = ref_grads(q, k, v, dout, causal, None, dlse, window_size=window_size)
+    return 3 * max_err(same[0], ref[0]) + relative(FLOOR[q.dtype], torch.cat([r.flatten() for r in ref]))
+
+
+def _assert_dq_within(dq_atomic, dq_det, bound):
+    assert_no_nan("dq", dq_atomic)
+    diff = max_err(dq_atomic, dq_det)
+    assert diff <= bound, f"dq: atomic - deterministic {diff:.3e} > bound {bound:.3e}"
+
+
+# (batch, Sq, Sk, (Hq, Hkv), head dim, causal, dtype, dO layout, with a gradient on the LSE)
+CASES = [
+    pytest.param(2, 70, 101, (4, 2), 40, True, torch.float16, "transposed", True,
+                 id="B2-Sq70-Sk101-D40-causal-fp16-gqa2-dOT-dlse"),
+    pytest.param(2, 101, 70, (4, 1), 32, True, torch.float32, "strided", False,
+                 id="B2-Sq101-Sk70-D32-causal-fp32-mqa-dOstrided-emptyrows"),
+    pytest.param(1, 77, 130, (2, 2), 64, False, torch.float16, "contiguous", True,
+                 id="B1-Sq77-Sk130-D64-full-fp16-mha-dlse"),
+]
+
+
+@pytest.mark.parametrize("batch,seqlen_q,seqlen_k,heads,head_dim,causal,dtype,dout_kind,with_dlse", CASES)
+def test_atomic_matches_reference(device, force_kernels, launched, batch, seqlen_q, seqlen_k, heads, head_dim,
+                                  causal, dtype, dout_kind, with_dlse):
+    q, k, v = make_qkv(batch, seqlen_q, seqlen_k, heads[0], heads[1], head_dim, dtype, device, requires_grad=True)
+    out, lse = triflash.flash_attn_func(q, k, v, causal=causal, return_lse=True)
+    shape = (batch, seqlen_q, heads[0], head_dim)
+    if dout_kind == "transposed":
+        dout = torch.randn(batch, heads[0], seqlen_q, head_dim, dtype=dtype, device=device).transpose(1, 2)
+    elif dout_kind == "strided":
+        dout = torch.randn(batch, 2 * seqlen_q, heads[0], head_dim, dtype=dtype, device=device)[:, ::2]
+    else:
+        dout = torch.randn(shape, dtype=dtype, device=device)
+    assert dout.shape == shape and dout.is_contiguous() == (dout_kind == "contiguous")
+    dlse = torch.randn_like(lse) if with_dlse else None
+    force_kernels(backward="atomic")
+    launched.clear()
+    outputs, grads_in = ((out, lse), (dout, dlse)) if with_dlse else ((out,), (dout,))
+    grads = torch.autograd.grad(outputs, (q, k, v), grads_in)
+    assert launched == ATOMIC_RUN
+    assert_grads_3x(grads, q, k, v, dout, causal, dtype, dlse=dlse)
+    if causal and seqlen_q > seqlen_k:                   # the first Sq - Sk rows see no key
+        empty = grads[0][:, :seqlen_q - seqlen_k]
+        assert torch.equal(empty, torch.zeros_like(empty))
+
+
+@pytest.mark.parametrize("config", [None, "descriptors"], ids=["chosen-tiles", "tma-descriptors"])
+def test_not_deterministic_takes_atomic_and_matches_deterministic(device, launched, config):
+    """``deterministic=False`` (nothing forced) runs the atomic kernels, at the chooser's tiles or at
+    explicit ones with host-built TMA descriptors (the interpreter runs those too); against the
+    deterministic path: dK, dV bit for bit, dQ within the documented bound. Head dim 40: no Gluon kernel
+    takes it, so on Hopper too the choice is the Triton one."""
+    q, k, v = make_qkv(2, 130, 200, 6, 2, 40, torch.float16, device)
+    dout = torch.randn_like(q)
+    scale = 40 ** -0.5
+    out, lse = dispatch.forward(q, k, v, scale, True)
+    cfg = None if config is None else (BwdConfig(32, 64, 4, 2, True), BwdConfig(64, 32, 4, 2, True))
+    launched.clear()
+    det = dispatch.backward(dout, q, k, v, out, lse, scale, True, config=cfg)
+    assert launched == DETERMINISTIC_RUN
+    launched.clear()
+    fast = dispatch.backward(dout, q, k, v, out, lse, scale, True, config=cfg, deterministic=False)
+    assert launched == ATOMIC_RUN
+    for name, a, b in zip(("dk", "dv"), fast[1:], det[1:]):
+        assert_no_nan(name, a)
+        assert torch.equal(a, b), name
+    _assert_dq_within(fast[0], det[0], _dq_bound(q, k, v, dout, True))
+
+
+@pytest.mark.parametrize("window,causal,dtype", [((20, 5), False, torch.bfloat16), ((16, 0), True, torch.float16)],
+                         ids=["w20_5-full-bf16", "w16_0-causal-fp16"])
+def test_atomic_local_window(device, force_kernels, launched, window, causal, dtype):
+    q, k, v = make_qkv(2, 64, 96, 4, 2, 32, dtype, device, requires_grad=True)
+    out = triflash.flash_attn_func(q, k, v, causal=causal, window_size=window)
+    dout = torch.randn_like(out)
+    force_kernels(backward="atomic")
+    launched.clear()
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    assert launched == ATOMIC_RUN
+    assert_grads_3x(grads, q, k, v, dout, causal, dtype, window_size=window)
+
+
+def test_atomic_varlen_with_empty_sequences(device, force_kernels, launched):
+    """Packed sequences (one without queries, one without keys, Sq > Sk and Sq < Sk), GQA, causal, a
+    loss on out and lse: each sequence against its own reference, zeros where a sequence has no scores."""
+    lengths = [(17, 17), (0, 9), (70, 45), (5, 0), (40, 71)]
+    q, k, v, cu_q, cu_k, max_q, max_k = _packed(lengths, (4, 2), 32, torch.float16, device, requires_grad=True)
+    out, lse = triflash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, causal=True, return_lse=True)
+    dout, dlse = torch.randn_like(out), torch.randn_like(lse)
+    force_kernels(backward="atomic")
+    launched.clear()
+    dq, dk, dv = torch.autograd.grad((out, lse), (q, k, v), (dout, dlse))
+    assert launched == ATOMIC_RUN
+    for rows, keys in _sequences(cu_q, cu_k):
+        if rows.stop == rows.start or keys.stop == keys.start:
+            for name, g in (("dq", dq[rows]), ("dk", dk[keys]), ("dv", dv[keys])):
+                assert torch.equal(g, torch.zeros_like(g)), f"{name} of a sequence without scores"
+            continue
+        assert_grads_3x((dq[rows][None], dk[keys][None], dv[keys][None]), q[rows][None], k[keys][None],
+                        v[keys][None], dout[rows][None], True, torch.float16, dlse=dlse[:, rows][None])
+
+
+def test_atomic_score_variants(device, force_kernels, launched):
+    """Softcap, [B, H] ALiBi slopes and sinks together, causal with rows that see no key: dq, dk, dv
+    and dsink under the 3x rule (test_variants' check)."""
+    q, k, v = make_qkv(2, 70, 37, 4, 2, 32, torch.float16, device, requires_grad=True)
+    kwargs = _variant("all", device)
+    sinks = kwargs.pop("sinks").requires_grad_()
+    out, lse = triflash.flash_attn_func(q, k, v, causal=True, return_lse=True, sinks=sinks, **kwargs)
+    dout, dlse = torch.randn_like(out), torch.randn_like(lse)
+    force_kernels(backward="atomic")
+    launched.clear()
+    grads = torch.autograd.grad((out, lse), (q, k, v, sinks), (dout, dlse))
+    assert launched == ["_bwd_preprocess_kernel+zero_dq", "_sink_grad_kernel"] + ATOMIC_RUN[1:]
+    _check_backward(grads, q, k, v, dout, dlse, causal=True, sinks=sinks, **kwargs)
+
+
+@pytest.mark.parametrize("wanted", ["dq", "dkdv"])
+def test_atomic_partial_gradients(device, launched, wanted):
+    """Only dQ: the dQ kernel (less work than the fused loop, and deterministic); only dK and dV: the
+    plain dK/dV kernel. Either way the deterministic path's gradients, bit for bit."""
+    q, k, v = make_qkv(2, 70, 90, 4, 2, 32, torch.float16, device)
+    dout = torch.randn_like(q)
+    out, lse = dispatch.forward(q, k, v, 0.125, True)
+    need = dict(need_dq=wanted == "dq", need_dkdv=wanted == "dkdv")
+    det = dispatch.backward(dout, q, k, v, out, lse, 0.125, True, **need)
+    launched.clear()
+    fast = dispatch.backward(dout, q, k, v, out, lse, 0.125, True, variant="atomic", **need)
+    assert launched == ["_bwd_preprocess_kernel", "_bwd_dq_kernel" if wanted == "dq" else "_bwd_dkdv_kernel"]
+    expected = ("dq",) if wanted == "dq" else ("dk", "dv")
+    for name, a, b in zip(("dq", "dk", "dv"), fast, det):
+        assert (a is not None) == (b is not None) == (name in expected), name
+        if a is not None:
+            assert_no_nan(name, a)
+            assert torch.equal(a, b), name
+
+
+def test_atomic_with_64_bit_offsets(device, monkeypatch, launched):
+    """The LONG form (64-bit row offsets, forced on small inputs, the workspace's rows included)
+    against the usual one: dK, dV bit for bit, dQ within the documented bound."""
+    q, k, v = make_qkv(2, 70, 90, 4, 2, 32, torch.float16, device)
+    dout = torch.randn_like(q)
+    out, lse = dispatch.forward(q, k, v, 0.125, False)
+    plain = dispatch.backward(dout, q, k, v, out, lse, 0.125, False, variant="atomic")
+    seen = []
+    real = launch.run
+
+    def long_flags(kernel, grid, *args, **kwargs):
+        seen.append(kwargs.get("LONG"))
+        return real(kernel, grid, *args, **kwargs)
+
+    monkeypatch.setattr(launch, "run", long_flags)
+    monkeypatch.setattr(B, "needs_int64_rows", lambda *tensors: True)
+    wide = dispatch.backward(dout, q, k, v, out, lse, 0.125, False, variant="atomic")
+    assert seen == [True] * 3
+    assert torch.equal(wide[1], plain[1]) and torch.equal(wide[2], plain[2])
+    _assert_dq_within(wide[0], plain[0], _dq_bound(q, k, v, dout, False))
+
+
+def test_atomic_call_plan_replays(device):
+    """A recorded call plan (kernels/launch.py) of the atomic backward replays it on new dO: the
+    workspace is a plan allocation that the replayed preprocess zeroes (torch.empty is NaN-poisoned
+    in this suite), so the replay gives the direct call's gradients (dQ within the bound)."""
+    q, k, v = make_qkv(1, 50, 70, 4, 2, 32, torch.float16, device)
+    out, lse = dispatch.forward(q, k, v, 0.125, True)
+
+    def call(dout, q, k, v, out, lse):
+        return dispatch.backward(dout, q, k, v, out, lse, 0.125, True, variant="atomic")
+
+    _, plan = launch.record(call, (torch.randn_like(q), q, k, v, out, lse), ())
+    assert plan, launch.LAST_FAILURE
+    dout = torch.randn_like(q)
+    replayed = plan.replay((dout, q, k, v, out, lse))
+    direct = call(dout, q, k, v, out, lse)
+    assert torch.equal(replayed[1], direct[1]) and torch.equal(replayed[2], direct[2])
+    _assert_dq_within(replayed[0], direct[0], _dq_bound(q, k, v, dout, True))
+
+
+def test_chooser_takes_atomic_only_when_asked(monkeypatch):
+    """``backward_variant``: the Triton kernels off Hopper, "atomic" when not deterministic; on Hopper
+    (stubbed) the Gluon kernels either way until the owed measurement says otherwise. "atomic" is a
+    backward variant name everywhere, so the bench (``triflash@atomic``, scripts/tune.py) forces it."""
+    from triflash.bench.providers import forced_provider
+
+    assert dispatch.ATOMIC in dispatch.variant_names()[1]
+    provider = forced_provider("triflash@atomic")
+    provider.load()
+    assert provider.force == {"backward": dispatch.ATOMIC}
+    pick = dispatch.backward_variant
+    kw = dict(head_dim=64, dtype=torch.float16, device="cpu", causal=True, seqlen_q=1024, seqlen_k=1024)
+    assert pick(**kw) == dispatch.TRITON and pick(**kw, deterministic=True) == dispatch.TRITON
+    assert pick(**kw, deterministic=False) == dispatch.ATOMIC == "atomic"
+    monkeypatch.setattr(configs, "gluon_hopper_applies", lambda *, head_dim, dtype, device: head_dim in (64, 128))
+    for deterministic in (True, False):
+        assert pick(**kw, deterministic=deterministic) == "dkdv"
+        assert pick(**dict(kw, head_dim=80), deterministic=deterministic) == (
+            dispatch.TRITON if deterministic else dispatch.ATOMIC)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="the interpreter runs a grid's programs one after another: only a "
+                                         "GPU runs the atomics concurrently")
+def test_atomic_repeats_within_bound_on_gpu(device):
+    """20 atomic backward passes: dK, dV bit-identical (no atomics in them), dQ within the bound."""
+    q, k, v = make_qkv(2, 1024 + 13, 1024 + 13, 6, 2, 40, torch.float16, device)
+    dout = torch.randn_like(q)
+    out, lse = dispatch.forward(q, k, v, 40 ** -0.5, True)
+    first = dispatch.backward(dout, q, k, v, out, lse, 40 ** -0.5, True, deterministic=False)
+    bound = _dq_bound(q, k, v, dout, True)
+    for _ in range(19):
+        again = dispatch.backward(dout, q, k, v, out, lse, 40 ** -0.5, True, deterministic=False)
+        assert torch.equal(again[1], first[1]) and torch.equal(again[2], first[2])
+        _assert_dq_within(again[0], first[0], bound)
