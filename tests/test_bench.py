@@ -125,7 +125,8 @@ def test_help_and_the_bench_word(capsys):
         cli.main(["bench", "--help"])          # the console script is `triflash bench ...`
     assert exit_info.value.code == 0
     out = capsys.readouterr().out
-    for flag in ("--sweep", "--heads-kv", "--seqlen", "--providers", "--no-plots", "--warmup", "--rep"):
+    for flag in ("--sweep", "--heads-kv", "--seqlen", "--providers", "--no-plots", "--warmup", "--rep",
+                 "--varlen", "TOTAL:MIN-MAX[:SEED]", "--softcap", "--sinks", "--alibi"):
         assert flag in out
     assert "triflash-paged" in out and "flashinfer" in out
 
@@ -652,3 +653,291 @@ def test_window_providers_checked_and_refused(device, mode):
     case = make_dense_case(wl, device)
     full = make_dense_case(W.Workload(mode, 1, 2, 1, 48, 48, 32, "fp16", True), device)
     assert not torch.allclose(case.expected[0].ref, full.expected[0].ref)
+
+
+# --------------------------------------------------------------------------------------------------
+# --varlen: packed sequences of different lengths
+# --------------------------------------------------------------------------------------------------
+
+def test_varlen_syntax_and_errors(capsys):
+    """TOTAL:MIN-MAX[:SEED] draws lengths (k = x1024), L1,L2,... gives them, several specs give several
+    workloads; bad syntax is refused naming the spec, and so are the flags --varlen replaces."""
+    args = cli.parse_args(["--varlen", "4k:100-1k:7", "5,300,17", "--headdim", "64", "128", "--causal", "yes",
+                           "--heads", "8", "--heads-kv", "2", "--mode", "fwdbwd"])
+    assert [(w.head_dim, w.seqlens) for w in args.workloads] == [
+        (d, lengths) for d in (64, 128) for lengths in (W.varlen_lengths(4096, 100, 1024, 7), (5, 300, 17))]
+    wl = args.workloads[1]
+    assert (wl.batch, wl.seqlen_q, wl.seqlen_k, wl.tokens, wl.heads, wl.heads_kv, wl.mode, wl.causal) == (
+        3, 300, 300, 322, 8, 2, "fwdbwd", True)
+    assert wl.label() == "varlen 3 seqs 5-300, 322 tokens D=64 causal"
+    for bad in ("32k:512", "32k:512-4k:1:2", "a,b", "0,5", "10:1-2:-1", "16k:0-8", "1.5k:1-2"):
+        with pytest.raises(SystemExit):
+            cli.parse_args(["--varlen", bad])
+        err = capsys.readouterr().err
+        assert "argument --varlen: expected TOTAL:MIN-MAX[:SEED] or L1,L2,..." in err and repr(bad) in err, err
+    with pytest.raises(SystemExit):
+        cli.parse_args(["--varlen", "1k:4k-512"])
+    assert "MIN (4096) is larger than MAX (512) in '1k:4k-512'" in capsys.readouterr().err
+    for extra in (["--seqlen", "128"], ["--batch", "2"], ["--sweep"]):
+        with pytest.raises(SystemExit):
+            cli.parse_args(["--varlen", "1k:8-64", *extra])
+        assert f"--varlen sets the sequence lengths and their number: drop {extra[0]}" in capsys.readouterr().err
+    for mode in ("decode", "host"):
+        with pytest.raises(SystemExit):
+            cli.parse_args(["--varlen", "1k:8-64", "--mode", mode])
+        assert f"--varlen is for fwd/bwd/fwdbwd; got --mode {mode}" in capsys.readouterr().err
+
+
+def test_varlen_lengths_are_seeded_and_sum_to_total():
+    for total, low, high, seed in ((32768, 512, 4096, 0), (16384, 128, 2048, 3), (1000, 1, 7, 1), (50, 64, 64, 0)):
+        lengths = W.varlen_lengths(total, low, high, seed)
+        assert sum(lengths) == total
+        assert lengths == W.varlen_lengths(total, low, high, seed)               # reproducible
+        assert all(low <= n <= high for n in lengths[:-1]) and 1 <= lengths[-1] <= high
+    assert W.varlen_lengths(32768, 512, 4096, 0) != W.varlen_lengths(32768, 512, 4096, 1)
+    lengths = W.varlen_lengths(100_000, 1, 100, 5)
+    assert min(lengths[:-1]) <= 5 and max(lengths) >= 95      # drawn over the whole range, not one value
+    assert cli._varlen("32k:512-4k") == W.varlen_lengths(32768, 512, 4096, 0)
+    with pytest.raises(ValueError):
+        W.varlen_lengths(10, 5, 4)
+
+
+def test_varlen_flops_count_the_visible_scores():
+    """4·H·D FLOPs per visible score entry, summed over the sequences (brute force over each
+    sequence's own mask), times the mode's factor; the table shows the lengths and the total."""
+    from triflash.reference import causal_visible
+
+    lengths = (5, 1, 33, 17)
+    for causal, window in ((False, None), (True, None), (True, (3, 0)), (False, (2, 4))):
+        brute = sum(int(causal_visible(n, n, window_size=window or (-1, -1), causal=causal).sum()) for n in lengths)
+        for mode, factor in (("fwd", 1.0), ("bwd", 2.5), ("fwdbwd", 3.5)):
+            wl = W.Workload(mode, 4, 3, 1, 33, 33, 16, "fp16", causal, window, seqlens=lengths)
+            assert wl.flops == 4 * 3 * 16 * brute * factor, (causal, window, mode)
+    causal = W.Workload("fwd", 4, 3, 3, 33, 33, 16, "fp16", True, seqlens=lengths)
+    assert causal.flops == 4 * 3 * 16 * sum(n * (n + 1) // 2 for n in lengths)
+    r = Result(causal, "triflash", "ok", ms=1.0, ms_p20=0.9, ms_p80=1.1)
+    text = markdown([r], "# h")
+    assert "## fwd, fp16, D=16, causal, varlen 4 seqs 1-33, 56 tokens" in text
+    assert "| 1-33 (56 tok) | 4 | 3 | triflash |" in text
+
+
+class IgnoresOffsets(Triflash):
+    """Packed sequences run as one long sequence: what a provider that drops cu_seqlens computes."""
+
+    name = "ignores-offsets"
+
+    def run(self, q, k, v, causal):
+        cu = torch.tensor([0, q.shape[0]], dtype=torch.int32, device=q.device)
+        return self.varlen_fn(q, k, v, cu, cu, q.shape[0], q.shape[0], causal=causal)
+
+
+@pytest.mark.parametrize("mode", ["fwd", "bwd"])
+def test_varlen_end_to_end(tmp_path, device, mode, capsys):
+    """--varlen through the command: triflash (flash_attn_varlen_func) passes the per-sequence check
+    and is timed; SDPA runs non-causal packed sequences as nested jagged tensors (math backend on the
+    CPU) and declines causal ones with the reason; naive is unavailable; a provider that ignores the
+    offsets is WRONG (the check is per sequence)."""
+    argv = ["--varlen", "40,9,23", "--heads", "2", "--headdim", "32", "--mode", mode, "--out", str(tmp_path),
+            "--providers", "triflash,naive,sdpa-math", "--no-plots"]
+    args = cli.parse_args(argv)
+    assert [w.causal for w in args.workloads] == [False, True]
+    assert cli.run_benchmark(args, argv, device, FakeTimer(), FAKE_ENV) == 0
+    out = capsys.readouterr().out
+    data = json.loads((tmp_path / "results.json").read_text())["results"]
+    got = {(r["provider"], r["causal"]): r for r in data}
+    for causal in (False, True):
+        tri = got[("triflash", causal)]
+        assert tri["status"] == "ok" and tri["max_err"] <= tri["tol"], tri["detail"]
+        assert tri["seqlens"] == [40, 9, 23] and tri["flops"] == args.workloads[causal].flops
+        assert got[("naive", causal)]["status"] == "unavailable"
+    assert got[("sdpa-math", False)]["status"] == "ok", got[("sdpa-math", False)]["detail"]
+    assert got[("sdpa-math", True)]["status"] == "unavailable"
+    assert "- naive: unavailable: naive takes no packed sequences of different lengths (varlen)" in out
+    assert "- sdpa-math: unavailable: SDPA's math backend takes no is_causal with nested (jagged) tensors" in out
+    assert "| 9-40 (72 tok) | 3 | 2 | triflash |" in out
+    (wrong,) = run_all([args.workloads[0]], [IgnoresOffsets()], FakeTimer(), device, progress=lambda s: None)
+    assert wrong.status == "wrong"
+
+
+# --------------------------------------------------------------------------------------------------
+# --softcap, --sinks, --alibi
+# --------------------------------------------------------------------------------------------------
+
+def test_score_variant_flags(capsys):
+    args = cli.parse_args(["--softcap", "30", "--sinks", "--alibi", "--seqlen", "64", "--causal", "yes"])
+    (wl,) = args.workloads
+    assert (wl.softcap, wl.sinks, wl.alibi, wl.variants) == (30.0, True, True, ("softcap", "sinks", "alibi"))
+    assert wl.label() == "S=64 D=64 causal softcap=30 sinks alibi"
+    assert cli.parse_args([]).workloads[0].variants == ()
+    dec = cli.parse_args(["--mode", "decode", "--sinks", "--seqlen", "64", "--batch", "1"]).workloads
+    assert [(w.mode, w.sinks) for w in dec] == [("decode", True)]
+    varlen = cli.parse_args(["--varlen", "8,16", "--alibi"]).workloads
+    assert all(w.alibi and w.seqlens == (8, 16) for w in varlen)
+    for bad in ("0", "-1", "abc", "inf", "nan"):
+        with pytest.raises(SystemExit):
+            cli.parse_args(["--softcap", bad])
+        assert f"argument --softcap: expected a finite number > 0, got {bad!r}" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli.parse_args(["--mode", "host", "--sinks"])
+    assert "--softcap, --sinks and --alibi are for fwd/bwd/fwdbwd/decode; got --mode host" in capsys.readouterr().err
+
+
+def test_alibi_slopes_and_sinks_are_the_standard_ones(device):
+    assert W.alibi_slopes(8) == [2.0 ** -(h + 1) for h in range(8)]
+    assert W.alibi_slopes(4) == [2.0 ** (-2 * (h + 1)) for h in range(4)]
+    twelve = W.alibi_slopes(12)                 # not a power of two: 8 slopes, then every other of 16
+    assert twelve[:8] == W.alibi_slopes(8) and twelve[8:] == W.alibi_slopes(16)[0::2][:4]
+    from triflash.bench.checking import make_variants
+
+    variants = make_variants(W.Workload("fwd", 1, 6, 2, 8, 8, 16, "fp16", True, softcap=4.0, sinks=True,
+                                        alibi=True), device)
+    assert variants.softcap == 4.0 and variants.sinks.dtype == torch.float32 and variants.sinks.shape == (6,)
+    assert torch.equal(variants.sinks.to(torch.bfloat16).float(), variants.sinks)    # exact in bfloat16
+    assert variants.sinks.std() > 0.3
+    again = make_variants(W.Workload("bwd", 2, 6, 6, 4, 4, 8, "bf16", False, sinks=True), device)
+    assert torch.equal(again.sinks, variants.sinks) and again.alibi_slopes is None       # seeded
+    assert variants.alibi_slopes.tolist() == W.alibi_slopes(6)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_chunked_reference_with_score_variants_is_exact(causal):
+    """The chunked autograd reference with softcap, sinks and ALiBi (one batch element at a time where
+    it cannot chunk rows) equals one whole autograd pass."""
+    q, k, v, dout = (torch.randn(2, 37, 2, 16, dtype=torch.float64) for _ in range(4))
+    kw = dict(softcap=2.0, sinks=torch.tensor([0.5, -1.0], dtype=torch.float64),
+              alibi_slopes=torch.tensor([0.25, 0.0625], dtype=torch.float64))
+    chunked = reference_forward_backward(q, k, v, dout, causal, torch.float64, max_scores=2 * 2 * 37 * 5, **kw)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = flash_attn_ref(*leaves, causal=causal, **kw)
+    whole = (out, *torch.autograd.grad(out, leaves, dout))
+    for got, want in zip(chunked, whole, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    plain = reference_forward_backward(q, k, v, dout, causal, torch.float64)
+    assert not torch.allclose(plain[0], chunked[0])
+
+
+class DropsVariants(Triflash):
+    """Takes the variants' flags but computes plain attention: the check must catch it."""
+
+    name = "drops-variants"
+
+    def run(self, q, k, v, causal):
+        self.score_kwargs = {}
+        return super().run(q, k, v, causal)
+
+
+def test_score_variants_end_to_end(tmp_path, device, capsys):
+    """--softcap/--sinks/--alibi through the command: triflash is checked against the reference with
+    the variants (forward and gradients) and passes; SDPA and naive are unavailable, saying why; a
+    provider that drops the variants is WRONG."""
+    argv = ["--softcap", "5", "--sinks", "--alibi", "--batch", "1", "--seqlen", "48", "--heads", "4",
+            "--heads-kv", "2", "--headdim", "32", "--causal", "yes", "--mode", "fwdbwd", "--out", str(tmp_path),
+            "--providers", "triflash,naive,sdpa-math"]
+    args = cli.parse_args(argv)
+    assert cli.run_benchmark(args, argv, device, FakeTimer(), FAKE_ENV) == 0
+    out = capsys.readouterr().out
+    results = {r["provider"]: r for r in json.loads((tmp_path / "results.json").read_text())["results"]}
+    assert results["triflash"]["status"] == "ok", results["triflash"]["detail"]
+    assert (results["triflash"]["softcap"], results["triflash"]["sinks"], results["triflash"]["alibi"]) == (
+        5.0, True, True)
+    assert "## fwdbwd, fp16, D=32, causal, softcap=5 sinks alibi" in out
+    assert ("- sdpa-math: unavailable: sdpa-math takes no soft-capping (softcap), attention sinks or ALiBi "
+            "slopes") in out
+    assert results["naive"]["status"] == "unavailable"
+    (wrong,) = run_all(args.workloads, [DropsVariants()], FakeTimer(), device, progress=lambda s: None)
+    assert wrong.status == "wrong"
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return
+    assert (tmp_path / "fwdbwd-fp16-d32-causal-softcap5-sinks-alibi.png").exists()      # its own figure
+
+
+def test_varlen_with_variants_and_decode_with_variants(device):
+    """Packed sequences with the variants (ALiBi per sequence) through triflash-varlen, and decode
+    with them through triflash's contiguous cache; SDPA's decode is unavailable."""
+    from triflash.bench.providers import TriflashVarlen
+
+    wl = W.Workload("fwd", 3, 2, 1, 30, 30, 16, "fp16", True, seqlens=(30, 7, 12), softcap=3.0, sinks=True,
+                    alibi=True)
+    (res,) = run_all([wl], [TriflashVarlen()], FakeTimer(), device, progress=lambda s: None)
+    assert res.status == "ok", res.detail
+    dec = W.Workload("decode", 2, 4, 2, 1, 40, 16, "fp16", False, softcap=3.0, sinks=True, alibi=True)
+    results = by_provider(run_all([dec], [TriflashKVCache(paged=False), SdpaDecode("math")], FakeTimer(0.01),
+                                  device, progress=lambda s: None))
+    assert results["triflash"].status == "ok", results["triflash"].detail
+    assert results["sdpa-math"].status == "unavailable" and "attention sinks" in results["sdpa-math"].detail
+    plain = make_decode_case(W.Workload("decode", 2, 4, 2, 1, 40, 16, "fp16", False), device)
+    assert not torch.allclose(make_decode_case(dec, device).expected[0].ref, plain.expected[0].ref)
+
+
+# --------------------------------------------------------------------------------------------------
+# FlashAttention 4 as a provider of varlen and the variants (a stand-in module: no GPU here)
+# --------------------------------------------------------------------------------------------------
+
+def _fake_fa4(monkeypatch, *, sinks_keyword=True, varlen=True, backward_source=None):
+    """A stand-in ``flash_attn.cute`` with FA4's signatures that computes with triflash and insists on
+    FA4's argument conventions (bfloat16 learnable_sink, None for an unbounded window side)."""
+    import types
+
+    def check(learnable_sink, window_size):
+        assert learnable_sink is None or learnable_sink.dtype == torch.bfloat16, "learnable_sink must be bfloat16"
+        assert all(w is None or w >= 0 for w in window_size)
+        return dict(sinks=None if learnable_sink is None else learnable_sink.float(),
+                    window_size=tuple(-1 if w is None else w for w in window_size))
+
+    def flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=(None, None),
+                        learnable_sink=None, softcap=0.0, num_splits=1, return_lse=False):
+        return triflash.flash_attn_func(q, k, v, causal=causal, softcap=softcap, **check(learnable_sink, window_size))
+
+    def flash_attn_func_no_sinks(q, k, v, softmax_scale=None, causal=False, window_size=(None, None), softcap=0.0):
+        return triflash.flash_attn_func(q, k, v, causal=causal, softcap=softcap, **check(None, window_size))
+
+    def flash_attn_varlen_func(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
+                               max_seqlen_k=None, seqused_q=None, seqused_k=None, page_table=None,
+                               softmax_scale=None, causal=False, window_size=(None, None), learnable_sink=None,
+                               softcap=0.0, num_splits=1, return_lse=False):
+        return triflash.flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                               causal=causal, softcap=softcap, **check(learnable_sink, window_size))
+
+    cute = types.ModuleType("flash_attn.cute")
+    cute.flash_attn_func = flash_attn_func if sinks_keyword else flash_attn_func_no_sinks
+    cute.flash_attn_func.__module__ = "flash_attn.cute"
+    if varlen:
+        cute.flash_attn_varlen_func = flash_attn_varlen_func
+    if backward_source is not None:
+        cute.FlashAttnFunc = backward_source
+    package = types.ModuleType("flash_attn")
+    package.cute = cute
+    monkeypatch.setitem(sys.modules, "flash_attn", package)
+    monkeypatch.setitem(sys.modules, "flash_attn.cute", cute)
+
+
+class _Fa4BackwardWithoutSoftcap:
+    """What FA4's autograd Function looked like in versions without a softcap backward."""
+
+    @staticmethod
+    def backward(ctx, dout, *args):
+        assert ctx.softcap == 0.0
+
+
+def test_fa4_provider_varlen_and_variants(device, monkeypatch):
+    """fa4 passes packed sequences to flash_attn.cute.flash_attn_varlen_func by keyword, sinks as a
+    bfloat16 learnable_sink (the same values: ok against the float32 reference) and softcap; it is
+    unavailable for ALiBi, for a version whose signature lacks an argument, without a varlen entry
+    point, and for a softcap backward where FA4's backward asserts softcap == 0."""
+    from triflash.bench.providers import FlashAttn4
+
+    _fake_fa4(monkeypatch, backward_source=_Fa4BackwardWithoutSoftcap)
+    packed = W.Workload("fwd", 2, 2, 2, 24, 24, 16, "fp16", True, seqlens=(24, 11), sinks=True, softcap=4.0)
+    dense = W.Workload("fwd", 1, 2, 2, 24, 24, 16, "fp16", True, window=(5, 0), sinks=True)
+    alibi = W.Workload("fwd", 1, 2, 2, 24, 24, 16, "fp16", False, alibi=True)
+    softcap_bwd = W.Workload("bwd", 1, 2, 2, 24, 24, 16, "fp16", False, softcap=4.0)
+    res = run_all([packed, dense, alibi, softcap_bwd], [FlashAttn4()], FakeTimer(), device, progress=lambda s: None)
+    assert [r.status for r in res[:2]] == ["ok", "ok"], [r.detail for r in res]
+    assert res[2].status == "unavailable" and res[2].detail == "fa4 takes no ALiBi slopes"
+    assert res[3].status == "unavailable" and "FA4's backward takes no softcap" in res[3].detail
+    _fake_fa4(monkeypatch, sinks_keyword=False, varlen=False)
+    res = run_all([dense, packed], [FlashAttn4()], FakeTimer(), device, progress=lambda s: None)
+    assert res[0].status == "unavailable" and "takes no learnable_sink=" in res[0].detail
+    assert res[1].status == "unavailable" and "no flash_attn_varlen_func" in res[1].detail

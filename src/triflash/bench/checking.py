@@ -19,17 +19,21 @@ The tolerance rule is FlashAttention's (tests/helpers.py uses it too). For each 
 Both references process query rows in chunks (and the decode reference one sequence at a time), so
 they fit in memory at every size the benchmark runs, where a naive S x S attention may not.
 Gradients come from autograd through the same chunked reference, with the fixed random ``dout``.
+
+Packed sequences (``--varlen``) are checked one sequence at a time against the same references, and
+the score variants (``--softcap``, ``--sinks``, ``--alibi``) are passed to them: the reference computes
+what the providers are asked for.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from ..reference import flash_attn_ref
-from .workloads import PAGE_SIZE, Workload
+from .workloads import PAGE_SIZE, Workload, alibi_slopes
 
 SEED = 0
 # Scores alive at once in the chunked autograd reference (each chunk keeps a few tensors this size).
@@ -98,10 +102,37 @@ def _randn(shape, dtype, device, generator) -> torch.Tensor:
 # --------------------------------------------------------------------------------------------------
 
 @dataclass
+class ScoreVariants:
+    """The score variants' tensors of a workload (``Workload.variants``), made once per case: every
+    provider gets the same values. ``sinks``: float32 [Hq] drawn from a normal distribution with a
+    fixed seed and rounded to bfloat16's precision (FlashAttention 4 takes its sinks in bfloat16: the
+    values stay the same); ``alibi_slopes``: float32 [Hq], the standard slopes (``alibi_slopes``)."""
+
+    softcap: float = 0.0
+    sinks: torch.Tensor | None = None
+    alibi_slopes: torch.Tensor | None = None
+
+    def reference_kwargs(self) -> dict:
+        return {"softcap": self.softcap, "sinks": self.sinks, "alibi_slopes": self.alibi_slopes}
+
+
+def make_variants(wl: Workload, device) -> ScoreVariants:
+    """The tensors ``wl``'s score variants need (none without variants)."""
+    sinks = slopes = None
+    if wl.sinks:
+        gen = torch.Generator().manual_seed(SEED + 1)
+        sinks = torch.randn(wl.heads, generator=gen).to(torch.bfloat16).float().to(device)
+    if wl.alibi:
+        slopes = torch.tensor(alibi_slopes(wl.heads), dtype=torch.float32, device=device)
+    return ScoreVariants(wl.softcap, sinks, slopes)
+
+
+@dataclass
 class DenseCase:
-    """Inputs of one fwd/bwd/fwdbwd workload in FlashAttention's layout [B, S, H, D], plus what a
+    """Inputs of one fwd/bwd/fwdbwd workload in FlashAttention's layout [B, S, H, D] (packed
+    sequences: [total, H, D], sequence b in rows cu_seqlens[b]..cu_seqlens[b + 1] - 1), plus what a
     correct provider returns: the output, and in the modes with a backward also dq, dk, dv for the
-    fixed random ``dout``."""
+    fixed random ``dout``, in the same layout."""
 
     workload: Workload
     q: torch.Tensor
@@ -109,30 +140,68 @@ class DenseCase:
     v: torch.Tensor
     dout: torch.Tensor | None
     expected: list[Expected]
+    variants: ScoreVariants = field(default_factory=ScoreVariants)
+    cu_seqlens: torch.Tensor | None = None      # packed sequences: int32 [batch + 1] on the device
+
+    @property
+    def packed(self) -> bool:
+        return self.cu_seqlens is not None
+
+
+def cu_seqlens_of(lengths, device) -> torch.Tensor:
+    """int32 [len + 1] offsets: 0, l0, l0 + l1, ..."""
+    offsets = [0]
+    for n in lengths:
+        offsets.append(offsets[-1] + n)
+    return torch.tensor(offsets, dtype=torch.int32, device=device)
 
 
 def make_dense_case(wl: Workload, device) -> DenseCase:
     """Random inputs (fixed seed) and their reference results."""
     gen = torch.Generator(device=device).manual_seed(SEED)
     dtype = wl.torch_dtype
-    q = _randn((wl.batch, wl.seqlen_q, wl.heads, wl.head_dim), dtype, device, gen)
-    k = _randn((wl.batch, wl.seqlen_k, wl.heads_kv, wl.head_dim), dtype, device, gen)
-    v = _randn((wl.batch, wl.seqlen_k, wl.heads_kv, wl.head_dim), dtype, device, gen)
+    lead = (wl.tokens,) if wl.seqlens is not None else (wl.batch, wl.seqlen_q)
+    lead_k = (wl.tokens,) if wl.seqlens is not None else (wl.batch, wl.seqlen_k)
+    q = _randn((*lead, wl.heads, wl.head_dim), dtype, device, gen)
+    k = _randn((*lead_k, wl.heads_kv, wl.head_dim), dtype, device, gen)
+    v = _randn((*lead_k, wl.heads_kv, wl.head_dim), dtype, device, gen)
+    dout = _randn(q.shape, dtype, device, gen) if wl.mode != "fwd" else None
+    variants = make_variants(wl, device)
     ref_dtype = reference_dtype(device)
     window = wl.window or (-1, -1)
-    if wl.mode == "fwd":
-        ref = flash_attn_ref(q, k, v, wl.causal, compute_dtype=ref_dtype, window_size=window)
-        same = flash_attn_ref(q, k, v, wl.causal, compute_dtype=None, window_size=window)
-        return DenseCase(wl, q, k, v, None, [expected("out", ref, same, dtype)])
-    dout = _randn(q.shape, dtype, device, gen)
-    refs = reference_forward_backward(q, k, v, dout, wl.causal, ref_dtype, window=window)
-    sames = reference_forward_backward(q, k, v, dout, wl.causal, None, window=window)
+    per_sequence = _packed_reference if wl.seqlens is not None else _dense_reference
+    refs = per_sequence(wl, q, k, v, dout, ref_dtype, window, variants)
+    sames = per_sequence(wl, q, k, v, dout, None, window, variants)
     names = ("out", "dq", "dk", "dv")
-    return DenseCase(wl, q, k, v, dout, [expected(n, r, s, dtype) for n, r, s in zip(names, refs, sames)])
+    exps = [expected(n, r, s, dtype) for n, r, s in zip(names, refs, sames)]
+    cu = cu_seqlens_of(wl.seqlens, device) if wl.seqlens is not None else None
+    return DenseCase(wl, q, k, v, dout, exps, variants, cu)
+
+
+def _dense_reference(wl, q, k, v, dout, compute_dtype, window, variants):
+    """(out,) or (out, dq, dk, dv) on [B, S, H, D] tensors."""
+    if dout is None:
+        return (flash_attn_ref(q, k, v, wl.causal, compute_dtype=compute_dtype, window_size=window,
+                               **variants.reference_kwargs()),)
+    return reference_forward_backward(q, k, v, dout, wl.causal, compute_dtype, window=window,
+                                      **variants.reference_kwargs())
+
+
+def _packed_reference(wl, q, k, v, dout, compute_dtype, window, variants):
+    """``_dense_reference`` of each packed sequence alone ([1, S_b, H, D]), concatenated back into
+    the packed [total, H, D] layout."""
+    parts, start = [], 0
+    for n in wl.seqlens:
+        rows = slice(start, start + n)
+        args = [t[rows][None] for t in (q, k, v)] + [dout[rows][None] if dout is not None else None]
+        parts.append([t[0] for t in _dense_reference(wl, *args, compute_dtype, window, variants)])
+        start += n
+    return tuple(torch.cat(ts) for ts in zip(*parts))
 
 
 def reference_forward_backward(q, k, v, dout, causal: bool, compute_dtype,
-                               max_scores: int = GRAD_REF_MAX_SCORES, window=(-1, -1)):
+                               max_scores: int = GRAD_REF_MAX_SCORES, window=(-1, -1), softcap=0.0,
+                               sinks=None, alibi_slopes=None):
     """(out, dq, dk, dv) of the reference attention on [B, S, H, D] tensors with Sq == Sk.
 
     Autograd runs on a chunk of query rows at a time, so only that chunk's graph exists at once. This
@@ -142,6 +211,10 @@ def reference_forward_backward(q, k, v, dout, causal: bool, compute_dtype,
     compute_dtype=None gives PyTorch's same-dtype attention (grads in the input dtype). A local
     ``window`` whose right side reaches no later key (causal, or right = 0) chunks the same way (its
     left bound is relative to the row, which the chunk keeps); any other window takes one chunk.
+    The score variants (``softcap``, ``sinks``: not differentiated, ``alibi_slopes``) are passed
+    through: soft-capping and sinks act on each row alone; ALiBi's distance i + Sk - Sq - j is the
+    same in a prefix chunk, and other problems with ALiBi take one chunk too. One-chunk problems
+    run one batch element at a time.
     """
     leaf_dtype = compute_dtype or q.dtype
     qh, kh, vh, doh = (t.transpose(1, 2) for t in (q, k, v, dout))      # [B, H, S, D] views
@@ -149,19 +222,22 @@ def reference_forward_backward(q, k, v, dout, causal: bool, compute_dtype,
     out, dq = torch.empty_like(qh, dtype=leaf_dtype), torch.empty_like(qh, dtype=leaf_dtype)
     dk, dv = torch.zeros_like(kh, dtype=leaf_dtype), torch.zeros_like(vh, dtype=leaf_dtype)
     prefix = causal or window[1] == 0        # rows [r0, r1) see keys [0, r1) at most
-    rows = max(1, max_scores // (batch * heads * seqlen)) if prefix or window == (-1, -1) else seqlen
-    for r0 in range(0, seqlen, rows):
-        r1 = min(seqlen, r0 + rows)
-        keys = r1 if prefix else seqlen
-        qc, kc, vc = (t.to(leaf_dtype).detach().requires_grad_()
-                      for t in (qh[:, :, r0:r1], kh[:, :, :keys], vh[:, :, :keys]))
-        oc = flash_attn_ref(qc.transpose(1, 2), kc.transpose(1, 2), vc.transpose(1, 2), causal,
-                            compute_dtype=compute_dtype, window_size=window).transpose(1, 2)
-        gq, gk, gv = torch.autograd.grad(oc, (qc, kc, vc), doh[:, :, r0:r1].to(oc.dtype))
-        out[:, :, r0:r1] = oc.detach()
-        dq[:, :, r0:r1] = gq
-        dk[:, :, :keys] += gk
-        dv[:, :, :keys] += gv
+    chunked = prefix or (window == (-1, -1) and alibi_slopes is None)
+    rows = max(1, max_scores // (batch * heads * seqlen)) if chunked else seqlen
+    variants = {"softcap": softcap, "sinks": sinks, "alibi_slopes": alibi_slopes}
+    for b0, b1 in ((0, batch),) if chunked else ((b, b + 1) for b in range(batch)):
+        for r0 in range(0, seqlen, rows):
+            r1 = min(seqlen, r0 + rows)
+            keys = r1 if prefix else seqlen
+            qc, kc, vc = (t.to(leaf_dtype).detach().requires_grad_()
+                          for t in (qh[b0:b1, :, r0:r1], kh[b0:b1, :, :keys], vh[b0:b1, :, :keys]))
+            oc = flash_attn_ref(qc.transpose(1, 2), kc.transpose(1, 2), vc.transpose(1, 2), causal,
+                                compute_dtype=compute_dtype, window_size=window, **variants).transpose(1, 2)
+            gq, gk, gv = torch.autograd.grad(oc, (qc, kc, vc), doh[b0:b1, :, r0:r1].to(oc.dtype))
+            out[b0:b1, :, r0:r1] = oc.detach()
+            dq[b0:b1, :, r0:r1] = gq
+            dk[b0:b1, :, :keys] += gk
+            dv[b0:b1, :, :keys] += gv
     return tuple(t.transpose(1, 2) for t in (out, dq, dk, dv))
 
 
@@ -196,6 +272,7 @@ class DecodeCase:
     v_cache: torch.Tensor
     cache_seqlens: torch.Tensor
     expected: list[Expected]
+    variants: ScoreVariants = field(default_factory=ScoreVariants)
 
     @property
     def context(self) -> int:
@@ -234,13 +311,16 @@ def make_decode_case(wl: Workload, device) -> DecodeCase:
     k = _randn((wl.batch, s_alloc, wl.heads_kv, wl.head_dim), dtype, device, gen)
     v = _randn((wl.batch, s_alloc, wl.heads_kv, wl.head_dim), dtype, device, gen)
     seqlens = torch.full((wl.batch,), wl.seqlen_k, dtype=torch.int32, device=device)
-    ref = decode_reference(q, k, v, wl.seqlen_k, reference_dtype(device))
-    same = decode_reference(q, k, v, wl.seqlen_k, None)
-    return DecodeCase(wl, q, k, v, seqlens, [expected("out", ref, same, dtype)])
+    variants = make_variants(wl, device)
+    ref = decode_reference(q, k, v, wl.seqlen_k, reference_dtype(device), variants)
+    same = decode_reference(q, k, v, wl.seqlen_k, None, variants)
+    return DecodeCase(wl, q, k, v, seqlens, [expected("out", ref, same, dtype)], variants)
 
 
-def decode_reference(q, k_cache, v_cache, context: int, compute_dtype) -> torch.Tensor:
+def decode_reference(q, k_cache, v_cache, context: int, compute_dtype,
+                     variants: ScoreVariants | None = None) -> torch.Tensor:
     """Reference decode output [B, 1, Hq, D], one sequence at a time to bound memory."""
+    kwargs = variants.reference_kwargs() if variants is not None else {}
     return torch.cat([flash_attn_ref(q[b:b + 1], k_cache[b:b + 1, :context], v_cache[b:b + 1, :context],
-                                     compute_dtype=compute_dtype)
+                                     compute_dtype=compute_dtype, **kwargs)
                       for b in range(q.shape[0])])

@@ -5,6 +5,8 @@
     triflash bench --mode bwd --providers triflash,sdpa-flash,fa2
     triflash bench --mode decode          # batch {1,16,64} x context {1k..128k}, contiguous and paged
     triflash bench --mode host            # host time per eager call at short shapes (what users wait for)
+    triflash bench --varlen 32k:512-4k --heads 16 --headdim 128 --causal yes   # packed sequences
+    triflash bench --softcap 50 --sinks --alibi   # the score variants
     python -m triflash.bench ...          # the same
 
 Without a CUDA GPU it says so and checks the kernel in Triton's interpreter instead (no timings).
@@ -38,6 +40,10 @@ providers (fwd/bwd/fwdbwd): {dense}
 providers (decode):         {decode}
 Providers whose package is missing are listed as unavailable, with the reason. triflash-varlen
 (flash_attn_varlen_func on the batch packed as equal-length sequences) runs only when named.
+--varlen: triflash, triflash-varlen (flash_attn_varlen_func), fa2/fa3/fa4 (their flash_attn_varlen_func),
+flashinfer (ragged batch) and sdpa-* (nested jagged tensors; math: not causal; no GQA); others unavailable.
+--softcap/--sinks/--alibi: triflash (all three), fa2 (softcap, ALiBi), fa3 (softcap), fa4 (softcap, and
+sinks on sm90+: learnable_sink); the others (SDPA, naive, flashinfer) are listed unavailable.
 triflash@CHOICE forces the kernels: triflash@triton (the portable Triton kernels), triflash@NAME (a
 Hopper variant, forward or backward), triflash@FWD+BWD (both); only when named (scripts/tune.py).
 
@@ -103,8 +109,22 @@ def build_parser() -> argparse.ArgumentParser:
                         help="local (sliding-window) attention: keys within LEFT before and RIGHT after each "
                              "query's diagonal, -1 for no bound (fwd/bwd/fwdbwd; TFLOP/s count the visible "
                              "scores). Providers without windows are listed as unavailable")
+    shapes.add_argument("--varlen", type=_varlen, nargs="+", metavar="SPEC",
+                        help="packed sequences of different lengths, one workload per SPEC (fwd/bwd/fwdbwd; "
+                             "instead of --seqlen and --batch): TOTAL:MIN-MAX[:SEED] draws lengths uniformly "
+                             "from MIN..MAX (seeded, SEED default 0) until TOTAL tokens, the last one trimmed; "
+                             "L1,L2,... gives the lengths. A k suffix multiplies by 1024: 32k:512-4k. Each "
+                             "sequence attends to itself (Sq = Sk); TFLOP/s count its visible scores")
     shapes.add_argument("--causal", choices=["both", "yes", "no"], default="both",
                         help="causal masking (default: both); ignored for decode")
+    variants = parser.add_argument_group("score variants (fwd/bwd/fwdbwd/decode; checked against the reference)")
+    variants.add_argument("--softcap", type=_softcap, default=0.0, metavar="X",
+                          help="logit soft-capping: scores become X * tanh(score / X), X > 0")
+    variants.add_argument("--sinks", action="store_true",
+                          help="attention sinks: one float32 logit per query head (random, seeded; values "
+                               "exact in bfloat16), not trained (the backward gives dq, dk, dv)")
+    variants.add_argument("--alibi", action="store_true",
+                          help="ALiBi: the standard slopes per query head (2^(-8(h+1)/H) for H a power of 2)")
     parser.add_argument("--version", action="version", version=_version())
     run = parser.add_argument_group("run")
     run.add_argument("--providers", type=lambda s: [p.strip() for p in s.split(",") if p.strip()],
@@ -128,6 +148,16 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         parser.error(f"--sweep is for fwd/bwd/fwdbwd; {args.mode} runs its own shapes")
     if args.window is not None and args.mode in ("decode", "host"):
         parser.error(f"--window is for fwd/bwd/fwdbwd; got --mode {args.mode}")
+    if args.varlen is not None:
+        if args.mode in ("decode", "host"):
+            parser.error(f"--varlen is for fwd/bwd/fwdbwd; got --mode {args.mode}")
+        clash = [flag for flag, given in (("--sweep", args.sweep), ("--seqlen", args.seqlen is not None),
+                                          ("--batch", args.batch is not None)) if given]
+        if clash:
+            parser.error(f"--varlen sets the sequence lengths and their number: drop {', '.join(clash)}")
+    variants = {"softcap": args.softcap, "sinks": args.sinks, "alibi": args.alibi}
+    if args.mode == "host" and any(variants.values()):
+        parser.error("--softcap, --sinks and --alibi are for fwd/bwd/fwdbwd/decode; got --mode host")
     args.causal_flags = {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]
     try:
         if args.mode == "host":
@@ -136,11 +166,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         elif args.mode == "decode":
             args.workloads = W.decode_workloads(args.dtype, batch=args.batch, heads=args.heads,
                                                 heads_kv=args.heads_kv, contexts=args.seqlen,
-                                                head_dims=args.headdim)
+                                                head_dims=args.headdim, variants=variants)
         else:
             args.workloads = W.dense_workloads(args.mode, args.dtype, args.causal_flags, sweep=args.sweep,
                                                batch=args.batch, heads=args.heads, heads_kv=args.heads_kv,
-                                               seqlens=args.seqlen, head_dims=args.headdim, window=args.window)
+                                               seqlens=args.seqlen, head_dims=args.headdim, window=args.window,
+                                               varlen=args.varlen, variants=variants)
     except ValueError as exc:
         parser.error(str(exc))
     known = provider_names(args.mode)
@@ -224,6 +255,46 @@ def run_benchmark(args, argv: list[str], device, timer, env: dict) -> int:
     print("Wrote " + ", ".join(str(p) for p in written), file=sys.stderr)
     triflash_wrong = any(r.status == "wrong" and r.provider.startswith("triflash") for r in results)
     return 1 if triflash_wrong else 0
+
+
+VARLEN_SYNTAX = "TOTAL:MIN-MAX[:SEED] or L1,L2,... (positive integers, k = x1024)"
+
+
+def _count(text: str) -> int:
+    """A positive integer, with an optional k suffix (x1024)."""
+    text = text.strip().lower()
+    value = int(text[:-1]) * 1024 if text.endswith("k") else int(text)
+    if value < 1:
+        raise ValueError(text)
+    return value
+
+
+def _varlen(text: str) -> tuple[int, ...]:
+    """--varlen SPEC -> the sequence lengths (see the option's help)."""
+    try:
+        if ":" not in text:
+            return tuple(_count(x) for x in text.split(","))
+        total, bounds, *rest = text.split(":")
+        low, high = bounds.split("-")
+        total, low, high = _count(total), _count(low), _count(high)
+        seed = int(rest.pop()) if len(rest) == 1 else 0
+        if rest or seed < 0:
+            raise ValueError(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected {VARLEN_SYNTAX}, got {text!r}") from None
+    if low > high:
+        raise argparse.ArgumentTypeError(f"MIN ({low}) is larger than MAX ({high}) in {text!r}")
+    return W.varlen_lengths(total, low, high, seed)
+
+
+def _softcap(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {text!r}")
+    return value
 
 
 def _window(text: str) -> tuple[int, int]:

@@ -7,8 +7,10 @@ paged copy of the cache with a shuffled page table, or SDPA's [B, H, S, D] copie
 
 from __future__ import annotations
 
+import torch
+
 from .checking import DecodeCase
-from .providers import Prepared, Provider, Sdpa, first
+from .providers import TRIFLASH_VARIANTS, Prepared, Provider, Sdpa, fa4_variant_checks, first
 
 
 class _CacheProvider(Provider):
@@ -22,12 +24,15 @@ class _CacheProvider(Provider):
                                           else ", contiguous cache")
 
     def prepare(self, case: DecodeCase, requires_grad: bool = False) -> Prepared:
+        self.score_kwargs = self.variant_kwargs(case.variants)
         return Prepared(case.args(self.paged))
 
 
 class TriflashKVCache(_CacheProvider):
     """``triflash.flash_attn_with_kvcache``: q [B, 1, Hq, D], cache_seqlens [B], block_table [B, pages]
-    int32 when paged; the split count is the library's own choice."""
+    int32 when paged; the split count is the library's own choice. Takes the score variants."""
+
+    VARIANTS = TRIFLASH_VARIANTS
 
     def __init__(self, paged: bool):
         super().__init__(paged, "triflash", "triflash.flash_attn_with_kvcache")
@@ -39,7 +44,7 @@ class TriflashKVCache(_CacheProvider):
 
     def run(self, q, k_cache, v_cache, cache_seqlens, block_table):
         return first(self.fn(q, k_cache, v_cache, cache_seqlens=cache_seqlens, block_table=block_table,
-                             num_splits=0))
+                             num_splits=0, **self.score_kwargs))
 
 
 class SdpaDecode(Sdpa):
@@ -59,7 +64,10 @@ class SdpaDecode(Sdpa):
 
 class FlashAttn4Decode(_CacheProvider):
     """FlashAttention 4 (``flash_attn.cute.flash_attn_varlen_func``) with ``seqused_k``, and
-    ``page_table`` when paged. num_splits=0 lets it choose split-KV."""
+    ``page_table`` when paged. num_splits=0 lets it choose split-KV. Soft-capping and (sm90+) sinks
+    as in ``providers.FlashAttn4``."""
+
+    VARIANTS = {"softcap": "softcap", "sinks": "learnable_sink"}
 
     def __init__(self, paged: bool):
         super().__init__(paged, "fa4", "flash_attn.cute.flash_attn_varlen_func")
@@ -69,8 +77,15 @@ class FlashAttn4Decode(_CacheProvider):
 
         self.fn = flash_attn_varlen_func
 
+    def setup(self, wl, device):
+        fa4_variant_checks(wl, self.fn.__module__, "FlashAttnVarlenFunc")
+
+    def sinks_argument(self, sinks):
+        return sinks.to(torch.bfloat16)
+
     def run(self, q, k, v, seqused_k, page_table):
-        return first(self.fn(q, k, v, seqused_k=seqused_k, page_table=page_table, num_splits=0))
+        return first(self.fn(q, k, v, seqused_k=seqused_k, page_table=page_table, num_splits=0,
+                             **self.score_kwargs))
 
 
 def decode_providers() -> list[Provider]:

@@ -11,6 +11,7 @@ Only results that passed the check and were timed are drawn; the tables list the
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
@@ -75,13 +76,22 @@ def plot_results(results: list[Result], env: dict, out_dir: Path) -> list[Path] 
             _draw_dense(fig, timed)
         fig.suptitle(_title(key, timed, env), fontsize=13, fontweight="bold")
         fig.tight_layout(rect=(0, 0.07 if _legend(fig) else 0, 1, 0.95))
-        mode, dtype, head_dim, causal = key
+        mode, dtype, head_dim, causal, extra = key
         name = f"{mode}-{dtype}-d{head_dim}" + ("" if mode == "decode" else
-                                                 "-causal" if causal else "-noncausal")
+                                                 "-causal" if causal else "-noncausal") + _slug(extra)
         path = Path(out_dir) / f"{name}.png"
         fig.savefig(path)
         paths.append(path)
     return paths
+
+
+def _slug(extra: str) -> str:
+    """A group's packed lengths and score variants for a file name: "varlen 14 seqs 512-4096, 32768
+    tokens, softcap=30 sinks" -> "-varlen-14seqs-512-4096-32768tok-softcap30-sinks" ("" for none)."""
+    if not extra:
+        return ""
+    text = extra.replace(" seqs", "seqs").replace(" tokens", "tok").replace("=", "")
+    return "-" + "-".join(w for w in re.split(r"[^A-Za-z0-9.]+", text) if w)
 
 
 def _n_batches(results) -> int:
@@ -96,6 +106,8 @@ def _title(key, results, env) -> str:
     tokens = {w.batch * w.seqlen_q for w in wls}
     if key[0] == "decode":
         shape = f"{heads}, one query token; paged caches use {PAGE_SIZE}-token pages"
+    elif wls[0].seqlens is not None:
+        shape = f"{len(wls[0].seqlens)} packed sequences, {heads}"
     elif len({w.seqlen_q for w in wls}) == 1:
         shape = f"B={wls[0].batch}, {heads}, S={wls[0].seqlen_q}"
     elif len({w.batch for w in wls}) == 1:

@@ -119,10 +119,18 @@ def _table(head: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
+def _seqlen(r: Result) -> str:
+    """The S column: the sequence length, or for packed sequences the shortest-longest and the total."""
+    wl = r.workload
+    if wl.seqlens is None:
+        return str(wl.seqlen_q)
+    return f"{min(wl.seqlens)}-{max(wl.seqlens)} ({wl.tokens} tok)"
+
+
 def dense_table(results: list[Result]) -> str:
     head = ["S", "B", "H", "provider", "median ms", "p20-p80 ms", "TFLOP/s", "vs naive",
             "vs best SDPA", "peak MiB", "max err (tol)", "status"]
-    rows = [[str(r.workload.seqlen_q), str(r.workload.batch), _heads(r), r.provider, _num(r.ms, ".3f"),
+    rows = [[_seqlen(r), str(r.workload.batch), _heads(r), r.provider, _num(r.ms, ".3f"),
              f"{r.ms_p20:.3f}-{r.ms_p80:.3f}" if r.ms else "", _num(r.tflops, ".1f"),
              _num(r.speedup_naive, ".2f") + ("x" if r.speedup_naive else ""),
              _num(r.speedup_sdpa, ".2f") + ("x" if r.speedup_sdpa else ""), _num(r.peak_mib, ".1f"),
@@ -145,16 +153,19 @@ def decode_table(results: list[Result]) -> str:
 
 
 def group_key(r: Result) -> tuple:
-    """Results that share a table (and a figure): same mode, dtype, head_dim and causal flag."""
+    """Results that share a table (and a figure): same mode, dtype, head_dim and causal flag, and the
+    same packed lengths and score variants (``extra``: "" for neither)."""
     wl = r.workload
-    return (wl.mode, wl.dtype, wl.head_dim, wl.causal)
+    extra = ", ".join(x for x in (wl.varlen_label(), wl.variants_label()) if x)
+    return (wl.mode, wl.dtype, wl.head_dim, wl.causal, extra)
 
 
 def group_title(key: tuple) -> str:
-    mode, dtype, head_dim, causal = key
+    mode, dtype, head_dim, causal, extra = key
+    extra = f", {extra}" if extra else ""
     if mode == "decode":
-        return f"decode, {dtype}, D={head_dim}"
-    return f"{mode}, {dtype}, D={head_dim}, {'causal' if causal else 'non-causal'}"
+        return f"decode, {dtype}, D={head_dim}{extra}"
+    return f"{mode}, {dtype}, D={head_dim}, {'causal' if causal else 'non-causal'}{extra}"
 
 
 def grouped(results: list[Result]) -> dict[tuple, list[Result]]:

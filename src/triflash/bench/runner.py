@@ -21,7 +21,9 @@ supported, no backward), "wrong", "oom" (torch.cuda.OutOfMemoryError; memory is 
 
 from __future__ import annotations
 
+import contextlib
 import gc
+import logging
 import sys
 import time
 import warnings
@@ -35,6 +37,8 @@ from .workloads import Workload
 
 # How SDPA says that the forced backend cannot run a case (CUDA, CPU).
 SDPA_NO_KERNEL = ("No available kernel", "No viable backend")
+# SDPA on nested (jagged) tensors logs, rather than warns, why a backend declined.
+SDPA_LOGGERS = ("torch.nested._internal.sdpa",)
 
 
 @dataclass
@@ -160,10 +164,10 @@ def load_error(provider) -> str | None:
 def run_one(provider, case, timer, device) -> Result:
     """Check one provider on one workload, then time it if it is correct."""
     wl = case.workload
-    caught = []
+    caught, logged = [], []
     try:
         with provider.context():
-            with warnings.catch_warnings(record=True) as caught:
+            with warnings.catch_warnings(record=True) as caught, _logged(SDPA_LOGGERS, logged):
                 warnings.simplefilter("always")
                 provider.bind(wl)
                 provider.setup(wl, device)
@@ -177,10 +181,35 @@ def run_one(provider, case, timer, device) -> Result:
             eager = timer(fn) if wl.mode == "decode" else (None, None, None)
             peak = peak_memory_mib(fn, device)
     except Exception as exc:  # noqa: BLE001 - every failure is reported in the table, the run goes on
-        status, detail = classify(exc, [str(w.message) for w in caught])
+        status, detail = classify(exc, [str(w.message) for w in caught] + logged)
         return Result(wl, provider.name, status, detail)
     detail = "; ".join(x for x in (verdict.detail, how) if x)
     return Result(wl, provider.name, "ok", detail, verdict.max_err, verdict.tol, ms, p20, p80, peak, *eager)
+
+
+@contextlib.contextmanager
+def _logged(names, into: list):
+    """Collect (and keep off stderr) what the loggers ``names`` say at WARNING and above, less the
+    "... kernel not used because:" headers."""
+
+    class Collect(logging.Handler):
+        def emit(self, record):
+            message = record.getMessage()
+            if not message.rstrip().endswith("because:"):
+                into.append(message)
+
+    handler = Collect(logging.WARNING)
+    loggers = [logging.getLogger(n) for n in names]
+    saved = [lg.propagate for lg in loggers]
+    for lg in loggers:
+        lg.addHandler(handler)
+        lg.propagate = False
+    try:
+        yield into
+    finally:
+        for lg, propagate in zip(loggers, saved):
+            lg.removeHandler(handler)
+            lg.propagate = propagate
 
 
 def outputs(provider, prepared, wl: Workload) -> list[torch.Tensor]:
