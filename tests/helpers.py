@@ -86,31 +86,36 @@ def assert_raises_naming(exc, words, fn, *args, **kwargs):
         assert word in msg, f"message {msg!r} should mention {word!r}"
 
 
-def ref_grads(q, k, v, dout, causal, compute_dtype, dlse=None, scale=None, window_size=(-1, -1)):
-    """Gradients of the reference ([B, S, H, D] inputs); compute_dtype=None is PyTorch's own same-dtype
-    attention."""
-    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
-    if compute_dtype is not None:
-        leaves = [t.detach().to(compute_dtype).requires_grad_() for t in (q, k, v)]
+def ref_grads(q, k, v, dout, causal, compute_dtype, dlse=None, scale=None, window_size=(-1, -1), sinks=None,
+              **variants):
+    """Gradients of the reference ([B, S, H, D] inputs): [dq, dk, dv], and dsink with ``sinks``;
+    compute_dtype=None is PyTorch's own same-dtype attention. ``variants``: softcap, alibi_slopes."""
+    leaves = [t.detach().to(compute_dtype or t.dtype).requires_grad_() for t in (q, k, v)]
+    if sinks is not None:
+        leaves.append(sinks.detach().to(compute_dtype or torch.float32).requires_grad_())
     from triflash.reference import flash_attn_ref
 
-    out, lse = flash_attn_ref(*leaves, causal=causal, softmax_scale=scale, compute_dtype=compute_dtype,
-                              return_lse=True, window_size=window_size)
+    out, lse = flash_attn_ref(*leaves[:3], causal=causal, softmax_scale=scale, compute_dtype=compute_dtype,
+                              return_lse=True, window_size=window_size,
+                              sinks=leaves[3] if sinks is not None else None, **variants)
     loss = (out * dout.to(out.dtype)).sum()
     if dlse is not None:
         loss = loss + (lse * dlse.to(lse.dtype)).sum()
-    loss.backward()
-    return [t.grad for t in leaves]
+    return list(torch.autograd.grad(loss, leaves))
 
 
-def assert_grads_3x(grads, q, k, v, dout, causal, dtype, dlse=None, scale=None, window_size=(-1, -1)):
-    """The backward's rule (test_backward.py's docstring): dQ, dK and dV each within 3x PyTorch's own
-    same-dtype error against float64, plus a floor relative to the largest reference gradient."""
-    ref = ref_grads(q, k, v, dout, causal, torch.float64, dlse, scale, window_size)
-    same = ref_grads(q, k, v, dout, causal, None, dlse, scale, window_size)
+def assert_grads_3x(grads, q, k, v, dout, causal, dtype, dlse=None, scale=None, window_size=(-1, -1),
+                    **variants):
+    """The backward's rule (test_backward.py's docstring): dQ, dK and dV (and dsink, where ``grads`` has a
+    fourth entry and ``variants`` holds the sinks) each within 3x PyTorch's own same-dtype error against float64, plus a floor relative
+    to the largest reference gradient."""
+    ref = ref_grads(q, k, v, dout, causal, torch.float64, dlse, scale, window_size, **variants)
+    same = ref_grads(q, k, v, dout, causal, None, dlse, scale, window_size, **variants)
     floor = relative(FLOOR[dtype], torch.cat([r.flatten() for r in ref]))
-    for name, g, r, s in zip(("dq", "dk", "dv"), grads, ref, same):
-        assert g is not None and g.shape == r.shape and g.dtype == dtype, name
+    assert len(grads) >= 3, f"{len(grads)} gradients given, expected dq, dk, dv (and dsink)"
+    for name, g, r, s in zip(("dq", "dk", "dv", "dsink"), grads, ref, same):
+        assert g is not None and g.shape == r.shape, name
+        assert name == "dsink" or g.dtype == dtype, (name, g.dtype)
         assert_no_nan(name, g)
         err, base = max_err(g, r), max_err(s, r)
         assert err <= 3 * base + floor, (
@@ -125,3 +130,36 @@ def assert_20_backward_passes_equal(out, leaves):
         again = torch.autograd.grad(out, leaves, dout, retain_graph=True)
         for a, b in zip(first, again):
             assert torch.equal(a, b)
+
+
+def score_variant(name, device, batch, heads):
+    """The keyword arguments of one score-variant case: "softcap", "alibi" ([H] slopes), "alibi2"
+    ([B, H]), "sinks", or "all" (the three together)."""
+    slopes = torch.rand(heads, device=device) * 0.5
+    slopes2 = torch.rand(batch, heads, device=device) * 0.5
+    sinks = torch.randn(heads, device=device) * 2
+    return {"softcap": dict(softcap=3.0), "alibi": dict(alibi_slopes=slopes),
+            "alibi2": dict(alibi_slopes=slopes2), "sinks": dict(sinks=sinks),
+            "all": dict(softcap=5.0, alibi_slopes=slopes2, sinks=sinks)}[name]
+
+
+def cu_seqlens(lengths, device):
+    """[0, l0, l0 + l1, ...] int32: the offsets of packed sequences of these lengths."""
+    return torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32, device=device)
+
+
+def packed_sequences(lengths, heads, head_dim, dtype, device, requires_grad=False):
+    """Packed sequences of (queries, keys) ``lengths``: q [total_q, Hq, D], k, v [total_k, Hkv, D],
+    cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k."""
+    lq, lk = zip(*lengths)
+
+    def randn(total, h):
+        return torch.randn(total, h, head_dim, dtype=dtype, device=device, requires_grad=requires_grad)
+    return (randn(sum(lq), heads[0]), randn(sum(lk), heads[1]), randn(sum(lk), heads[1]),
+            cu_seqlens(lq, device), cu_seqlens(lk, device), max(lq), max(lk))
+
+
+def sequence_slices(cu_q, cu_k):
+    """(slice of q's rows, slice of k's rows) of each packed sequence."""
+    cq, ck = cu_q.tolist(), cu_k.tolist()
+    return [(slice(cq[b], cq[b + 1]), slice(ck[b], ck[b + 1])) for b in range(len(cq) - 1)]

@@ -19,11 +19,12 @@ from helpers import (
     assert_no_nan,
     make_qkv,
     max_err,
+    packed_sequences,
     ref_grads,
     relative,
+    score_variant,
+    sequence_slices,
 )
-from test_variants import _check_backward, _variant
-from test_varlen import _packed, _sequences
 
 import triflash
 from triflash.kernels import backward as B
@@ -141,14 +142,14 @@ def test_atomic_varlen_with_empty_sequences(device, force_kernels, launched):
     """Packed sequences (one without queries, one without keys, Sq > Sk and Sq < Sk), GQA, causal, a
     loss on out and lse: each sequence against its own reference, zeros where a sequence has no scores."""
     lengths = [(17, 17), (0, 9), (70, 45), (5, 0), (40, 71)]
-    q, k, v, cu_q, cu_k, max_q, max_k = _packed(lengths, (4, 2), 32, torch.float16, device, requires_grad=True)
+    q, k, v, cu_q, cu_k, max_q, max_k = packed_sequences(lengths, (4, 2), 32, torch.float16, device, requires_grad=True)
     out, lse = triflash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, causal=True, return_lse=True)
     dout, dlse = torch.randn_like(out), torch.randn_like(lse)
     force_kernels(backward="atomic")
     launched.clear()
     dq, dk, dv = torch.autograd.grad((out, lse), (q, k, v), (dout, dlse))
     assert launched == ATOMIC_RUN
-    for rows, keys in _sequences(cu_q, cu_k):
+    for rows, keys in sequence_slices(cu_q, cu_k):
         if rows.stop == rows.start or keys.stop == keys.start:
             for name, g in (("dq", dq[rows]), ("dk", dk[keys]), ("dv", dv[keys])):
                 assert torch.equal(g, torch.zeros_like(g)), f"{name} of a sequence without scores"
@@ -161,7 +162,7 @@ def test_atomic_score_variants(device, force_kernels, launched):
     """Softcap, [B, H] ALiBi slopes and sinks together, causal with rows that see no key: dq, dk, dv
     and dsink under the 3x rule (test_variants' check)."""
     q, k, v = make_qkv(2, 70, 37, 4, 2, 32, torch.float16, device, requires_grad=True)
-    kwargs = _variant("all", device)
+    kwargs = score_variant("all", device, 2, 4)
     sinks = kwargs.pop("sinks").requires_grad_()
     out, lse = triflash.flash_attn_func(q, k, v, causal=True, return_lse=True, sinks=sinks, **kwargs)
     dout, dlse = torch.randn_like(out), torch.randn_like(lse)
@@ -169,7 +170,7 @@ def test_atomic_score_variants(device, force_kernels, launched):
     launched.clear()
     grads = torch.autograd.grad((out, lse), (q, k, v, sinks), (dout, dlse))
     assert launched == ["_bwd_preprocess_kernel+zero_dq", "_sink_grad_kernel"] + ATOMIC_RUN[1:]
-    _check_backward(grads, q, k, v, dout, dlse, causal=True, sinks=sinks, **kwargs)
+    assert_grads_3x(grads, q, k, v, dout, True, torch.float16, dlse, sinks=sinks, **kwargs)
 
 
 @pytest.mark.parametrize("wanted", ["dq", "dkdv"])

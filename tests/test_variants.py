@@ -14,11 +14,13 @@ from helpers import (
     FLOOR,
     LSE_FLOOR,
     assert_2x_rule,
-    assert_no_nan,
+    assert_grads_3x,
     assert_raises_naming,
     make_qkv,
     max_err,
+    ref_grads,
     relative,
+    score_variant,
 )
 
 import triflash
@@ -28,14 +30,7 @@ HEADS_Q, HEADS_KV = 4, 2
 
 
 def _variant(name, device, batch=2, heads=HEADS_Q):
-    """The keyword arguments of one variant case: "softcap", "alibi" ([H] slopes), "alibi2" ([B, H]),
-    "sinks", or "all" (the three together)."""
-    slopes = torch.rand(heads, device=device) * 0.5
-    slopes2 = torch.rand(batch, heads, device=device) * 0.5
-    sinks = torch.randn(heads, device=device) * 2
-    return {"softcap": dict(softcap=3.0), "alibi": dict(alibi_slopes=slopes),
-            "alibi2": dict(alibi_slopes=slopes2), "sinks": dict(sinks=sinks),
-            "all": dict(softcap=5.0, alibi_slopes=slopes2, sinks=sinks)}[name]
+    return score_variant(name, device, batch, heads)
 
 
 def _check_forward(out, lse, q, k, v, **kwargs):
@@ -45,29 +40,9 @@ def _check_forward(out, lse, q, k, v, **kwargs):
     assert_2x_rule("lse", lse, ref_lse, same_lse, q.dtype, LSE_FLOOR, relative_floor=True)
 
 
-def _ref_grads(q, k, v, dout, dlse, compute_dtype, sinks=None, **kwargs):
-    leaves = [t.detach().to(compute_dtype or t.dtype).requires_grad_() for t in (q, k, v)]
-    sink_leaf = None
-    if sinks is not None:
-        sink_leaf = sinks.detach().to(compute_dtype or torch.float32).requires_grad_()
-        leaves.append(sink_leaf)
-    out, lse = flash_attn_ref(*leaves[:3], compute_dtype=compute_dtype, return_lse=True, sinks=sink_leaf, **kwargs)
-    loss = (out * dout.to(out.dtype)).sum() + (lse * dlse.to(lse.dtype)).sum()
-    return torch.autograd.grad(loss, leaves)
-
-
-def _check_backward(grads, q, k, v, dout, dlse, **kwargs):
-    """dq, dk, dv (and dsink) within 3x PyTorch's own same-dtype error against float64, plus a floor
-    relative to the largest reference gradient (helpers.assert_grads_3x's rule)."""
-    ref = _ref_grads(q, k, v, dout, dlse, torch.float64, **kwargs)
-    same = _ref_grads(q, k, v, dout, dlse, None, **kwargs)
-    floor = relative(FLOOR[q.dtype], torch.cat([r.flatten() for r in ref]))
-    for name, g, r, s in zip(("dq", "dk", "dv", "dsink"), grads, ref, same):
-        assert g is not None and g.shape == r.shape, name
-        assert_no_nan(name, g)
-        err, base = max_err(g, r), max_err(s, r)
-        assert err <= 3 * base + floor, (
-            f"{name}: max error {err:.3e} > 3 x PyTorch same-dtype error {base:.3e} + floor {floor:.1e}")
+def _check_backward(grads, q, k, v, dout, dlse, causal=False, window_size=(-1, -1), **variants):
+    """dq, dk, dv (and dsink) under helpers.assert_grads_3x's rule."""
+    assert_grads_3x(grads, q, k, v, dout, causal, q.dtype, dlse, None, window_size, **variants)
 
 
 # (Sq, Sk, causal, window): plain, causal with Sq < Sk, causal with Sq > Sk (rows that see no key),
@@ -115,7 +90,7 @@ def test_rows_that_see_no_key(device):
     assert torch.equal(lse[:, :, empty], sinks.detach()[None, :, None].expand(1, HEADS_Q, 32))
     dlse = torch.randn_like(lse)
     dsink, = torch.autograd.grad(lse, sinks, dlse)
-    ref = _ref_grads(q, k, v, torch.zeros_like(out), dlse, torch.float64, sinks=sinks, causal=True, softcap=2.0)
+    ref = ref_grads(q, k, v, torch.zeros_like(out), True, torch.float64, dlse, sinks=sinks, softcap=2.0)
     assert max_err(dsink, ref[3]) <= 1e-5 * max(1.0, ref[3].abs().max().item())
 
     no_keys = k[:, :0], v[:, :0]
@@ -174,11 +149,11 @@ def test_variants_on_packed_sequences(device):
         seq = dict(kwargs, alibi_slopes=kwargs["alibi_slopes"][b:b + 1])
         qb, kb, vb = q[None, rows], k[None, keys], v[None, keys]
         _check_forward(out[None, rows], lse[None, :, rows], qb, kb, vb, causal=True, sinks=sinks, **seq)
-        ref = _ref_grads(qb, kb, vb, dout[None, rows], dlse[None, :, rows], torch.float64, sinks=sinks,
-                         causal=True, **seq)
+        ref = ref_grads(qb, kb, vb, dout[None, rows], True, torch.float64, dlse[None, :, rows], sinks=sinks,
+                        **seq)
         dsink_ref += ref[3]
-        dsink_same += _ref_grads(qb, kb, vb, dout[None, rows], dlse[None, :, rows], None, sinks=sinks, causal=True,
-                                 **seq)[3]
+        dsink_same += ref_grads(qb, kb, vb, dout[None, rows], True, None, dlse[None, :, rows], sinks=sinks,
+                                **seq)[3]
         if lk[b]:
             _check_backward((grads[0][None, rows], grads[1][None, keys], grads[2][None, keys]), qb, kb, vb,
                             dout[None, rows], dlse[None, :, rows], causal=True, sinks=sinks, **seq)

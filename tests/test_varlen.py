@@ -17,6 +17,9 @@ from helpers import (
     assert_matches_reference,
     assert_no_nan,
     assert_raises_naming,
+    cu_seqlens,
+    packed_sequences,
+    sequence_slices,
 )
 
 import triflash
@@ -26,26 +29,6 @@ from triflash import api
 LENGTHS = [(17, 17), (0, 9), (130, 100), (1, 1), (5, 0), (40, 71), (64, 64)]
 HEADS = [(4, 4), (4, 2), (4, 1)]
 HEADS_ID = {(4, 4): "mha", (4, 2): "gqa2", (4, 1): "mqa"}
-
-
-def _cu(lengths, device):
-    return torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32, device=device)
-
-
-def _packed(lengths, heads, head_dim, dtype, device, requires_grad=False):
-    """q [total_q, Hq, D], k, v [total_k, Hkv, D], cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k."""
-    lq, lk = zip(*lengths)
-
-    def randn(total, h):
-        return torch.randn(total, h, head_dim, dtype=dtype, device=device, requires_grad=requires_grad)
-    return (randn(sum(lq), heads[0]), randn(sum(lk), heads[1]), randn(sum(lk), heads[1]),
-            _cu(lq, device), _cu(lk, device), max(lq), max(lk))
-
-
-def _sequences(cu_q, cu_k):
-    """(slice of q's rows, slice of k's rows) of each sequence."""
-    cq, ck = cu_q.tolist(), cu_k.tolist()
-    return [(slice(cq[b], cq[b + 1]), slice(ck[b], ck[b + 1])) for b in range(len(cq) - 1)]
 
 
 def _cases():
@@ -62,12 +45,12 @@ def _cases():
 
 @pytest.mark.parametrize("causal,heads,head_dim,dtype", _cases())
 def test_varlen_forward_matches_each_sequence(device, causal, heads, head_dim, dtype):
-    q, k, v, cu_q, cu_k, max_q, max_k = _packed(LENGTHS, heads, head_dim, dtype, device)
+    q, k, v, cu_q, cu_k, max_q, max_k = packed_sequences(LENGTHS, heads, head_dim, dtype, device)
     out, lse = triflash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, causal=causal,
                                                return_lse=True)
     assert out.shape == q.shape and out.dtype == dtype
     assert lse.shape == (heads[0], q.shape[0]) and lse.dtype == torch.float32
-    for rows, keys in _sequences(cu_q, cu_k):
+    for rows, keys in sequence_slices(cu_q, cu_k):
         if rows.stop == rows.start:
             continue
         if keys.stop == keys.start:
@@ -83,14 +66,14 @@ def test_varlen_forward_matches_each_sequence(device, causal, heads, head_dim, d
 def test_varlen_backward_matches_each_sequence(device, causal, heads, head_dim, dtype):
     """Gradients through out and lse (a loss on both), each sequence against its own reference; the
     keys of a sequence with no queries and the queries of one with no keys get zero gradients."""
-    q, k, v, cu_q, cu_k, max_q, max_k = _packed(LENGTHS, heads, head_dim, dtype, device, requires_grad=True)
+    q, k, v, cu_q, cu_k, max_q, max_k = packed_sequences(LENGTHS, heads, head_dim, dtype, device, requires_grad=True)
     out, lse = triflash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, causal=causal,
                                                return_lse=True)
     dout = torch.randn_like(out)
     dlse = torch.randn_like(lse)
     # A row that sees no key has lse = -inf; its dlse has nothing to act on (its p are all 0).
     torch.autograd.backward((out, lse), (dout, dlse))
-    for rows, keys in _sequences(cu_q, cu_k):
+    for rows, keys in sequence_slices(cu_q, cu_k):
         if rows.stop == rows.start or keys.stop == keys.start:
             for name, g in (("dq", q.grad[rows]), ("dk", k.grad[keys]), ("dv", v.grad[keys])):
                 assert torch.equal(g, torch.zeros_like(g)), f"{name} of a sequence without scores"
@@ -103,7 +86,7 @@ def test_varlen_backward_matches_each_sequence(device, causal, heads, head_dim, 
 def test_varlen_reads_strided_inputs_in_place(device):
     """q, k, v unbound from a packed [total, 3, H, D] tensor and a dout sliced out of a wider tensor
     (row stride 4 x 96, read in place) give the same bits as contiguous copies."""
-    cu = _cu([33, 7, 64], device)
+    cu = cu_seqlens([33, 7, 64], device)
     qkv = torch.randn(104, 3, 4, 32, dtype=torch.float16, device=device, requires_grad=True)
     q, k, v = qkv.unbind(1)
     out = triflash.flash_attn_varlen_func(q, k, v, cu, cu, 64, 64, causal=True)
@@ -121,7 +104,7 @@ def test_varlen_reads_strided_inputs_in_place(device):
 def test_varlen_one_sequence_matches_flash_attn_func(device):
     """One sequence packed is a batch of one: the same result as flash_attn_func on it (by the 2x rule:
     on the GPU the dense call may take another kernel)."""
-    q, k, v, cu_q, cu_k, max_q, max_k = _packed([(77, 90)], (4, 2), 64, torch.float16, device)
+    q, k, v, cu_q, cu_k, max_q, max_k = packed_sequences([(77, 90)], (4, 2), 64, torch.float16, device)
     out, lse = triflash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, causal=True,
                                                return_lse=True)
     dense, dense_lse = triflash.flash_attn_func(q[None], k[None], v[None], causal=True, return_lse=True)
@@ -133,7 +116,7 @@ def test_varlen_one_sequence_matches_flash_attn_func(device):
 
 def test_varlen_max_seqlen_may_exceed_the_longest(device):
     """max_seqlen_* only size the launch: larger values give the same bits."""
-    q, k, v, cu_q, cu_k, max_q, max_k = _packed([(20, 30), (9, 4)], (2, 2), 32, torch.float16, device)
+    q, k, v, cu_q, cu_k, max_q, max_k = packed_sequences([(20, 30), (9, 4)], (2, 2), 32, torch.float16, device)
     out = triflash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k)
     wide = triflash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q + 200, max_k + 300)
     assert torch.equal(out, wide)
@@ -141,12 +124,14 @@ def test_varlen_max_seqlen_may_exceed_the_longest(device):
 
 def test_varlen_all_sequences_empty(device):
     """No rows at all, and rows with no keys at all: shapes kept, zeros and -inf, zero gradients."""
-    q, k, v, cu_q, cu_k, _, _ = _packed([(0, 3), (0, 0)], (2, 1), 16, torch.float16, device, requires_grad=True)
+    q, k, v, cu_q, cu_k, _, _ = packed_sequences([(0, 3), (0, 0)], (2, 1), 16, torch.float16, device,
+                                                  requires_grad=True)
     out, lse = triflash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 0, 3, return_lse=True)
     assert out.shape == (0, 2, 16) and lse.shape == (2, 0)
     out.sum().backward()
     assert torch.equal(k.grad, torch.zeros_like(k)) and torch.equal(v.grad, torch.zeros_like(v))
-    q, k, v, cu_q, cu_k, _, _ = _packed([(3, 0), (2, 0)], (2, 1), 16, torch.float16, device, requires_grad=True)
+    q, k, v, cu_q, cu_k, _, _ = packed_sequences([(3, 0), (2, 0)], (2, 1), 16, torch.float16, device,
+                                                  requires_grad=True)
     out, lse = triflash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 3, 0, return_lse=True)
     assert torch.equal(out, torch.zeros_like(out)) and torch.all(lse == float("-inf"))
     out.sum().backward()
@@ -157,7 +142,7 @@ def test_varlen_all_sequences_empty(device):
 def test_varlen_max_seqlen_is_cut_to_the_packed_length(device):
     """A bound far past any sequence (here 2^40, whose grid would pass CUDA's limit) is cut to the
     packed total: the same bits as the exact bound."""
-    q, k, v, cu_q, cu_k, max_q, max_k = _packed([(20, 30), (9, 4)], (2, 2), 32, torch.float16, device)
+    q, k, v, cu_q, cu_k, max_q, max_k = packed_sequences([(20, 30), (9, 4)], (2, 2), 32, torch.float16, device)
     out = triflash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k)
     huge = triflash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 2**40, 2**40)
     assert torch.equal(out, huge)
@@ -166,7 +151,7 @@ def test_varlen_max_seqlen_is_cut_to_the_packed_length(device):
 @pytest.mark.skipif(not ON_GPU, reason="the interpreter runs a grid's programs one after another: only a "
                                          "GPU can tell")
 def test_varlen_backward_is_deterministic(device):
-    q, k, v, cu_q, cu_k, max_q, max_k = _packed([(1000, 1000), (3, 500), (700, 20)], (6, 2), 64,
+    q, k, v, cu_q, cu_k, max_q, max_k = packed_sequences([(1000, 1000), (3, 500), (700, 20)], (6, 2), 64,
                                                 torch.float16, device, requires_grad=True)
     out = triflash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, causal=True)
     assert_20_backward_passes_equal(out, (q, k, v))
@@ -175,7 +160,7 @@ def test_varlen_backward_is_deterministic(device):
 # -- bad input ----------------------------------------------------------------------------------------
 
 def _good(device):
-    return _packed([(5, 6), (3, 2)], (2, 1), 16, torch.float16, device)
+    return packed_sequences([(5, 6), (3, 2)], (2, 1), 16, torch.float16, device)
 
 
 def test_varlen_rejects_bad_offsets(device, monkeypatch):
@@ -260,7 +245,7 @@ BACKEND = "inductor" if ON_GPU else "aot_eager"
 
 def test_varlen_compiles_without_graph_breaks(device):
     torch._dynamo.reset()
-    q, k, v, cu_q, cu_k, max_q, max_k = _packed([(20, 20), (9, 9), (33, 33)], (4, 2), 32, torch.float32,
+    q, k, v, cu_q, cu_k, max_q, max_k = packed_sequences([(20, 20), (9, 9), (33, 33)], (4, 2), 32, torch.float32,
                                                 device, requires_grad=True)
 
     def step(q, k, v):
@@ -286,7 +271,7 @@ def test_varlen_compiles_without_graph_breaks(device):
 def test_varlen_opcheck(device):
     import triflash.autograd  # noqa: F401  (registers torch.ops.triflash.*)
 
-    q, k, v, cu_q, cu_k, max_q, max_k = _packed([(20, 24), (3, 0), (9, 5)], (2, 1), 32, torch.float16, device,
+    q, k, v, cu_q, cu_k, max_q, max_k = packed_sequences([(20, 24), (3, 0), (9, 5)], (2, 1), 32, torch.float16, device,
                                                 requires_grad=True)
     torch.library.opcheck(torch.ops.triflash.varlen_fwd.default, (q, k, v, cu_q, cu_k, max_q, max_k, 0.2, True))
     out, lse = torch.ops.triflash.varlen_fwd(q.detach(), k.detach(), v.detach(), cu_q, cu_k, max_q, max_k, 0.2,
