@@ -106,9 +106,9 @@ def ref_grads(q, k, v, dout, causal, compute_dtype, dlse=None, scale=None, windo
 
 def assert_grads_3x(grads, q, k, v, dout, causal, dtype, dlse=None, scale=None, window_size=(-1, -1),
                     **variants):
-    """The backward's rule (test_backward.py's docstring): dQ, dK and dV (and dsink, where ``grads`` has a
-    fourth entry and ``variants`` holds the sinks) each within 3x PyTorch's own same-dtype error against float64, plus a floor relative
-    to the largest reference gradient."""
+    """The backward's rule (test_backward.py's docstring): dQ, dK and dV (and dsink, where ``grads`` has
+    a fourth entry and ``variants`` holds the sinks) each within 3x PyTorch's own same-dtype error
+    against float64, plus a floor relative to the largest reference gradient."""
     ref = ref_grads(q, k, v, dout, causal, torch.float64, dlse, scale, window_size, **variants)
     same = ref_grads(q, k, v, dout, causal, None, dlse, scale, window_size, **variants)
     floor = relative(FLOOR[dtype], torch.cat([r.flatten() for r in ref]))

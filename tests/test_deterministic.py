@@ -8,7 +8,7 @@ refused naming the argument.
 
 import pytest
 import torch
-from helpers import assert_raises_naming
+from helpers import assert_raises_naming, packed_sequences
 
 import triflash
 from triflash.kernels import dispatch, launch
@@ -46,8 +46,8 @@ def _dense(device, layout="bshd"):
 
 
 def _packed(device):
-    q, k, v = (torch.randn(40, 2, 16, dtype=F16, device=device, requires_grad=True) for _ in range(3))
-    cu = torch.tensor([0, 17, 40], dtype=torch.int32, device=device)
+    """Two packed sequences of 17 and 23 tokens: q, k, v [40, 2, 16] and their shared offsets."""
+    q, k, v, cu, _, _, _ = packed_sequences([(17, 17), (23, 23)], (2, 2), 16, F16, device, requires_grad=True)
     return q, k, v, cu
 
 

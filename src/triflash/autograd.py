@@ -297,6 +297,7 @@ def _setup_context(ctx, inputs, output):
 # and of varlen_fwd: the index of their gradient.
 _SINKS_INPUT = 10
 _VARLEN_SINKS_INPUT = 13
+_EAGER_SINKS_INPUT = 3          # _EagerAttention's inputs: q, k, v, sinks, call
 
 
 def _save(ctx, q, k, v, out, lse, softmax_scale, causal, bhsd, window_left=-1, window_right=-1, softcap=0.0,
@@ -418,21 +419,17 @@ class _EagerAttention(torch.autograd.Function):
         softmax_scale, causal, bhsd, window_left, window_right, softcap, _, deterministic, entry = ctx.call
         # As PyTorch's own ops: the global switch, read when the backward runs, overrides the argument.
         deterministic = deterministic or torch.are_deterministic_algorithms_enabled()
-        needs = ctx.needs_input_grad
-        need_dq, need_dkdv = needs[0], needs[1] or needs[2]
-        if dout is None:                       # a loss on lse alone
-            dout = torch.zeros_like(out)
-        args = (softmax_scale, causal, bhsd, need_dq, need_dkdv, window_left, window_right, softcap)
-        inputs = (dout, q, k, v, out, lse, dlse, alibi_slopes, sinks)
-        if torch.is_grad_enabled() or _needs_op(q, k, v, alibi_slopes, sinks):
-            # Recorded (create_graph) or watched: through the op (see _gradients).
-            dq, dk, dv, dsink = attn_bwd(*inputs[:7], *args, alibi_slopes, sinks, deterministic)
-        else:
+        watched = torch.is_grad_enabled() or _needs_op(q, k, v, alibi_slopes, sinks)
+
+        def run(dout, need_dq, need_dkdv):
+            args = (softmax_scale, causal, bhsd, need_dq, need_dkdv, window_left, window_right, softcap)
+            inputs = (dout, q, k, v, out, lse, dlse, alibi_slopes, sinks)
+            if watched:                        # recorded (create_graph) or watched: the op (see _gradients)
+                return attn_bwd(*inputs[:7], *args, alibi_slopes, sinks, deterministic)
             sub = None if entry is None else _backward_entry(entry, inputs, need_dq, need_dkdv, deterministic,
                                                             ctx.as_saved)
-            dq, dk, dv, dsink = launch.call(sub, _eager_backward_call, inputs, *args, deterministic)
-        return (dq if need_dq else None, dk if needs[1] else None, dv if needs[2] else None,
-                dsink if needs[3] else None, None)
+            return launch.call(sub, _eager_backward_call, inputs, *args, deterministic)
+        return _input_grads(ctx, dout, out, run, _EAGER_SINKS_INPUT)
 
 
 _EAGER_APPLY = _eager_apply(_EagerAttention)

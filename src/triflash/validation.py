@@ -233,8 +233,6 @@ def check_score_variants(softcap, alibi_slopes, sinks, q: torch.Tensor, batch: i
 def variant_key(softcap, alibi_slopes, sinks):
     """The score variants' part of a call key (None: no key, validate on every call: a tensor that
     is not a plain one, or slopes that require grad, which validation refuses while autograd records)."""
-    if alibi_slopes is None and sinks is None:
-        return (softcap, softcap.__class__, None, None)
     if alibi_slopes is not None and alibi_slopes.requires_grad:
         return None
     return (softcap, softcap.__class__, None if alibi_slopes is None else launch.meta(alibi_slopes),

@@ -710,8 +710,8 @@ def run_varlen(dout, q, k, v, out, lse, sm_scale, causal, dlse, dq, dk, dv,
     """The Triton backward on packed sequences (see ``Varlen``): q / out / dout / dq [total_q, Hq, D],
     k / v / dk / dv [total_k, Hkv, D], lse / dlse [Hq, total_q]; the same per-block work as the
     padded case. dq / dk / dv are those to compute, or None; ``dsink`` ([Hq] float32) is written
-    when ``scores`` has sinks. ``atomic``: where all three are computed, dQ is added by the dK/dV
-    kernel with atomics ([Note: atomic dQ]) instead of computed by the dQ kernel."""
+    when ``scores`` has sinks. ``atomic`` (all three computed): dQ is added by the dK/dV kernel with
+    atomics ([Note: atomic dQ]) instead of computed by the dQ kernel."""
     total_q, heads_q, head_dim = q.shape
     total_k, heads_k, _ = k.shape
     grads = [t for t in (dq, dk, dv) if t is not None]
@@ -725,7 +725,7 @@ def run_varlen(dout, q, k, v, out, lse, sm_scale, causal, dlse, dq, dk, dv,
             return
     dkdv_cfg, dq_cfg = config
     # The packed rows are one batch entry of total_q rows: delta, lse2 and the workspace are per row.
-    dq_accum = dq_accumulator(q[None], total_q) if atomic and dq is not None and dk is not None and total_k else None
+    dq_accum = dq_accumulator(q[None], total_q) if atomic and total_k else None
     delta, lse2 = preprocess(dout[None], out[None], lse[None], dlse[None] if dlse is not None else None,
                              total_q, q.dtype == torch.float32, dq_accum)
     if scores.sinks is not None:

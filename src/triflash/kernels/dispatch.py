@@ -278,11 +278,13 @@ def backward(dout, q, k, v, out, lse, sm_scale: float, causal: bool, *, dlse=Non
         dk = dv = None
     head_dim = q.shape[-1]
     forced = variant or _forced_variant("backward")
+    # dQ by atomics only where all three gradients are wanted (dQ alone: the dQ kernel does less work).
+    portable_atomic = need_dq and need_dkdv and _portable_backward(forced, deterministic) == ATOMIC
     if varlen is not None:
         if config is None:
             config = configs.backward_config(head_dim=head_dim, dtype=q.dtype, device=q.device)
         triton_backward.run_varlen(dout, q, k, v, out, lse, sm_scale, causal, dlse, dq, dk, dv, config, varlen,
-                                   window, scores, dsink, atomic=_portable_backward(forced, deterministic) == ATOMIC)
+                                   window, scores, dsink, atomic=portable_atomic)
         return dq, dk, dv
     batch, seqlen_q, heads_q, _ = q.shape
     seqlen_k = k.shape[1]
@@ -307,8 +309,7 @@ def backward(dout, q, k, v, out, lse, sm_scale: float, causal: bool, *, dlse=Non
 
             if backward_hopper.supported(q, k, v, dout, variant):
                 hopper = variant
-    # dQ by atomics where all three gradients are wanted (dQ alone: the dQ kernel does less work).
-    atomic = hopper is None and need_dq and need_dkdv and _portable_backward(forced, deterministic) == ATOMIC
+    atomic = hopper is None and portable_atomic
     if config is None:
         config = configs.backward_config(head_dim=head_dim, dtype=q.dtype, device=q.device)
     dkdv_cfg, dq_cfg = config
