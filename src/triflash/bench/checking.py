@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..reference import flash_attn_ref
+from ..reference import flash_attn_ref, kvcache_ref
 from .workloads import PAGE_SIZE, Workload, alibi_slopes
 
 SEED = 0
@@ -312,15 +312,9 @@ def make_decode_case(wl: Workload, device) -> DecodeCase:
     v = _randn((wl.batch, s_alloc, wl.heads_kv, wl.head_dim), dtype, device, gen)
     seqlens = torch.full((wl.batch,), wl.seqlen_k, dtype=torch.int32, device=device)
     variants = make_variants(wl, device)
-    ref = decode_reference(q, k, v, wl.seqlen_k, reference_dtype(device), variants)
-    same = decode_reference(q, k, v, wl.seqlen_k, None, variants)
+    kwargs = variants.reference_kwargs() if variants is not None else {}
+    ref = kvcache_ref(q, k, v, cache_seqlens=wl.seqlen_k, compute_dtype=reference_dtype(device), **kwargs)
+    same = kvcache_ref(q, k, v, cache_seqlens=wl.seqlen_k, compute_dtype=None, **kwargs)
     return DecodeCase(wl, q, k, v, seqlens, [expected("out", ref, same, dtype)], variants)
 
 
-def decode_reference(q, k_cache, v_cache, context: int, compute_dtype,
-                     variants: ScoreVariants | None = None) -> torch.Tensor:
-    """Reference decode output [B, 1, Hq, D], one sequence at a time to bound memory."""
-    kwargs = variants.reference_kwargs() if variants is not None else {}
-    return torch.cat([flash_attn_ref(q[b:b + 1], k_cache[b:b + 1, :context], v_cache[b:b + 1, :context],
-                                     compute_dtype=compute_dtype, **kwargs)
-                      for b in range(q.shape[0])])

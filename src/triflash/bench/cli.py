@@ -288,11 +288,15 @@ def _varlen(text: str) -> tuple[int, ...]:
 
 
 def _softcap(text: str) -> float:
+    """--softcap X: what flash_attn_func accepts (validation.check_softcap), and not 0 (no capping:
+    leave the flag out)."""
+    from ..validation import check_softcap
+
     try:
-        value = float(text)
-    except ValueError:
-        value = float("nan")
-    if not value > 0 or value == float("inf"):
+        value = check_softcap(float(text))
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {text!r} ({exc})") from None
+    if value == 0:
         raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {text!r}")
     return value
 
