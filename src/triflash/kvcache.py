@@ -32,11 +32,12 @@ from .validation import (
     check_window,
     require_bool,
     require_float_dtype,
+    require_int,
     require_like_q,
+    require_qkv,
     require_rank,
     require_same_device,
     require_tensor,
-    type_name,
     variant_key,
     window_key,
 )
@@ -284,24 +285,11 @@ def _validate(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_sca
               return_lse, window_size, softcap=0.0, alibi_slopes=None, sinks=None) -> _Checked:
     """Every check of flash_attn_with_kvcache that its arguments' metadata decides (not the values
     in cache_seqlens and block_table). Raises TypeError / ValueError naming the argument."""
-    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
-        require_tensor(name, t)
     paged = block_table is not None
     cache_doc = _PAGED_DOC if paged else _CACHE_DOC
-    require_rank("q", q, 4, _Q_DOC)
-    require_rank("k_cache", k_cache, 4, cache_doc)
-    require_rank("v_cache", v_cache, 4, cache_doc)
-    require_float_dtype("q", q)
-    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
-        require_like_q(name, t, q)
-    check_device("q", q)
-    require_bool("causal", causal)
+    require_qkv(q, k_cache, v_cache, 4, _Q_DOC, cache_doc, causal, kv_names=("k_cache", "v_cache"))
     require_bool("return_lse", return_lse)
-    if isinstance(num_splits, bool) or not isinstance(num_splits, numbers.Integral):
-        raise TypeError(f"num_splits must be an int, got {type_name(num_splits)}")
-    num_splits = int(num_splits)                  # numpy integers too
-    if num_splits < 0:
-        raise ValueError(f"num_splits must be >= 0 (0 = choose automatically), got {num_splits}")
+    num_splits = require_int("num_splits", num_splits, 0)          # 0: choose automatically
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         _require_no_grad(name, t)
 

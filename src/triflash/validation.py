@@ -120,15 +120,17 @@ def check_scale(softmax_scale, name: str, head_dim: int) -> float:
     return scale
 
 
-def require_qkv(q, k, v, rank: int, q_doc: str, kv_doc: str, causal) -> None:
+def require_qkv(q, k, v, rank: int, q_doc: str, kv_doc: str, causal, kv_names=("k", "v")) -> None:
     """The checks every attention entry point starts with: tensors of ``rank`` dims, q's dtype one
-    triflash computes, k and v like q, a device that runs the kernels, causal a bool."""
-    for name, t in (("q", q), ("k", k), ("v", v)):
+    triflash computes, k and v like q, a device that runs the kernels, causal a bool. ``kv_names``:
+    what the caller calls k and v (k_cache, v_cache for the decode)."""
+    (k_name, v_name) = kv_names
+    for name, t in (("q", q), (k_name, k), (v_name, v)):
         require_tensor(name, t)
-    for name, t, doc in (("q", q, q_doc), ("k", k, kv_doc), ("v", v, kv_doc)):
+    for name, t, doc in (("q", q, q_doc), (k_name, k, kv_doc), (v_name, v, kv_doc)):
         require_rank(name, t, rank, doc)
     require_float_dtype("q", q)
-    for name, t in (("k", k), ("v", v)):
+    for name, t in ((k_name, k), (v_name, v)):
         require_like_q(name, t, q)
     check_device("q", q)
     require_bool("causal", causal)
