@@ -287,6 +287,8 @@ def test_mask_builder_answers():
     assert build(**other)._triflash_reason == "mask pattern"
     chunked = dict(causal, mask_function=mu.and_masks(mu.causal_mask_function, lambda b, h, q, k: k >= 2))
     assert build(**chunked)._triflash_reason == "mask pattern"
+    short = dict(causal, kv_length=4)                    # 6 queries, 4 keys in the layer's range
+    assert build(**short)._triflash_reason == "queries past the keys"
     # a static cache: 10 slots, 6 tokens so far (decoding the 6th): the 4 unused slots are cut off
     static = dict(batch_size=2, kv_length=10, mask_function=mu.causal_mask_function, **_queries(1, 5))
     assert build(**static).shape == (2, 6)

@@ -243,7 +243,8 @@ def transformers_attention(module, query, key, value, attention_mask, dropout=0.
     triflash's dsink) run on triflash too. Returns (out [B, Sq, Hq, D], None): no attention weights.
 
     Runs in PyTorch instead (counted in ``TRANSFORMERS_COUNTS["reasons"]``) for what triflash does not
-    compute yet: ``"dropout"`` (attention dropout > 0 in training), and a 4-D mask: ``"mask pattern"`` (not causal /
+    compute yet: ``"dropout"`` (attention dropout > 0 in training), and a 4-D mask: ``"queries past the keys"``
+    (more queries than keys in the layer's range), ``"mask pattern"`` (not causal /
     sliding-window causal / bidirectional), ``"padding with gaps"`` (neither left nor right padding),
     ``"4-D mask from the caller"``. Inputs triflash refuses (a float64 model, a CPU tensor outside the
     interpreter, head dim > 256) raise its usual error, naming the argument.
@@ -441,7 +442,7 @@ def _transformers_mask(batch_size, kv_length, kv_offset=0, mask_function=None, a
     # Keys past the last query are unused cache slots (a static cache's): not part of the sequence.
     n_keys = min(kv_length, int(q_offset) + q_length - kv_offset)
     if n_keys < q_length:
-        return sdpa_mask("mask pattern")
+        return sdpa_mask("queries past the keys")
     if attention_mask is None:
         if n_keys == kv_length:
             return None
