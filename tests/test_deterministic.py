@@ -101,11 +101,14 @@ def test_through_the_custom_op(device, seen, global_switch):
     assert seen == [True]
 
 
-def test_plans_of_the_two_paths_are_kept_apart(device, global_switch):
+def test_plans_of_the_two_paths_are_kept_apart(device, global_switch, monkeypatch):
     """One call shape, its backward run both ways through call plans: each equals its own path's plain
     run, and the forward's entry keys a backward plan per path (a plan recorded deterministic never
-    replays for a call that may take atomics, nor the reverse)."""
+    replays for a call that may take atomics, nor the reverse). With dispatch.ATOMIC_BY_DEFAULT on,
+    so that the two paths run different kernels."""
     from triflash import api
+
+    monkeypatch.setattr(dispatch, "ATOMIC_BY_DEFAULT", True)
 
     launch.clear_plans()
     q, k, v = _dense(device)

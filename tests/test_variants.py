@@ -1,10 +1,10 @@
 """Score variants: logit soft-capping (``softcap``), ALiBi (``alibi_slopes``) and attention sinks
 (``sinks``) in flash_attn_func, attention, flash_attn_varlen_func and flash_attn_with_kvcache, forward
 and backward, against the float64 reference with the same variants (helpers' 2x / 3x rules; dsink
-against autograd through the reference). They run on the portable Triton kernels on every GPU
-([Note: score variants] in kernels/common.py). The matrix crosses each variant, and all three
-together, with causal, windows, GQA, Sq != Sk, rows that see no key and the three dtypes; the
-interpreter's tiles (64 x 32) are crossed by these sizes."""
+against autograd through the reference). They run on the portable Triton kernels on every GPU and, on
+sm_90, the forward on the Gluon kernels too ([Note: score variants] in kernels/common.py). The matrix
+crosses each variant, and all three together, with causal, windows, GQA, Sq != Sk, rows that see no key
+and the three dtypes; the interpreter's tiles (64 x 32) are crossed by these sizes."""
 
 import pytest
 import torch
@@ -77,6 +77,54 @@ def test_variant_forward_and_backward(device, name, seqlen_q, seqlen_k, causal, 
     leaves = (q, k, v) if sinks is None else (q, k, v, sinks)
     grads = torch.autograd.grad((out, lse), leaves, (dout, dlse))
     _check_backward(grads, q, k, v, dout, dlse, causal=causal, window_size=window, sinks=sinks, **kwargs)
+
+
+# On sm_90 at head dims 64 and 128 (fp16/bf16) the forward's Gluon kernels take the variants too
+# (sm90_common.Scores, fold_sink): every variant the chooser can take, each forced, on each score
+# variant, with rows that see no key (Sq > Sk causal), Sq < Sk, one query row, and tiles crossed by
+# the lengths; the backward (Triton kernels) then runs on the Gluon forward's LSE.
+HOPPER = ON_GPU and torch.cuda.get_device_capability() == (9, 0)
+HOPPER_SHAPES = [(300, 700, True), (700, 300, True), (333, 333, False), (1, 500, False)]
+
+
+def _hopper_cases():
+    from triflash.kernels import configs, dispatch
+
+    cases = []
+    for head_dim, dtype in ((64, torch.float16), (64, torch.bfloat16), (128, torch.float16), (128, torch.bfloat16)):
+        if not (HOPPER and configs.gluon_hopper_applies(head_dim=head_dim, dtype=dtype, device="cuda")):
+            continue
+        for gluon in dispatch.forward_candidates(head_dim, dtype):
+            for name in VARIANTS:
+                for sq, sk, causal in HOPPER_SHAPES:
+                    cases.append(pytest.param(gluon, name, sq, sk, causal, head_dim, dtype,
+                                              id=f"{gluon}-{name}-Sq{sq}-Sk{sk}-{'causal' if causal else 'full'}"
+                                                 f"-D{head_dim}-{DTYPE_ID[dtype]}"))
+    return cases or [pytest.param(*[None] * 7, marks=pytest.mark.skip(reason="needs an sm_90 GPU (Gluon kernels)"))]
+
+
+@pytest.mark.parametrize("gluon,name,seqlen_q,seqlen_k,causal,head_dim,dtype", _hopper_cases())
+def test_hopper_forward_with_variants(device, force_kernels, monkeypatch, gluon, name, seqlen_q, seqlen_k, causal,
+                                      head_dim, dtype):
+    from triflash.kernels import forward_hopper
+
+    taken = []
+    real = forward_hopper.forward_hopper
+    monkeypatch.setattr(forward_hopper, "forward_hopper",
+                        lambda *a, **kw: taken.append(kw["variant"]) or real(*a, **kw))
+    force_kernels(forward=gluon)
+    q, k, v = make_qkv(2, seqlen_q, seqlen_k, HEADS_Q, HEADS_KV, head_dim, dtype, device, requires_grad=True)
+    kwargs = _variant(name, device)
+    sinks = kwargs.pop("sinks", None)
+    if sinks is not None:
+        sinks.requires_grad_()
+    out, lse = triflash.flash_attn_func(q, k, v, causal=causal, return_lse=True, sinks=sinks, **kwargs)
+    assert taken == [gluon]
+    _check_forward(out, lse, q, k, v, causal=causal, sinks=sinks, **kwargs)
+    dout, dlse = torch.randn_like(out), torch.randn_like(lse)
+    leaves = (q, k, v) if sinks is None else (q, k, v, sinks)
+    grads = torch.autograd.grad((out, lse), leaves, (dout, dlse))
+    _check_backward(grads, q, k, v, dout, dlse, causal=causal, sinks=sinks, **kwargs)
 
 
 def test_rows_that_see_no_key(device):
@@ -163,20 +211,28 @@ def test_variants_on_packed_sequences(device):
     assert max_err(grads[3], dsink_ref) <= 3 * max_err(dsink_same, dsink_ref) + floor
 
 
+def _paged_decode_inputs(device, dtype):
+    """The paged decode test's inputs: 3 sequences of 300 + 2, 0 + 2 and 37 + 2 keys in pages of 16
+    (long enough that three splits each get keys under the GPU's 128-key tiles too)."""
+    batch, page, pages, per_seq = 3, 16, 72, 24
+    k_cache = torch.randn(pages, page, HEADS_KV, 32, dtype=dtype, device=device)
+    v_cache = torch.randn(pages, page, HEADS_KV, 32, dtype=dtype, device=device)
+    block_table = torch.randperm(pages, device=device)[:batch * per_seq].reshape(batch, per_seq).to(torch.int32)
+    cache_seqlens = torch.tensor([300, 0, 37], dtype=torch.int32, device=device)
+    q = torch.randn(batch, 2, HEADS_Q, 32, dtype=dtype, device=device)
+    k_new = torch.randn(batch, 2, HEADS_KV, 32, dtype=dtype, device=device)
+    v_new = torch.randn(batch, 2, HEADS_KV, 32, dtype=dtype, device=device)
+    return q, k_cache, v_cache, k_new, v_new, cache_seqlens, block_table
+
+
 @pytest.mark.parametrize("num_splits", [1, 3])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
 def test_variants_in_paged_decode(device, dtype, num_splits):
     """flash_attn_with_kvcache over a paged cache with an append, causal, every variant at once:
     against the reference, with one split (the sink in the kernel) and three (the sink in the merge,
     once). A sequence of length 0 gets out 0 and lse = sink."""
-    batch, page, pages = 3, 16, 24
-    k_cache = torch.randn(pages, page, HEADS_KV, 32, dtype=dtype, device=device)
-    v_cache = torch.randn(pages, page, HEADS_KV, 32, dtype=dtype, device=device)
-    block_table = torch.randperm(pages, device=device)[:batch * 8].reshape(batch, 8).to(torch.int32)
-    cache_seqlens = torch.tensor([100, 0, 37], dtype=torch.int32, device=device)
-    q = torch.randn(batch, 2, HEADS_Q, 32, dtype=dtype, device=device)
-    k_new = torch.randn(batch, 2, HEADS_KV, 32, dtype=dtype, device=device)
-    v_new = torch.randn(batch, 2, HEADS_KV, 32, dtype=dtype, device=device)
+    batch = 3
+    q, k_cache, v_cache, k_new, v_new, cache_seqlens, block_table = _paged_decode_inputs(device, dtype)
     kwargs = _variant("all", device, batch=batch)
     ref_args = (q, k_cache.clone(), v_cache.clone(), k_new, v_new, cache_seqlens, block_table)
     out, lse = triflash.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens, block_table,
@@ -192,7 +248,8 @@ def test_variants_in_paged_decode(device, dtype, num_splits):
 
 
 def test_split_count_of_the_decode_check(device, monkeypatch):
-    """The decode test's three splits are three (the merge then adds the sink)."""
+    """The paged decode test's num_splits=3 gives three splits (the decode lowers a count to what its
+    longest sequence fills), so the merge, not the kernel, adds the sink there."""
     from triflash.kernels import dispatch
 
     seen = []
@@ -203,23 +260,20 @@ def test_split_count_of_the_decode_check(device, monkeypatch):
         return real(*args, **kwargs)
 
     monkeypatch.setattr(dispatch, "merge", merge)
-    k_cache = torch.randn(1, 200, 1, 16, dtype=torch.float16, device=device)
-    q = torch.randn(1, 1, 2, 16, dtype=torch.float16, device=device)
-    triflash.flash_attn_with_kvcache(q, k_cache, k_cache, num_splits=3, sinks=torch.zeros(2, device=device))
+    triflash.flash_attn_with_kvcache(*_paged_decode_inputs(device, torch.float16), causal=True, num_splits=3,
+                                     **_variant("all", device, batch=3))
     assert seen == [(3, True)]
 
 
-def test_a_gluon_variant_given_with_score_variants_is_not_taken(device):
-    """dispatch.forward / backward with a Gluon variant name and a score variant run the Triton
-    kernels (the Hopper kernels have no variants): the same bits as without the variant name."""
+def test_a_gluon_backward_given_with_score_variants_is_not_taken(device):
+    """dispatch.backward with a Gluon variant name and a score variant runs the Triton kernels (the
+    Hopper backward has no variants yet): the same bits as without the variant name."""
     from triflash.kernels.common import ScoreVariant
     from triflash.kernels.dispatch import backward, forward
 
     q, k, v = make_qkv(1, 40, 40, 2, 1, 64, torch.float16, device)
     scores = ScoreVariant(4.0, torch.rand(2, device=device), torch.randn(2, device=device))
     out, lse = forward(q, k, v, 0.125, True, scores=scores)
-    forced, forced_lse = forward(q, k, v, 0.125, True, scores=scores, variant="pp_persist")
-    assert torch.equal(out, forced) and torch.equal(lse, forced_lse)
     dout = torch.randn_like(out)
     ds1, ds2 = torch.empty(2, device=device), torch.empty(2, device=device)
     plain = backward(dout, q, k, v, out, lse, 0.125, True, scores=scores, dsink=ds1)
@@ -374,3 +428,36 @@ def test_backward_with_sinks_needs_its_dsink_tensor():
     lse = torch.zeros(1, 2, 4)
     with pytest.raises(ValueError, match="dsink"):
         dispatch.backward(q, q, q, q, q, lse, 0.25, False, scores=ScoreVariant(sinks=torch.zeros(2)))
+
+
+def test_which_forward_takes_the_variants(device, monkeypatch):
+    """The chooser's rule, with the Hopper kernel stubbed in (any machine): sinks and ALiBi take the
+    Gluon forward where it applies (the variants reach it), softcap the Triton kernel (measured slower
+    on Gluon) unless a Gluon variant is forced."""
+    from triflash.kernels import configs, dispatch, forward_hopper, sm90_common
+    from triflash.kernels.common import ScoreVariant
+
+    taken = []
+
+    def stub(q, k, v, sm_scale, causal, out=None, *, variant, scores):
+        taken.append((variant, scores))
+        return out, torch.zeros(q.shape[0], q.shape[2], q.shape[1], device=q.device)
+
+    monkeypatch.setattr(configs, "gluon_hopper_applies", lambda *, head_dim, dtype, device: True)
+    monkeypatch.setattr(sm90_common, "tma_supported", lambda *tensors: True)
+    monkeypatch.setattr(forward_hopper, "forward_hopper", stub)
+    q, k, v = make_qkv(1, 40, 40, 2, 1, 128, torch.float16, device)     # head dim 128: a Gluon pick
+    slopes, sinks = torch.rand(2, device=device), torch.randn(2, device=device)
+    for scores in (ScoreVariant(0.0, slopes), ScoreVariant(0.0, None, sinks), ScoreVariant(0.0, slopes, sinks)):
+        taken.clear()
+        dispatch.forward(q, k, v, 0.125, True, scores=scores)
+        assert len(taken) == 1 and taken[0][1] is scores
+    taken.clear()
+    capped = ScoreVariant(4.0, slopes, sinks)
+    out, lse = dispatch.forward(q, k, v, 0.125, True, scores=capped)
+    assert taken == []
+    ref, ref_lse = flash_attn_ref(q, k, v, causal=True, softmax_scale=0.125, return_lse=True, softcap=4.0,
+                                  alibi_slopes=slopes, sinks=sinks)
+    assert max_err(out, ref) < 1e-2 and max_err(lse, ref_lse) < 1e-3
+    dispatch.forward(q, k, v, 0.125, True, scores=capped, variant="pp_persist")
+    assert taken == [("pp_persist", capped)]

@@ -18,13 +18,14 @@ Kernel families:
 
 ``variant`` arguments force a family: ``"triton"`` the portable kernels, a Gluon variant name that
 variant (where its inputs allow it), None the rules below. The backward also takes ``"atomic"``: the
-portable kernels with dQ accumulated by atomics (fast, not deterministic), on every input the portable
+portable kernels with dQ accumulated by atomics (not deterministic), on every input the portable
 kernels take.
 
-Score variants (``scores``: softcap, ALiBi, attention sinks; [Note: score variants] in common.py) run
-on the portable Triton kernels only: a call that uses any of them never takes a Gluon kernel, whatever
-``variant`` or ``force()`` says (the Hopper kernels do not have them yet). ``force()`` does the same for calls made
-through the public functions (tests and benchmarks), without replacing any function.
+Score variants (``scores``: softcap, ALiBi, attention sinks; [Note: score variants] in common.py) run on
+the Gluon forward where it applies (softcap only when a Gluon variant is forced: slower there), and
+elsewhere (the backward, decode) on the portable Triton kernels: there a call that uses any of them
+never takes a Gluon kernel, whatever ``variant`` or ``force()`` says. ``force()`` makes the choice for
+calls made through the public functions (tests and benchmarks), without replacing any function.
 The measurements behind each rule: docs/performance.md and docs/performance-notes.md.
 """
 
@@ -165,8 +166,8 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float, 
     1 (the [B, H, S, D] API passes a transposed one). ``varlen``: packed sequences, q / out
     [total_q, Hq, D], k / v [total_k, Hkv, D], lse [Hq, total_q]. ``window``: (left, right), -1 for
     no bound on a side. ``config`` forces the Triton kernel with those tiles; ``variant`` as in the
-    module docstring. Packed sequences, windows and score variants (``scores``) run on the Triton
-    kernel."""
+    module docstring. Packed sequences and windows run on the Triton kernel; score variants
+    (``scores``) on either."""
     _check_backend(q, "forward")
     max_q, max_k = (varlen.max_seqlen_q, varlen.max_seqlen_k) if varlen is not None else (q.shape[1], k.shape[1])
     causal, window = window_bounds(window, causal, max_q, max_k)
@@ -187,14 +188,18 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float, 
             out.zero_()                   # no key at all: every row is empty by definition
             scores.fill_empty_lse(lse)
         return out, lse
-    if config is None and window is None and not scores.any:
-        variant = variant or _forced_variant("forward") or forward_variant(
-            head_dim=head_dim, dtype=q.dtype, device=q.device, causal=causal, seqlen_q=seqlen_q, seqlen_k=seqlen_k)
+    if config is None and window is None:
+        # Softcap: the Triton kernel unless a Gluon variant is forced. The Gluon kernels' tanh (libdevice,
+        # as the Triton kernel's and the backward's) made them 1.25-2x slower than the Triton kernel on the
+        # H100; sinks and ALiBi pay there (docs/performance.md#score-variants-on-hopper).
+        variant = variant or _forced_variant("forward") or (TRITON if scores.softcap > 0 else forward_variant(
+            head_dim=head_dim, dtype=q.dtype, device=q.device, causal=causal, seqlen_q=seqlen_q, seqlen_k=seqlen_k))
         if variant != TRITON and configs.gluon_hopper_applies(head_dim=head_dim, dtype=q.dtype, device=q.device):
             from . import forward_hopper, sm90_common
 
             if sm90_common.tma_supported(q, k, v, out):
-                return forward_hopper.forward_hopper(q, k, v, sm_scale, causal, out=out, variant=variant)
+                return forward_hopper.forward_hopper(q, k, v, sm_scale, causal, out=out, variant=variant,
+                                                     scores=scores)
     if config is None:
         config = configs.forward_config(head_dim=head_dim, dtype=q.dtype, causal=causal,
                                         batch_heads=batch * heads_q, seqlen_q=seqlen_q, device=q.device)
@@ -209,6 +214,12 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float, 
 HOPPER_BACKWARD_VARIANTS = {64: ("dkdv", "dkdv_long"), 128: ("dkdv",)}
 # At head dim 64 dQ comes from the Gluon dQ kernel (``dkdv_long``) from this many keys.
 GLUON_DQ_MIN_KEYS_D64 = 4096
+# Whether ``deterministic=False`` takes the atomic dQ kernels where the portable kernels run: not
+# yet. On the H100 they were 1.25-1.45x slower than the deterministic Triton kernels at every timed
+# shape, and 1.7-1.9x slower than the Gluon ones (docs/performance.md#the-atomic-dq-backward), so
+# ``deterministic=False`` permits them but the choosers keep the faster, deterministic kernels.
+# ``variant="atomic"`` / ``force(backward="atomic")`` still run them.
+ATOMIC_BY_DEFAULT = False
 
 
 def backward_candidates(head_dim: int) -> tuple[str, ...]:
@@ -221,15 +232,11 @@ def backward_variant(*, head_dim: int, dtype, device, causal: bool, seqlen_q: in
     """The backward's kernels: a Gluon variant, ``"triton"`` or ``"atomic"``. ``dkdv`` (dK and dV on the
     Gluon kernel; dQ on the Gluon dQ kernel at head dim 128, on the Triton one at 64) at head dims 64
     and 128; at 64 from ``GLUON_DQ_MIN_KEYS_D64`` keys ``dkdv_long`` (dQ on the Gluon kernel too).
-    Elsewhere the Triton kernels: ``"atomic"`` unless ``deterministic``. Measurements:
-    docs/performance-notes.md#backward."""
+    Elsewhere the Triton kernels (``_portable_backward``). Measurements: docs/performance.md."""
     if not configs.gluon_hopper_applies(head_dim=head_dim, dtype=dtype, device=device):
-        return TRITON if deterministic else ATOMIC
-    # Hopper (sm_90, fp16/bf16, head dim 64/128): the Gluon kernels, which are deterministic, whatever
-    # ``deterministic`` says. MEASUREMENT OWED (issue 27): the Gluon backward (dkdv / dkdv_long) against
-    # ``"atomic"`` on H100 and H200, fp16/bf16, head dims 64 and 128, causal and not, 1k-16k keys
-    # (``force(backward="atomic")``); where the atomic path is faster, return ATOMIC here when
-    # not deterministic.
+        return _portable_backward(None, deterministic)
+    # Hopper (sm_90, fp16/bf16, head dim 64/128): the Gluon kernels, deterministic and on the H100
+    # 1.7-1.9x faster than the atomic Triton ones, whatever ``deterministic`` says.
     if head_dim == 64 and seqlen_k >= GLUON_DQ_MIN_KEYS_D64:
         return "dkdv_long"
     return "dkdv"
@@ -238,10 +245,11 @@ def backward_variant(*, head_dim: int, dtype, device, causal: bool, seqlen_q: in
 def _portable_backward(variant: str | None, deterministic: bool) -> str:
     """``"triton"`` or ``"atomic"`` for a call that runs on the portable kernels (packed sequences,
     windows, score variants, explicit configs, or a Gluon variant its inputs do not allow): a forced
-    ``"atomic"`` or ``"triton"`` as given, else ``deterministic`` decides (the Gluon variants are
-    deterministic: one forced that cannot run falls back to ``"triton"``)."""
+    ``"atomic"`` or ``"triton"`` as given, else ``"triton"``, or ``"atomic"`` where ``deterministic``
+    is False and ``ATOMIC_BY_DEFAULT`` (the Gluon variants are deterministic: one forced that cannot
+    run falls back to ``"triton"``)."""
     if variant is None:
-        return TRITON if deterministic else ATOMIC
+        return ATOMIC if ATOMIC_BY_DEFAULT and not deterministic else TRITON
     return ATOMIC if variant == ATOMIC else TRITON
 
 
@@ -258,7 +266,8 @@ def backward(dout, q, k, v, out, lse, sm_scale: float, causal: bool, *, dlse=Non
     (a dK/dV-only Gluon variant takes dQ from the Gluon dQ kernel where
     ``backward_hopper.dq_on_gluon`` says so, else from the Triton one; ``"atomic"`` the Triton
     kernels with dQ added by the dK/dV kernel through atomics). ``deterministic=False`` lets the
-    choice take ``"atomic"`` (``backward_variant``; a forced variant wins). ``varlen``: packed
+    choice take ``"atomic"`` where ``ATOMIC_BY_DEFAULT`` says it pays (nowhere yet; a forced variant
+    wins). ``varlen``: packed
     sequences (q / out / dout [total_q, Hq, D], k / v [total_k, Hkv, D], lse / dlse [Hq, total_q]);
     ``window`` as the forward's. Both run on the Triton kernels, as do score variants (``scores``,
     the forward's); with sinks, their gradient [Hq] float32 is written into ``dsink`` (allocated

@@ -39,7 +39,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from . import launch
-from .common import LOG2E, on_input_device
+from .common import LOG2E, ScoreVariant, on_input_device
+from .common import PLAIN as NO_SCORES
 from .configs import cdiv, sm_count
 from .sm90_common import (
     PAIRED,
@@ -49,11 +50,13 @@ from .sm90_common import (
     SMEM,
     SNAKE,
     Ring,
+    ScoreArgs,
     Tiles,
     aggregate,
     constexprs,
     descriptor,
     finish_rows,
+    fold_sink,
     release,
     row_limits,
     softmax,
@@ -168,8 +171,9 @@ class FwdConfig:
 
 @aggregate
 class FwdIO:
-    """The tensors a launch reads and writes (Q, K, V, O through TMA descriptors, the LSE by pointer)
-    and the softmax scales."""
+    """The tensors a launch reads and writes (Q, K, V, O through TMA descriptors, the LSE by pointer),
+    the softmax scales (the online softmax's qk_scale and the epilogue's sm_scale: the units of the
+    running max) and the score variants (``scores``)."""
     q_desc: tma.tensor_descriptor
     k_desc: tma.tensor_descriptor
     v_desc: tma.tensor_descriptor
@@ -177,11 +181,12 @@ class FwdIO:
     LSE: gl.tensor
     sm_scale: gl.tensor
     qk_scale: gl.tensor
+    scores: ScoreArgs
 
     @gluon.constexpr_function
-    def __init__(self, q_desc, k_desc, v_desc, o_desc, LSE, sm_scale, qk_scale):
+    def __init__(self, q_desc, k_desc, v_desc, o_desc, LSE, sm_scale, qk_scale, scores):
         self.q_desc, self.k_desc, self.v_desc, self.o_desc = q_desc, k_desc, v_desc, o_desc
-        self.LSE, self.sm_scale, self.qk_scale = LSE, sm_scale, qk_scale
+        self.LSE, self.sm_scale, self.qk_scale, self.scores = LSE, sm_scale, qk_scale, scores
 
 
 @aggregate
@@ -327,7 +332,7 @@ def _pv_finish(cfg, o_tok, l_tok, p, p_l, alpha, v_slot_empty):
 
 @gluon.jit
 def _overlap_step(cfg, sh, WG: gl.constexpr, j, c, t, p, acc, l_acc, m_i, l_i, q_tile, s_zero, col_limit,
-                  cols0, qk_scale, MASK: gl.constexpr):
+                  cols0, qk_scale, mod, MASK: gl.constexpr):
     """One step j > 0 of the split-loop schedule (OVERLAP = 2; K/V tile number c, ping-pong turn t):
     issue S_j = Q K_j^T, then (once V_{j-1} has landed) O += P_{j-1} V_{j-1}; softmax S_j while P V
     runs; wait for it and rescale. Returns (P_j as the wgmma A operand, acc, l_acc, m, l). MASK: S_j
@@ -344,6 +349,7 @@ def _overlap_step(cfg, sh, WG: gl.constexpr, j, c, t, p, acc, l_acc, m_i, l_i, q
     sh.turns.end(WG)
     s = _s_wait(cfg, s_tok, sh.k.empty_bar(st))
     cols = j * cfg.BLOCK_N + cols0
+    s = mod.apply(s, cols)
     p_new, m_i, l_i, alpha = softmax(s, m_i, l_i, col_limit, cols, qk_scale, MASK, not cfg.LTC)
     p_new = to_operand(p_new, cfg.dtype, cfg.p_layout)
     acc, l_acc = _pv_finish(cfg, o_tok, l_tok, p, p_l, alpha, sh.v.empty_bar(pst))
@@ -428,6 +434,7 @@ def _consumer(cfg, WG: gl.constexpr, tiles, io, sh):
             if valid:
                 row0 = start_m + WG * ROWS
                 rows = row0 + gl.arange(0, ROWS, layout=row_layout)             # [ROWS] query positions
+                mod = io.scores.tile(off_b, off_h, rows, causal_offset)         # score variants (else a no-op)
                 # Key blocks [0, n_full) are seen in full by every row of this warpgroup: no mask.
                 n_full, col_limit = row_limits(row0, rows, causal_offset, seqlen_k, ROWS, BLOCK_N, cfg.IS_CAUSAL,
                                                 row_layout)
@@ -456,6 +463,7 @@ def _consumer(cfg, WG: gl.constexpr, tiles, io, sh):
                         sh.turns.end(WG)
                         s = warpgroup_mma_wait(0, deps=(s_tok,))
                         sh.k.release(st, SYNC)
+                        s = mod.apply(s, cols0)
                         if n_full > 0:
                             p, m_i, l_i, alpha = softmax(s, m_i, l_i, col_limit, cols0, qk_scale, False,
                                                           not LTC)
@@ -472,7 +480,7 @@ def _consumer(cfg, WG: gl.constexpr, tiles, io, sh):
                                 for j in range(1 + (n_lo - 1) * masked, n_lo + (n_mine - n_lo) * masked):
                                     p, acc, l_acc, m_i, l_i = _overlap_step(
                                         cfg, sh, WG, j, kv + j, turn + j, p, acc, l_acc, m_i, l_i, q_tile, s_zero,
-                                        col_limit, cols0, qk_scale, masked == 1)
+                                        col_limit, cols0, qk_scale, mod, masked == 1)
                         else:
                             for j in range(1, n_mine):
                                 c = kv + j
@@ -487,6 +495,7 @@ def _consumer(cfg, WG: gl.constexpr, tiles, io, sh):
                                 sh.turns.end(WG)
                                 s = _s_wait(cfg, s_tok, sh.k.empty_bar(st))
                                 cols = j * BLOCK_N + cols0
+                                s = mod.apply(s, cols)
                                 if j < n_full:
                                     p_new, m_i, l_i, alpha = softmax(s, m_i, l_i, col_limit, cols, qk_scale,
                                                                       False, not LTC)
@@ -525,6 +534,7 @@ def _consumer(cfg, WG: gl.constexpr, tiles, io, sh):
                             s = warpgroup_mma_wait(0, deps=(s_tok,))
                             sh.k.release(st, SYNC)
                             cols = j * BLOCK_N + cols0
+                            s = mod.apply(s, cols)
                             if j < n_full:
                                 p, m_i, l_i, alpha = softmax(s, m_i, l_i, col_limit, cols, qk_scale, False)
                             else:
@@ -557,7 +567,10 @@ def _consumer(cfg, WG: gl.constexpr, tiles, io, sh):
                         turn += n_blocks + 1
                     kv += n_blocks
 
-                # -- epilogue: out = acc / l, lse = m * sm_scale + ln(l); empty rows (l = 0): 0 and -inf --
+                # -- epilogue: out = acc / l, lse = m * sm_scale + ln(l); empty rows (l = 0): 0 and -inf
+                # (with a sink: 0 and the sink) --
+                if io.scores.HAS_SINKS:
+                    acc, m_i, l_i = fold_sink(acc, m_i, l_i, io.scores.sink(off_h), io.sm_scale, qk_scale, o_layout)
                 lse, inv_l = finish_rows(m_i, l_i, io.sm_scale, o_layout)
                 out = (acc * inv_l[:, None]).to(dtype)
                 gl.store(io.LSE + pid_bh.to(gl.int64) * seqlen_q + rows, lse, mask=rows < seqlen_q)
@@ -586,10 +599,12 @@ def _attn_fwd_hopper_kernel(
     q_desc, k_desc, v_desc, o_desc, LSE,
     num_heads_q, kv_group_size, seqlen_q, seqlen_k, num_m_blocks, num_items, section,
     sm_scale, qk_scale,
+    score_scale, tanh_scale, softcap, ALIBI_SLOPES, stride_ab, stride_ah, SINKS,   # score variants, else None
     HEAD_DIM: gl.constexpr, ROWS: gl.constexpr, NUM_WG: gl.constexpr, BLOCK_N: gl.constexpr,
     STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr,
     ORDER: gl.constexpr, PRODUCER_REGS_: gl.constexpr, CONSUMER_REGS_: gl.constexpr,
     LTC: gl.constexpr, SKIP: gl.constexpr,
+    SOFTCAP: gl.constexpr = False, ALIBI: gl.constexpr = False, HAS_SINKS: gl.constexpr = False,
 ):
     """A program takes work items pid, pid + grid, ... of num_items; an item is one tile (BLOCK_M =
     ROWS * NUM_WG query rows of one (batch, query head)) or, ORDER == PAIRED, two (``tile_coords``). With
@@ -598,7 +613,9 @@ def _attn_fwd_hopper_kernel(
     cfg = FwdConfig(HEAD_DIM, ROWS, NUM_WG, BLOCK_N, STAGES, IS_CAUSAL, OVERLAP, PINGPONG, ORDER, LTC, SKIP, dtype)
     tiles = Tiles(num_items, section, num_m_blocks, num_heads_q, kv_group_size, seqlen_q, seqlen_k,
                   ROWS * NUM_WG, BLOCK_N, IS_CAUSAL, ORDER)
-    io = FwdIO(q_desc, k_desc, v_desc, o_desc, LSE, sm_scale, qk_scale)
+    scores = ScoreArgs(score_scale, tanh_scale, softcap, ALIBI_SLOPES, stride_ab, stride_ah, SINKS, SOFTCAP, ALIBI,
+                       HAS_SINKS)
+    io = FwdIO(q_desc, k_desc, v_desc, o_desc, LSE, sm_scale, qk_scale, scores)
 
     # -- shared memory: query and output tiles, the K/V ring, barriers --
     tile_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
@@ -737,7 +754,7 @@ def snake_section(num_bh: int, num_m_blocks: int, block_m: int, block_n: int, se
 @on_input_device
 def forward_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float, causal: bool,
                    out: torch.Tensor | None = None, *, variant: str, order: str | None = None,
-                   section: int | None = None):
+                   section: int | None = None, scores: ScoreVariant = NO_SCORES):
     """``forward()``'s contract on the Hopper kernel: q [B, Sq, Hq, D], k/v [B, Sk, Hkv, D];
     returns (out [B, Sq, Hq, D] in q's dtype, lse [B, Hq, Sq] float32, natural log). ``out`` may be a
     preallocated strided view. ``variant``: a key of VARIANTS (the forward takes the one
@@ -745,7 +762,8 @@ def forward_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: 
     gives the same result; they differ in how evenly the persistent CTAs share the causal work);
     None lets ``tile_order`` pick. ``section``: (batch, head) pairs per section of ``tile_by_cost`` for
     the causal plain and snake orders (the paired order and non-causal launches do not use it);
-    None: 1 for plain, ``snake_section``'s pick for snake."""
+    None: 1 for plain, ``snake_section``'s pick for snake. ``scores``: softcap, ALiBi and sinks
+    ([Note: score variants] in common.py), validated."""
     if order is not None and (not isinstance(order, str) or order not in ORDERS):
         raise ValueError(f"order must be one of {sorted(ORDERS)} or None; got order={order!r}")
     if section is not None and (not isinstance(section, int) or isinstance(section, bool) or section < 1):
@@ -759,7 +777,7 @@ def forward_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: 
         return out, lse
     if seqlen_k == 0:
         out.zero_()
-        lse.fill_(float("-inf"))
+        scores.fill_empty_lse(lse)
         return out, lse
     cfg = variant_config(variant, head_dim)
     if cfg["ltc"] and q.dtype != torch.float16:
@@ -783,16 +801,22 @@ def forward_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: 
             section = snake_section(batch * heads_q, num_m_blocks, cfg["block_m"], cfg["block_n"],
                                     seqlen_q, seqlen_k, grid, heads_q // heads_k)
     section = min(section, batch * heads_q)
+    # SOFTCAP / ALIBI: the consumers turn the scores into natural units (``Scores.apply``), so the
+    # running max is in natural units: the softmax takes log2(e), the epilogue a scale of 1.
+    natural = scores.softcap > 0 or scores.alibi_slopes is not None
+    tanh_scale, softcap, slopes, stride_ab, stride_ah, sinks = scores.kernel_args(sm_scale)
     launch.run(
         _attn_fwd_hopper_kernel, (grid,),
         q_desc=q_desc, k_desc=k_desc, v_desc=v_desc, o_desc=o_desc, LSE=lse,
         num_heads_q=heads_q, kv_group_size=heads_q // heads_k, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
         num_m_blocks=num_m_blocks, num_items=num_items, section=section,
-        sm_scale=sm_scale, qk_scale=sm_scale * LOG2E,
+        sm_scale=1.0 if natural else sm_scale, qk_scale=LOG2E if natural else sm_scale * LOG2E,
+        score_scale=sm_scale if slopes is not None and softcap is None else None, tanh_scale=tanh_scale,
+        softcap=softcap, ALIBI_SLOPES=slopes, stride_ab=stride_ab, stride_ah=stride_ah, SINKS=sinks,
         HEAD_DIM=head_dim, ROWS=cfg["rows"], NUM_WG=cfg["num_wg"], BLOCK_N=cfg["block_n"],
         STAGES=cfg["stages"], IS_CAUSAL=causal, OVERLAP=cfg["overlap"], PINGPONG=cfg["pingpong"],
         ORDER=ORDERS[order], LTC=cfg["ltc"], SKIP=cfg["skip"] and causal,
-        PRODUCER_REGS_=PRODUCER_REGS, CONSUMER_REGS_=cfg["consumer_regs"],
+        PRODUCER_REGS_=PRODUCER_REGS, CONSUMER_REGS_=cfg["consumer_regs"], **scores.flags(),
         num_warps=cfg["num_warps"], maxnreg=cfg["maxnreg"],
     )
     return out, lse

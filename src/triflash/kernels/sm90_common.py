@@ -13,6 +13,7 @@ import functools
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.extra import libdevice
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTensorDescriptor
 from triton.language.core import _aggregate as aggregate
@@ -288,6 +289,93 @@ def finish_rows(m_i, l_i, sm_scale, o_layout: gl.constexpr):
     l_safe = gl.where(empty, 1.0, l_i)
     lse = gl.where(empty, float("-inf"), m_i * sm_scale + gl.log(l_safe))
     return lse, gl.convert_layout(1.0 / l_safe, gl.SliceLayout(1, o_layout))
+
+
+@aggregate
+class Scores:
+    """The score variants of a consumer's tile ([Note: score variants] in common.py): ``apply`` turns
+    raw wgmma scores into natural-unit ones (SOFTCAP caps them, ALIBI adds the position bias); the
+    launch then passes the online softmax qk_scale = log2(e) and the epilogue a scale of 1. With
+    both flags off ``apply`` returns the scores as they are: the plain kernel. ``rows``: the tile's
+    query positions (row layout), ``off`` = seqlen_k - seqlen_q, ``slope``: the tile's (batch,
+    head) ALiBi slope; fields a flag does not use are None."""
+    sm_scale: SCALAR
+    tanh_scale: SCALAR
+    softcap: SCALAR
+    slope: SCALAR
+    rows: SCALAR
+    off: SCALAR
+    SOFTCAP: gl.constexpr
+    ALIBI: gl.constexpr
+
+    @gluon.constexpr_function
+    def __init__(self, sm_scale, tanh_scale, softcap, slope, rows, off, SOFTCAP, ALIBI):
+        constexprs(self, sm_scale=sm_scale, tanh_scale=tanh_scale, softcap=softcap, slope=slope, rows=rows,
+                   off=off, SOFTCAP=SOFTCAP, ALIBI=ALIBI)
+
+    @gluon.jit
+    def apply(self, s, cols):
+        """Raw scores s [ROWS, BN] of key positions ``cols`` -> the scores the softmax takes."""
+        if self.SOFTCAP:
+            s = self.softcap * libdevice.tanh(s * self.tanh_scale)
+        elif self.ALIBI:
+            s = s * self.sm_scale
+        if self.ALIBI:
+            s = s - self.slope * gl.abs(self.rows[:, None] + self.off - cols[None, :]).to(gl.float32)
+        return s
+
+
+@aggregate
+class ScoreArgs:
+    """A launch's score-variant arguments ([Note: score variants] in common.py): the flags (each
+    compiled in only when set) and the values behind them, None where a flag is off (``sm_scale``:
+    ALIBI without SOFTCAP, which scales the raw scores itself). ``tile`` gives a tile's ``Scores``."""
+    sm_scale: SCALAR
+    tanh_scale: SCALAR
+    softcap: SCALAR
+    SLOPES: SCALAR
+    stride_ab: SCALAR
+    stride_ah: SCALAR
+    SINKS: SCALAR
+    SOFTCAP: gl.constexpr
+    ALIBI: gl.constexpr
+    HAS_SINKS: gl.constexpr
+
+    @gluon.constexpr_function
+    def __init__(self, sm_scale, tanh_scale, softcap, SLOPES, stride_ab, stride_ah, SINKS, SOFTCAP, ALIBI,
+                 HAS_SINKS):
+        constexprs(self, sm_scale=sm_scale, tanh_scale=tanh_scale, softcap=softcap, SLOPES=SLOPES,
+                   stride_ab=stride_ab, stride_ah=stride_ah, SINKS=SINKS, SOFTCAP=SOFTCAP, ALIBI=ALIBI,
+                   HAS_SINKS=HAS_SINKS)
+
+    @gluon.jit
+    def tile(self, off_b, off_h, rows, off):
+        """The ``Scores`` of batch off_b, query head off_h, query positions ``rows``."""
+        if self.ALIBI:
+            slope = gl.load(self.SLOPES + off_b * self.stride_ab + off_h * self.stride_ah)
+            return Scores(self.sm_scale, self.tanh_scale, self.softcap, slope, rows, off, self.SOFTCAP, self.ALIBI)
+        else:
+            return Scores(self.sm_scale, self.tanh_scale, self.softcap, None, None, off, self.SOFTCAP, self.ALIBI)
+
+    @gluon.jit
+    def sink(self, off_h):
+        """Query head off_h's sink logit (HAS_SINKS)."""
+        return gl.load(self.SINKS + off_h)
+
+
+@gluon.jit
+def fold_sink(acc, m_i, l_i, sink, sm_scale, qk_scale, o_layout: gl.constexpr):
+    """Fold a sink logit (natural units) into a warpgroup's final softmax state, whose m_i is in units
+    of ``sm_scale`` (qk_scale = sm_scale * log2(e)): one more term in the sum, none in acc. A row that
+    saw no key gets l = 1 at m = sink: out 0, lse the sink. A sink of -inf adds nothing. Returns
+    (acc, m, l)."""
+    sink_m = sink / sm_scale
+    m_new = gl.maximum(m_i, sink_m)
+    m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = gl.exp2((m_i - m_safe) * qk_scale)
+    l_new = l_i * alpha + gl.exp2((sink_m - m_safe) * qk_scale)
+    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+    return acc, m_new, l_new
 
 
 @gluon.jit
