@@ -461,3 +461,42 @@ def test_which_forward_takes_the_variants(device, monkeypatch):
     assert max_err(out, ref) < 1e-2 and max_err(lse, ref_lse) < 1e-3
     dispatch.forward(q, k, v, 0.125, True, scores=capped, variant="pp_persist")
     assert taken == [("pp_persist", capped)]
+
+
+def test_sinks_alone_take_the_hopper_backward(device, monkeypatch):
+    """The backward's rule, with the Gluon kernels stubbed in (any machine): sinks alone take them
+    (the sink reaches the backward only through the LSE) and dsink comes from the preprocess' padded
+    delta rows, equal to the Triton path's; softcap or ALiBi keep the Triton kernels."""
+    from triflash.kernels import backward_hopper, configs, dispatch
+    from triflash.kernels.common import ScoreVariant
+
+    q, k, v = make_qkv(2, 150, 150, 2, 1, 128, torch.float16, device)
+    sinks = torch.randn(2, device=device)
+    scores = ScoreVariant(0.0, None, sinks)
+    out, lse = dispatch.forward(q, k, v, 0.125, True, scores=scores)
+    dout = torch.randn_like(out)
+    want = torch.empty(2, device=device)
+    dispatch.backward(dout, q, k, v, out, lse, 0.125, True, scores=scores, dsink=want)
+
+    taken = []
+
+    def stub(dout, q, k, v, lse2, delta, sm_scale, causal, *grads, variant):
+        taken.append((variant, delta.shape[-1]))
+        for g in grads:
+            if g is not None:
+                g.zero_()
+
+    monkeypatch.setattr(configs, "gluon_hopper_applies", lambda *, head_dim, dtype, device: True)
+    monkeypatch.setattr(configs, "gluon_available", lambda: True)
+    monkeypatch.setattr(backward_hopper, "supported", lambda *args: True)
+    monkeypatch.setattr(backward_hopper, "backward_hopper", stub)
+    monkeypatch.setattr(backward_hopper, "dq_hopper", stub)
+    got = torch.empty(2, device=device)
+    dispatch.backward(dout, q, k, v, out, lse, 0.125, True, scores=scores, dsink=got)
+    padded = backward_hopper.padded_rows(150)
+    assert padded > 150 and taken and all(rows == padded for _, rows in taken)
+    assert torch.equal(got, want)
+    taken.clear()
+    for variant in (ScoreVariant(2.0, None, sinks), ScoreVariant(0.0, torch.rand(2, device=device), sinks)):
+        dispatch.backward(dout, q, k, v, out, lse, 0.125, True, scores=variant, dsink=got)
+        assert taken == []

@@ -55,6 +55,12 @@ class ScoreVariant(NamedTuple):
     def any(self) -> bool:
         return self.softcap > 0 or self.alibi_slopes is not None or self.sinks is not None
 
+    @property
+    def transforms(self) -> bool:
+        """Whether the scores themselves change (softcap, ALiBi): the backward's kernels need the
+        variant then; sinks alone change only the LSE, which the backward reads as it is."""
+        return self.softcap > 0 or self.alibi_slopes is not None
+
     def kernel_args(self, sm_scale: float, sinks: bool = True) -> tuple:
         """(tanh_scale, softcap, ALIBI_SLOPES, stride_ab, stride_ah, SINKS): None where unused. [Hq]
         slopes get a batch stride of 0. ``sinks=False``: as ``flags``'."""

@@ -23,8 +23,9 @@ kernels take.
 
 Score variants (``scores``: softcap, ALiBi, attention sinks; [Note: score variants] in common.py) run on
 the Gluon forward where it applies (softcap only when a Gluon variant is forced: slower there), and
-elsewhere (the backward, decode) on the portable Triton kernels: there a call that uses any of them
-never takes a Gluon kernel, whatever ``variant`` or ``force()`` says. ``force()`` makes the choice for
+elsewhere on the portable Triton kernels (decode; the backward with softcap or ALiBi, while the
+Gluon backward takes sinks, which reach it only through the LSE): there a call that uses them never
+takes a Gluon kernel, whatever ``variant`` or ``force()`` says. ``force()`` makes the choice for
 calls made through the public functions (tests and benchmarks), without replacing any function.
 The measurements behind each rule: docs/performance.md and docs/performance-notes.md.
 """
@@ -269,7 +270,7 @@ def backward(dout, q, k, v, out, lse, sm_scale: float, causal: bool, *, dlse=Non
     choice take ``"atomic"`` where ``ATOMIC_BY_DEFAULT`` says it pays (nowhere yet; a forced variant
     wins). ``varlen``: packed
     sequences (q / out / dout [total_q, Hq, D], k / v [total_k, Hkv, D], lse / dlse [Hq, total_q]);
-    ``window`` as the forward's. Both run on the Triton kernels, as do score variants (``scores``,
+    ``window`` as the forward's. Both run on the Triton kernels, as do softcap and ALiBi (``scores``,
     the forward's); with sinks, their gradient [Hq] float32 is written into ``dsink`` (allocated
     by the caller; ``backward._sink_grad_kernel``)."""
     _check_backend(q, "backward")
@@ -310,7 +311,8 @@ def backward(dout, q, k, v, out, lse, sm_scale: float, causal: bool, *, dlse=Non
         return dq, dk, dv
 
     hopper = None
-    if config is None and window is None and not scores.any:
+    # Sinks alone leave the scores as they are and enter through the LSE: the Gluon kernels take them.
+    if config is None and window is None and not scores.transforms:
         variant = forced or backward_variant(head_dim=head_dim, dtype=q.dtype, device=q.device, causal=causal,
                                              seqlen_q=seqlen_q, seqlen_k=seqlen_k, deterministic=deterministic)
         if variant not in (TRITON, ATOMIC) and configs.gluon_available():
