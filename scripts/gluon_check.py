@@ -31,6 +31,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTen
 from triflash.kernels import backward_hopper as BH  # noqa: E402
 from triflash.kernels import decode_hopper as DH  # noqa: E402
 from triflash.kernels import forward_hopper as FH  # noqa: E402
+from triflash.kernels.common import ScoreVariant  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)      # (backend, compute capability, warp size)
 TYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.int32: "i32"}
@@ -160,6 +161,15 @@ def cases(variants):
                                  + (f" {order}" if len(orders) > 1 else ""))
                         yield label, (lambda q=q, k=k, v=v, c=causal, var=variant, o=order:
                                       FH.forward_hopper(q, k, v, 0.1, c, variant=var, order=o))
+                    # The score variants (flags compiled in only when used): sinks alone (raw units, a
+                    # sink folded at the end) and all three ([B, Hq] slopes; natural units), fp16.
+                    if dtype == torch.float16:
+                        every = ScoreVariant(5.0, torch.rand(2, 8), torch.randn(8))
+                        for name, scores in (("sinks", ScoreVariant(0.0, None, torch.randn(8))),
+                                             ("softcap+alibi+sinks", every)):
+                            label = f"{variant} D{d} {TYPES[dtype]} {'causal' if causal else 'full'} {name}"
+                            yield label, (lambda q=q, k=k, v=v, c=causal, var=variant, sc=scores:
+                                          FH.forward_hopper(q, k, v, 0.1, c, variant=var, scores=sc))
 
 
 def _backward_inputs(variants, want):

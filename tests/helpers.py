@@ -134,12 +134,14 @@ def assert_20_backward_passes_equal(out, leaves):
 
 def score_variant(name, device, batch, heads):
     """The keyword arguments of one score-variant case: "softcap", "alibi" ([H] slopes), "alibi2"
-    ([B, H]), "sinks", or "all" (the three together)."""
+    ([B, H]), "sinks", "alibi_sinks" (the pair the Hopper forward takes by default) or "all" (the
+    three together)."""
     slopes = torch.rand(heads, device=device) * 0.5
     slopes2 = torch.rand(batch, heads, device=device) * 0.5
     sinks = torch.randn(heads, device=device) * 2
     return {"softcap": dict(softcap=3.0), "alibi": dict(alibi_slopes=slopes),
             "alibi2": dict(alibi_slopes=slopes2), "sinks": dict(sinks=sinks),
+            "alibi_sinks": dict(alibi_slopes=slopes2, sinks=sinks),
             "all": dict(softcap=5.0, alibi_slopes=slopes2, sinks=sinks)}[name]
 
 

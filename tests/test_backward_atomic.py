@@ -126,11 +126,11 @@ def test_atomic_matches_reference(device, force_kernels, launched, batch, seqlen
 
 @pytest.mark.parametrize("config", [None, "descriptors"], ids=["chosen-tiles", "tma-descriptors"])
 def test_not_deterministic_takes_atomic_and_matches_deterministic(device, launched, config):
-    """``deterministic=False`` (nothing forced) runs the atomic kernels, at the chooser's tiles or at
-    explicit ones with host-built TMA descriptors (the interpreter runs those too); against the
-    deterministic path: all three within the documented bound (dK, dV: bit for bit in the interpreter,
-    where no compiler reorders their arithmetic). Head dim 40: no Gluon kernel
-    takes it, so on Hopper too the choice is the Triton one."""
+    """``deterministic=False`` (nothing forced; ``ATOMIC_BY_DEFAULT`` on, this file's fixture) runs the
+    atomic kernels, at the chooser's tiles or at explicit ones with host-built TMA descriptors (the
+    interpreter runs those too); against the deterministic path: all three within the documented bound
+    (dK, dV: bit for bit in the interpreter, where no compiler reorders their arithmetic). Head dim 40:
+    no Gluon kernel takes it, so on Hopper too the choice is the Triton one."""
     q, k, v = make_qkv(2, 130, 200, 6, 2, 40, torch.float16, device)
     dout = torch.randn_like(q)
     scale = 40 ** -0.5

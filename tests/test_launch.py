@@ -97,6 +97,27 @@ def test_backward_replays_like_plain(device, case):
     _assert_replays_like_plain(call, make)
 
 
+# Score variants as call inputs (new slope and sink tensors per call): ALiBi [B, Hq] and sinks, whose
+# default route on sm_90 at head dim 128 is the Gluon forward and backward.
+VARIANT_CASES = [("variants", 2, 70, 4, 2, 32)] + ([("gluon-variants-d128", 2, 512, 8, 2, 128)] if ON_GPU else [])
+
+
+@pytest.mark.parametrize("case", VARIANT_CASES, ids=[c[0] for c in VARIANT_CASES])
+def test_score_variants_replay_like_plain(device, case):
+    _, b, s, hq, hkv, d = case
+
+    def call(q, k, v, slopes, sinks, dout):
+        out = triflash.flash_attn_func(q, k, v, causal=True, alibi_slopes=slopes, sinks=sinks)
+        return (out, *torch.autograd.grad(out, (q, k, v, sinks), dout))
+
+    def make():
+        q, k, v = _qkv(b, s, hq, hkv, d, grad=True, device=device)
+        slopes = torch.rand(b, hq, device=device) * 0.5
+        sinks = torch.randn(hq, device=device, requires_grad=True)
+        return q, k, v, slopes, sinks, torch.randn_like(q)
+    _assert_replays_like_plain(call, make)
+
+
 def test_partial_gradients_replay_like_plain(device):
     """Only dK and dV asked for: the backward's empty dq slot comes back empty through the plan."""
     def call(q, k, v, dout):

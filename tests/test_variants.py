@@ -49,7 +49,7 @@ def _check_backward(grads, q, k, v, dout, dlse, causal=False, window_size=(-1, -
 # a local window, one query against many keys.
 SHAPES = [(37, 70, False, (-1, -1)), (37, 70, True, (-1, -1)), (70, 37, True, (-1, -1)),
           (64, 96, False, (20, 5)), (1, 50, False, (-1, -1))]
-VARIANTS = ["softcap", "alibi", "alibi2", "sinks", "all"]
+VARIANTS = ["softcap", "alibi", "alibi2", "sinks", "alibi_sinks", "all"]
 
 
 def _cases():

@@ -159,12 +159,14 @@ def flash_attn_func(q, k, v, *options, softmax_scale=None, causal=False, return_
             row's softmax denominator with no value: out_i = sum_j e^{s_ij} v_j / (sum_j e^{s_ij} +
             e^{sink_h}). Differentiable (it trains). The returned lse includes the sink; a row that
             sees no key gets out = 0 and lse = sink.
-            The three variants run on the portable Triton kernels on every GPU (not yet on the Gluon
-            Hopper kernels).
+            On H100/H200 (head dim 64/128) the forward with sinks or ALiBi and the backward with sinks
+            alone run on the Hopper kernels; softcap, the other backwards and decode on the portable
+            Triton kernels.
         deterministic: the backward gives bit-identical gradients from run to run (dQ summed in a
-            fixed order). False (default) lets it add dQ's parts with atomics where that is faster,
-            whose order, and so the last bits, vary between runs; ``torch.use_deterministic_algorithms
-            (True)`` makes every backward deterministic whatever this says. The forward always is.
+            fixed order). False (default) permits one that adds dQ's parts with atomics, whose order,
+            and so the last bits, vary between runs, where that is faster (nowhere yet: every backward
+            that runs today is deterministic); ``torch.use_deterministic_algorithms(True)`` makes
+            every backward deterministic whatever this says. The forward always is.
 
     Returns:
         out [batch, seqlen_q, heads_q, head_dim] in q's dtype; with ``return_lse``, (out, lse) where

@@ -20,21 +20,21 @@ Three launches, no atomics, so the result is bit-for-bit deterministic:
 Causal blocks are skipped in both loops exactly as in the forward (bottom-right alignment), and only
 blocks on the diagonal or at the ragged end of the keys pay for an element mask.
 
-[Note: atomic dQ] The fast, non-deterministic form (``dispatch.backward(deterministic=False)``, or the
-variant ``"atomic"``) drops the dQ kernel's second walk over the scores, which recomputes S and dP:
-the dK/dV kernel, compiled with ATOMIC_DQ, adds each query block's share dS K (in fp32, unscaled)
-into a float32 workspace [B, Hq, Sq, D] with ``tl.atomic_add``, as FlashAttention-2's Triton backward
-and FlashAttention-4 do. Also three launches: 1. the preprocess, which zeroes the workspace too
-(ZERO_DQ); 2. the dK/dV kernel with ATOMIC_DQ; 3. ``_bwd_dq_convert_kernel``: dq = sm_scale * workspace,
-in q's dtype (the dQ kernel's scaling). With ATOMIC_DQ off (the default) every kernel compiles to
-exactly the code it had before the flag existed. The sum over key blocks runs in whatever order
-the programs finish, so dQ can differ from run to run by the float32 rounding of that sum. Against
-the deterministic path (the bound tests/test_backward_atomic.py checks): all three within the
-backward's tolerance, 3x PyTorch's same-dtype error against float64 plus its floor (dQ: the two sum
-dS K over different tiles; dK, dV: the same arithmetic, which ptxas may contract differently in the
-larger kernel, as it did on the H100). Only where all three gradients are wanted:
-dQ alone comes from the dQ kernel (less work than the fused loop, and deterministic), dK/dV alone
-from the plain dK/dV kernel.
+[Note: atomic dQ] The non-deterministic form (the variant ``"atomic"``, or ``deterministic=False`` where
+``dispatch.ATOMIC_BY_DEFAULT``; it measured slower than this deterministic one, so off) drops the dQ
+kernel's second walk over the scores, which recomputes S and dP: the dK/dV kernel, compiled with
+ATOMIC_DQ, adds each query block's share dS K (in fp32, unscaled) into a float32 workspace [B, Hq, Sq,
+D] with ``tl.atomic_add``, as FlashAttention-2's Triton backward and FlashAttention-4 do. Also three
+launches: 1. the preprocess, which zeroes the workspace too (ZERO_DQ); 2. the dK/dV kernel with
+ATOMIC_DQ; 3. ``_bwd_dq_convert_kernel``: dq = sm_scale * workspace, in q's dtype (the dQ kernel's
+scaling). With ATOMIC_DQ off (the default) every kernel compiles to exactly the code it had before the
+flag existed. The sum over key blocks runs in whatever order the programs finish, so dQ can differ from
+run to run by the float32 rounding of that sum. Against the deterministic path (the bound
+tests/test_backward_atomic.py checks): all three within the backward's tolerance, 3x PyTorch's
+same-dtype error against float64 plus its floor (dQ: the two sum dS K over different tiles; dK, dV: the
+same arithmetic, which ptxas may contract differently in the larger kernel, as it did on the H100). Only
+where all three gradients are wanted: dQ alone comes from the dQ kernel (less work than the fused loop,
+and deterministic), dK/dV alone from the plain dK/dV kernel.
 
 On sm_90, where ``dispatch.backward_variant`` picks it (fp16/bf16 at head_dim 64 and 128), step 2
 runs on a Gluon kernel instead (backward_hopper.py, its dK/dV-only form), and at head_dim 128 (at 64

@@ -216,8 +216,8 @@ HOPPER_BACKWARD_VARIANTS = {64: ("dkdv", "dkdv_long"), 128: ("dkdv",)}
 # At head dim 64 dQ comes from the Gluon dQ kernel (``dkdv_long``) from this many keys.
 GLUON_DQ_MIN_KEYS_D64 = 4096
 # Whether ``deterministic=False`` takes the atomic dQ kernels where the portable kernels run: not
-# yet. On the H100 they were 1.25-1.45x slower than the deterministic Triton kernels at every timed
-# shape, and 1.7-1.9x slower than the Gluon ones (docs/performance.md#the-atomic-dq-backward), so
+# yet. On the H100 they were 1.26-1.49x slower than the deterministic Triton kernels at every timed
+# shape, and 1.46-1.85x slower than the Gluon ones (docs/performance.md#the-atomic-dq-backward), so
 # ``deterministic=False`` permits them but the choosers keep the faster, deterministic kernels.
 # ``variant="atomic"`` / ``force(backward="atomic")`` still run them.
 ATOMIC_BY_DEFAULT = False
@@ -237,7 +237,7 @@ def backward_variant(*, head_dim: int, dtype, device, causal: bool, seqlen_q: in
     if not configs.gluon_hopper_applies(head_dim=head_dim, dtype=dtype, device=device):
         return _portable_backward(None, deterministic)
     # Hopper (sm_90, fp16/bf16, head dim 64/128): the Gluon kernels, deterministic and on the H100
-    # 1.7-1.9x faster than the atomic Triton ones, whatever ``deterministic`` says.
+    # 1.46-1.85x faster than the atomic Triton ones, whatever ``deterministic`` says.
     if head_dim == 64 and seqlen_k >= GLUON_DQ_MIN_KEYS_D64:
         return "dkdv_long"
     return "dkdv"

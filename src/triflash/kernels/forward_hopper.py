@@ -19,7 +19,9 @@ as FlashAttention-3 does (the design, with the measurements behind each choice: 
 ``VARIANTS`` names the combinations; ``dispatch.forward_variant`` picks one per shape.
 
 Numerics are forward.py's: fp32 online-softmax state, base-2 exponentials with the scale folded into
-one FMA, masked scores -inf, rows that see no key give out = 0 and lse = -inf, LSE in natural log.
+one FMA, masked scores -inf, rows that see no key give out = 0 and lse = -inf (with a sink: the
+sink), LSE in natural log. Score variants: ``sm90_common.Scores`` (softcap, ALiBi: the running max in
+natural units then) and ``fold_sink``.
 Key blocks above the causal diagonal are never loaded. Shapes: q [B, Sq, Hq, D], k / v [B, Sk, Hkv, D]
 with strides TMA accepts (``sm90_common.tma_supported``), read through host-built 4-D descriptors of
 [1, rows, 1, D] boxes into 128-byte-swizzled [rows, D] tiles, the operand layout wgmma reads.
