@@ -190,9 +190,10 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float, 
             scores.fill_empty_lse(lse)
         return out, lse
     if config is None and window is None:
-        # Softcap: the Triton kernel unless a Gluon variant is forced. The Gluon kernels' tanh (libdevice,
-        # as the Triton kernel's and the backward's) made them 1.25-2x slower than the Triton kernel on the
-        # H100; sinks and ALiBi pay there (docs/performance.md#score-variants-on-hopper).
+        # Softcap: the Triton kernel unless a Gluon variant is forced. With libdevice's tanh the Gluon
+        # kernels were 1.25-2x slower than the Triton kernel on the H100 (sinks and ALiBi pay there:
+        # docs/performance.md#score-variants-on-hopper); their tanh is now sm90_common.fast_tanh, not
+        # timed yet.
         variant = variant or _forced_variant("forward") or (TRITON if scores.softcap > 0 else forward_variant(
             head_dim=head_dim, dtype=q.dtype, device=q.device, causal=causal, seqlen_q=seqlen_q, seqlen_k=seqlen_k))
         if variant != TRITON and configs.gluon_hopper_applies(head_dim=head_dim, dtype=q.dtype, device=q.device):

@@ -13,7 +13,6 @@ import functools
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.extra import libdevice
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTensorDescriptor
 from triton.language.core import _aggregate as aggregate
@@ -317,7 +316,7 @@ class Scores:
     def apply(self, s, cols):
         """Raw scores s [ROWS, BN] of key positions ``cols`` -> the scores the softmax takes."""
         if self.SOFTCAP:
-            s = self.softcap * libdevice.tanh(s * self.tanh_scale)
+            s = self.softcap * fast_tanh(s * self.tanh_scale)
         elif self.ALIBI:
             s = s * self.sm_scale
         if self.ALIBI:
@@ -361,6 +360,17 @@ class ScoreArgs:
     def sink(self, off_h):
         """Query head off_h's sink logit (HAS_SINKS)."""
         return gl.load(self.SINKS + off_h)
+
+
+@gluon.jit
+def fast_tanh(x):
+    """tanh(x) = 1 - 2 / (1 + e^{2x}) with the hardware exp2 and an approximate division: two MUFU
+    operations where libdevice's tanh takes a long polynomial (which made the softcap forward 3.5-5x
+    slower than the plain one). Absolute error about 2e-7 (1e-7 near 0), so softcap * tanh moves a
+    score by about 2e-7 * softcap, far below fp16/bf16 rounding; the backward's libdevice tanh
+    recomputes P within that of the forward's. Saturates to +-1 (e^{2x} = inf or 0), never NaN."""
+    e = gl.exp2(x * 2.8853900817779268)                     # e^{2x} = 2^{2x log2(e)}
+    return 1.0 - gl.fdiv(gl.full_like(e, 2.0), 1.0 + e)
 
 
 @gluon.jit
