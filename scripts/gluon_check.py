@@ -31,6 +31,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTen
 from triflash.kernels import backward_hopper as BH  # noqa: E402
 from triflash.kernels import decode_hopper as DH  # noqa: E402
 from triflash.kernels import forward_hopper as FH  # noqa: E402
+from triflash.kernels.common import PLAIN as PLAIN_SCORES  # noqa: E402
 from triflash.kernels.common import ScoreVariant  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)      # (backend, compute capability, warp size)
@@ -189,10 +190,17 @@ def _backward_inputs(variants, want):
                     yield label, variant, q, k, v, torch.randn_like(q), stats, causal
 
 
+# The backward's score variants (softcap and [B, Hq] ALiBi slopes together), compiled at fp16.
+BWD_SCORES = ScoreVariant(5.0, torch.rand(2, 8))
+
+
 def backward_cases(variants):
     for label, variant, q, k, v, do, stats, causal in _backward_inputs(variants, lambda var, d: True):
         yield f"bwd {label}", (lambda q=q, k=k, v=v, do=do, st=stats, c=causal, var=variant:
                                _backward_without_finish(do, q, k, v, st, c, var))
+        if q.dtype == torch.float16:
+            yield f"bwd {label} softcap+alibi", (lambda q=q, k=k, v=v, do=do, st=stats, c=causal, var=variant:
+                                                 _backward_without_finish(do, q, k, v, st, c, var, BWD_SCORES))
 
 
 def dq_cases(variants):
@@ -203,6 +211,10 @@ def dq_cases(variants):
     for label, variant, q, k, v, do, stats, causal in _backward_inputs(variants, takes_it):
         yield f"bwd-dq {label}", (lambda q=q, k=k, v=v, do=do, st=stats, c=causal, var=variant:
                                   BH.dq_hopper(do, q, k, v, st, st, 0.1, c, torch.empty_like(q), variant=var))
+        if q.dtype == torch.float16:
+            yield f"bwd-dq {label} softcap+alibi", (
+                lambda q=q, k=k, v=v, do=do, st=stats, c=causal, var=variant:
+                BH.dq_hopper(do, q, k, v, st, st, 0.1, c, torch.empty_like(q), variant=var, scores=BWD_SCORES))
 
 
 def decode_cases(tiles):
@@ -234,13 +246,13 @@ def decode_cases(tiles):
                                                        stages=st, num_splits=n))
 
 
-def _backward_without_finish(do, q, k, v, stats, causal, variant):
+def _backward_without_finish(do, q, k, v, stats, causal, variant, scores=PLAIN_SCORES):
     """backward_hopper with its small Triton epilogue kernel not launched (no GPU here)."""
     saved = BH._dq_finish_kernel
     BH._dq_finish_kernel = Recorder(saved, [])
     try:
         BH.backward_hopper(do, q, k, v, stats, stats, 0.1, causal, torch.empty_like(q), torch.empty_like(k),
-                           torch.empty_like(v), variant=variant)
+                           torch.empty_like(v), variant=variant, scores=scores)
     finally:
         BH._dq_finish_kernel = saved
 

@@ -127,6 +127,48 @@ def test_hopper_forward_with_variants(device, force_kernels, monkeypatch, gluon,
     _check_backward(grads, q, k, v, dout, dlse, causal=causal, sinks=sinks, **kwargs)
 
 
+def _hopper_backward_cases():
+    from triflash.kernels import configs, dispatch
+
+    cases = []
+    for head_dim, dtype in ((64, torch.float16), (64, torch.bfloat16), (128, torch.float16), (128, torch.bfloat16)):
+        if not (HOPPER and configs.gluon_hopper_applies(head_dim=head_dim, dtype=dtype, device="cuda")):
+            continue
+        for gluon in dispatch.backward_candidates(head_dim):
+            for name in VARIANTS:
+                for sq, sk, causal in HOPPER_SHAPES:
+                    cases.append(pytest.param(gluon, name, sq, sk, causal, head_dim, dtype,
+                                              id=f"{gluon}-{name}-Sq{sq}-Sk{sk}-{'causal' if causal else 'full'}"
+                                                 f"-D{head_dim}-{DTYPE_ID[dtype]}"))
+    return cases or [pytest.param(*[None] * 7, marks=pytest.mark.skip(reason="needs an sm_90 GPU (Gluon kernels)"))]
+
+
+@pytest.mark.parametrize("gluon,name,seqlen_q,seqlen_k,causal,head_dim,dtype", _hopper_backward_cases())
+def test_hopper_backward_with_variants(device, force_kernels, monkeypatch, gluon, name, seqlen_q, seqlen_k, causal,
+                                       head_dim, dtype):
+    """Each Gluon backward variant, forced, with each score variant (softcap and ALiBi recompute P and
+    dS in the Gluon dK/dV and dQ kernels; sinks enter through the LSE): gradients (and dsink) under
+    the 3x rule against float64."""
+    from triflash.kernels import backward_hopper
+
+    taken = []
+    real = backward_hopper.backward_hopper
+    monkeypatch.setattr(backward_hopper, "backward_hopper",
+                        lambda *a, **kw: taken.append(kw["variant"]) or real(*a, **kw))
+    force_kernels(backward=gluon)
+    q, k, v = make_qkv(2, seqlen_q, seqlen_k, HEADS_Q, HEADS_KV, head_dim, dtype, device, requires_grad=True)
+    kwargs = _variant(name, device)
+    sinks = kwargs.pop("sinks", None)
+    if sinks is not None:
+        sinks.requires_grad_()
+    out, lse = triflash.flash_attn_func(q, k, v, causal=causal, return_lse=True, sinks=sinks, **kwargs)
+    dout, dlse = torch.randn_like(out), torch.randn_like(lse)
+    leaves = (q, k, v) if sinks is None else (q, k, v, sinks)
+    grads = torch.autograd.grad((out, lse), leaves, (dout, dlse))
+    assert taken == [gluon]
+    _check_backward(grads, q, k, v, dout, dlse, causal=causal, sinks=sinks, **kwargs)
+
+
 def test_rows_that_see_no_key(device):
     """A row that sees no key: with a sink its output is 0 and its lse the sink (its dsink share is
     dlse); without, 0 and -inf. Causal with more queries than keys, and no keys at all."""
@@ -263,23 +305,6 @@ def test_split_count_of_the_decode_check(device, monkeypatch):
     triflash.flash_attn_with_kvcache(*_paged_decode_inputs(device, torch.float16), causal=True, num_splits=3,
                                      **_variant("all", device, batch=3))
     assert seen == [(3, True)]
-
-
-def test_a_gluon_backward_given_with_score_variants_is_not_taken(device):
-    """dispatch.backward with a Gluon variant name and a score variant runs the Triton kernels (the
-    Hopper backward has no variants yet): the same bits as without the variant name."""
-    from triflash.kernels.common import ScoreVariant
-    from triflash.kernels.dispatch import backward, forward
-
-    q, k, v = make_qkv(1, 40, 40, 2, 1, 64, torch.float16, device)
-    scores = ScoreVariant(4.0, torch.rand(2, device=device), torch.randn(2, device=device))
-    out, lse = forward(q, k, v, 0.125, True, scores=scores)
-    dout = torch.randn_like(out)
-    ds1, ds2 = torch.empty(2, device=device), torch.empty(2, device=device)
-    plain = backward(dout, q, k, v, out, lse, 0.125, True, scores=scores, dsink=ds1)
-    again = backward(dout, q, k, v, out, lse, 0.125, True, scores=scores, dsink=ds2, variant="dkdv")
-    for a, b in zip(plain + (ds1,), again + (ds2,)):
-        assert torch.equal(a, b)
 
 
 def test_sinks_train(device):
@@ -466,7 +491,8 @@ def test_which_forward_takes_the_variants(device, monkeypatch):
 def test_sinks_alone_take_the_hopper_backward(device, monkeypatch):
     """The backward's rule, with the Gluon kernels stubbed in (any machine): sinks alone take them
     (the sink reaches the backward only through the LSE) and dsink comes from the preprocess' padded
-    delta rows, equal to the Triton path's; softcap or ALiBi keep the Triton kernels."""
+    delta rows, equal to the Triton path's; softcap or ALiBi keep the Triton kernels unless a Gluon
+    variant is forced, and then reach them."""
     from triflash.kernels import backward_hopper, configs, dispatch
     from triflash.kernels.common import ScoreVariant
 
@@ -480,8 +506,8 @@ def test_sinks_alone_take_the_hopper_backward(device, monkeypatch):
 
     taken = []
 
-    def stub(dout, q, k, v, lse2, delta, sm_scale, causal, *grads, variant):
-        taken.append((variant, delta.shape[-1]))
+    def stub(dout, q, k, v, lse2, delta, sm_scale, causal, *grads, variant, scores):
+        taken.append((variant, delta.shape[-1], scores))
         for g in grads:
             if g is not None:
                 g.zero_()
@@ -494,9 +520,11 @@ def test_sinks_alone_take_the_hopper_backward(device, monkeypatch):
     got = torch.empty(2, device=device)
     dispatch.backward(dout, q, k, v, out, lse, 0.125, True, scores=scores, dsink=got)
     padded = backward_hopper.padded_rows(150)
-    assert padded > 150 and taken and all(rows == padded for _, rows in taken)
+    assert padded > 150 and taken and all(rows == padded and sc is scores for _, rows, sc in taken)
     assert torch.equal(got, want)
-    taken.clear()
     for variant in (ScoreVariant(2.0, None, sinks), ScoreVariant(0.0, torch.rand(2, device=device), sinks)):
+        taken.clear()
         dispatch.backward(dout, q, k, v, out, lse, 0.125, True, scores=variant, dsink=got)
         assert taken == []
+        dispatch.backward(dout, q, k, v, out, lse, 0.125, True, scores=variant, dsink=got, variant="dkdv")
+        assert taken and all(sc is variant for _, _, sc in taken)

@@ -39,17 +39,20 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTensorDescriptor
 
 from . import launch
-from .common import LOG2E, on_input_device
+from .common import PLAIN as NO_SCORES
+from .common import ScoreVariant, on_input_device
 from .configs import cdiv, gluon_hopper_applies, sm_count
 from .sm90_common import (
     PLAIN,
     SCALAR,
     SMEM,
     Ring,
+    ScoreArgs,
     aggregate,
     constexprs,
     descriptor,
     row_limits,
+    score_launch_args,
     shared_layout,
     tile_coords,
     tma_supported,
@@ -195,7 +198,8 @@ class BwdShared:
 class BwdIO:
     """What the partitions read and write in global memory: Q, K, V, dO, lse2 and delta through TMA
     descriptors (the producer), dK and dV by pointer and strides (the consumers), the dQ workspace and
-    its turn counters (the writer), and the scales."""
+    its turn counters (the writer), the scales (qk_scale: log2(e) with softcap or ALiBi, whose scores
+    are in natural units; sm_scale: dK's and dQ's factor) and the score variants (``scores``)."""
     q_desc: tma.tensor_descriptor
     k_desc: tma.tensor_descriptor
     v_desc: tma.tensor_descriptor
@@ -214,14 +218,16 @@ class BwdIO:
     stride_dvh: SCALAR
     sm_scale: gl.tensor
     qk_scale: gl.tensor
+    scores: ScoreArgs
 
     @gluon.constexpr_function
     def __init__(self, q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, DK, DV, DQW, SEM, stride_dkb,
-                 stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh, sm_scale, qk_scale):
+                 stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh, sm_scale, qk_scale, scores):
         constexprs(self, q_desc=q_desc, k_desc=k_desc, v_desc=v_desc, do_desc=do_desc, lse_desc=lse_desc,
                    delta_desc=delta_desc, DK=DK, DV=DV, DQW=DQW, SEM=SEM, stride_dkb=stride_dkb,
                    stride_dks=stride_dks, stride_dkh=stride_dkh, stride_dvb=stride_dvb, stride_dvs=stride_dvs,
                    stride_dvh=stride_dvh, sm_scale=sm_scale, qk_scale=qk_scale)
+        self.scores = scores
 
 
 # --------------------------------------------------------------------------------------------------
@@ -300,12 +306,13 @@ def _bwd_producer(cfg, work, io, sh):
 @gluon.jit
 def _bwd_step(cfg, sh, WG: gl.constexpr, i, dk, dv, zero_st, zero_dq, k_smem, v_smem, ds_smem, keys, cols0,
               seqlen_k, m_first, m_step, kv_group_size, causal_offset, qk_scale, col_layout: gl.constexpr,
-              a_layout: gl.constexpr, MASK: gl.constexpr):
+              a_layout: gl.constexpr, MASK: gl.constexpr, scores, off_b, off_hk):
     """One (query block, key block) step of a consumer partition (its key rows: ``k_smem``, ``v_smem``,
     ``ds_smem``): returns the updated dK, dV and (DQ) hands its dQ partial to the writer. MASK (compile
     time, so a step has no branch): 0 none, 1 the causal diagonal, 2 the key rows past seqlen_k (the
     caller runs each kind of step in its own loop). (Issuing the next step's S^T / dP^T before waiting
-    for this step's products was tried: ptxas then serialises the wgmmas, C7514.)"""
+    for this step's products was tried: ptxas then serialises the wgmmas, C7514.) ``scores``: softcap
+    and ALiBi on the step's scores (query head and slope per step) and softcap's factor on dS."""
     dtype: gl.constexpr = sh.q.mem.dtype
     s = sh.q.index(i)
     q_tile = sh.q.tile(s)
@@ -313,9 +320,11 @@ def _bwd_step(cfg, sh, WG: gl.constexpr, i, dk, dv, zero_st, zero_dq, k_smem, v_
     sh.q.wait(i)
     st_tok = warpgroup_mma(k_smem, q_tile.permute((1, 0)), zero_st, use_acc=False, is_async=True)
     dpt_tok = warpgroup_mma(v_smem, do_tile.permute((1, 0)), zero_st, use_acc=False, is_async=True)
-    m, _ = _step_block(i, m_first, m_step, 0, kv_group_size)
+    m, off_h = _step_block(i, m_first, m_step, off_hk, kv_group_size)
     cols = m * cfg.BLOCK_M + cols0                                 # query positions
     s_t = warpgroup_mma_wait(1, deps=(st_tok,))
+    if scores.SOFTCAP or scores.ALIBI:
+        s_t, g_t = scores.tile(off_b, off_h, keys, -causal_offset).apply_grad(s_t, cols)
     # Rows past seqlen_q (and rows that saw no key) have lse2 = +inf: their p is 0.
     p_t = gl.exp2(s_t * qk_scale - sh.lse.index(s).load(col_layout)[None, :])
     if MASK == 1:
@@ -327,7 +336,10 @@ def _bwd_step(cfg, sh, WG: gl.constexpr, i, dk, dv, zero_st, zero_dq, k_smem, v_
         # zero K row) would put NaN into dQ. Their p is set to 0.
         p_t = gl.where(keys[:, None] < seqlen_k, p_t, 0.0)
     dp_t = warpgroup_mma_wait(0, deps=(dpt_tok,))
-    ds_t = (p_t * (dp_t - sh.delta.index(s).load(col_layout)[None, :])).to(dtype)
+    if scores.SOFTCAP:
+        ds_t = (p_t * (dp_t - sh.delta.index(s).load(col_layout)[None, :]) * g_t).to(dtype)
+    else:
+        ds_t = (p_t * (dp_t - sh.delta.index(s).load(col_layout)[None, :])).to(dtype)
     p_a = gl.convert_layout(p_t.to(dtype), a_layout)
     ds_a = gl.convert_layout(ds_t, a_layout)
     dv_tok = warpgroup_mma(p_a, do_tile, dv, is_async=True)
@@ -406,19 +418,19 @@ def _bwd_consumer(cfg, WG: gl.constexpr, work, io, sh):
         for i in range(0, n_masked):
             dk, dv = _bwd_step(cfg, sh, WG, i, dk, dv, zero_st, zero_dq, k_smem, v_smem, ds_smem, keys, cols0,
                                seqlen_k, m_first, m_step, kv_group_size, causal_offset, io.qk_scale, col_layout,
-                               a_layout, 1)
+                               a_layout, 1, io.scores, off_b, off_hk)
     else:
         n_masked = 0
     if key_tail:
         for i in range(n_masked, n_steps):
             dk, dv = _bwd_step(cfg, sh, WG, i, dk, dv, zero_st, zero_dq, k_smem, v_smem, ds_smem, keys, cols0,
                                seqlen_k, m_first, m_step, kv_group_size, causal_offset, io.qk_scale, col_layout,
-                               a_layout, 2)
+                               a_layout, 2, io.scores, off_b, off_hk)
     else:
         for i in range(n_masked, n_steps):
             dk, dv = _bwd_step(cfg, sh, WG, i, dk, dv, zero_st, zero_dq, k_smem, v_smem, ds_smem, keys, cols0,
                                seqlen_k, m_first, m_step, kv_group_size, causal_offset, io.qk_scale, col_layout,
-                               a_layout, 0)
+                               a_layout, 0, io.scores, off_b, off_hk)
 
     # -- epilogue: dK * sm_scale and dV; key rows past seqlen_k are not stored --
     out_keys = start_n + gl.arange(0, KEYS, layout=gl.SliceLayout(1, kv_layout))
@@ -558,18 +570,21 @@ def _attn_bwd_hopper_kernel(
     stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh,
     num_n_blocks, num_heads_q, num_heads_k, kv_group_size, seqlen_q, seqlen_k, num_m_blocks,
     batch, heads_per_group, stats_rows, sm_scale, qk_scale,
+    score_scale, tanh_scale, softcap, ALIBI_SLOPES, stride_ab, stride_ah,   # score variants, else None
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
     DQ_BUFS: gl.constexpr, IS_CAUSAL: gl.constexpr,
     NUM_WG: gl.constexpr, WRITER_REGS_: gl.constexpr, PRODUCER_REGS_: gl.constexpr,
-    CONSUMER_REGS_: gl.constexpr, DQ: gl.constexpr,
+    CONSUMER_REGS_: gl.constexpr, DQ: gl.constexpr, SOFTCAP: gl.constexpr = False, ALIBI: gl.constexpr = False,
 ):
     dtype: gl.constexpr = q_desc.dtype
     gl.static_assert(DQ_BUFS >= 2, "the writer takes two steps' partials per round")
     cfg = BwdConfig(HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, DQ_BUFS, IS_CAUSAL, NUM_WG, DQ)
     work = BwdWork(num_n_blocks, num_heads_q, num_heads_k, kv_group_size, seqlen_q, seqlen_k, num_m_blocks, batch,
                    heads_per_group, stats_rows)
+    scores = ScoreArgs(score_scale, tanh_scale, softcap, ALIBI_SLOPES, stride_ab, stride_ah, None, SOFTCAP, ALIBI,
+                       False)
     io = BwdIO(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, DK, DV, DQW, SEM, stride_dkb, stride_dks,
-               stride_dkh, stride_dvb, stride_dvs, stride_dvh, sm_scale, qk_scale)
+               stride_dkh, stride_dvb, stride_dvs, stride_dvh, sm_scale, qk_scale, scores)
     kv_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
     q_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], dtype)
     ds_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype)
@@ -714,7 +729,8 @@ class DqShared:
 
 @aggregate
 class DqIO:
-    """Q, K, V, dO, lse2 and delta through TMA descriptors; dQ by pointer and strides; the scales."""
+    """Q, K, V, dO, lse2 and delta through TMA descriptors; dQ by pointer and strides; the scales and
+    the score variants, as ``BwdIO``'s."""
     q_desc: tma.tensor_descriptor
     k_desc: tma.tensor_descriptor
     v_desc: tma.tensor_descriptor
@@ -727,13 +743,15 @@ class DqIO:
     stride_dqh: SCALAR
     sm_scale: gl.tensor
     qk_scale: gl.tensor
+    scores: ScoreArgs
 
     @gluon.constexpr_function
     def __init__(self, q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, DQ, stride_dqb, stride_dqs,
-                 stride_dqh, sm_scale, qk_scale):
+                 stride_dqh, sm_scale, qk_scale, scores):
         constexprs(self, q_desc=q_desc, k_desc=k_desc, v_desc=v_desc, do_desc=do_desc, lse_desc=lse_desc,
                    delta_desc=delta_desc, DQ=DQ, stride_dqb=stride_dqb, stride_dqs=stride_dqs, stride_dqh=stride_dqh,
                    sm_scale=sm_scale, qk_scale=qk_scale)
+        self.scores = scores
 
 
 @gluon.jit
@@ -765,9 +783,10 @@ def _dq_producer(cfg, work, io, sh):
 
 @gluon.jit
 def _dq_step(cfg, sh, j, dq, q_tile, do_tile, zero_s, lse2, delta, cols0, col_limit, qk_scale,
-             a_layout: gl.constexpr, MASK: gl.constexpr):
+             a_layout: gl.constexpr, MASK: gl.constexpr, mod):
     """One key block j of the dQ consumer: S, dP, dS = P (dP - delta), dQ += dS K_j. MASK: keys at or
-    past a row's column limit (its causal diagonal + 1, or seqlen_k) get p = 0."""
+    past a row's column limit (its causal diagonal + 1, or seqlen_k) get p = 0. ``mod``: the tile's
+    ``Scores`` (softcap, ALiBi; softcap's factor on dS)."""
     dtype: gl.constexpr = q_tile.dtype
     s = sh.kv.index(j)
     sh.kv.wait(j)
@@ -775,12 +794,17 @@ def _dq_step(cfg, sh, j, dq, q_tile, do_tile, zero_s, lse2, delta, cols0, col_li
     s_tok = warpgroup_mma(q_tile, k_tile.permute((1, 0)), zero_s, use_acc=False, is_async=True)
     dp_tok = warpgroup_mma(do_tile, sh.v.index(s).permute((1, 0)), zero_s, use_acc=False, is_async=True)
     s_ij = warpgroup_mma_wait(1, deps=(s_tok,))
+    if mod.SOFTCAP or mod.ALIBI:
+        s_ij, g = mod.apply_grad(s_ij, j * cfg.BLOCK_N + cols0)
     p = gl.exp2(s_ij * qk_scale - lse2[:, None])
     if MASK:
         cols = j * cfg.BLOCK_N + cols0
         p = gl.where(cols[None, :] < col_limit[:, None], p, 0.0)
     dp = warpgroup_mma_wait(0, deps=(dp_tok,))
-    ds = gl.convert_layout((p * (dp - delta[:, None])).to(dtype), a_layout)
+    if mod.SOFTCAP:
+        ds = gl.convert_layout((p * (dp - delta[:, None]) * g).to(dtype), a_layout)
+    else:
+        ds = gl.convert_layout((p * (dp - delta[:, None])).to(dtype), a_layout)
     dq_tok = warpgroup_mma(ds, k_tile, dq, is_async=True)
     dq, ds = warpgroup_mma_wait(0, deps=(dq_tok, ds))
     sh.kv.release(s, True)               # after every warp of the partition is past its wait
@@ -819,14 +843,15 @@ def _dq_consumer(cfg, WG: gl.constexpr, work, io, sh):
     delta = sh.delta.index(WG).load(row_layout)
     zero_s = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
     dq = gl.zeros([ROWS, HEAD_DIM], gl.float32, dq_layout)
+    mod = io.scores.tile(off_b, off_h, rows, causal_offset)         # score variants (else a no-op)
     # Key blocks [0, n_full) unmasked, then the rest masked, in two loops (no branch inside a step).
     n_lo = gl.minimum(n_full, n_blocks)
     for j in range(0, n_lo):
         dq = _dq_step(cfg, sh, j, dq, q_tile, do_tile, zero_s, lse2, delta, cols0, col_limit, io.qk_scale,
-                      a_layout, False)
+                      a_layout, False, mod)
     for j in range(n_lo, n_blocks):
         dq = _dq_step(cfg, sh, j, dq, q_tile, do_tile, zero_s, lse2, delta, cols0, col_limit, io.qk_scale,
-                      a_layout, True)
+                      a_layout, True, mod)
     out_rows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, dq_layout))
     dims = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, dq_layout))
     ptrs = io.DQ + off_b.to(gl.int64) * io.stride_dqb + off_h.to(gl.int64) * io.stride_dqh \
@@ -839,14 +864,18 @@ def _attn_bwd_dq_hopper_kernel(
     q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, DQ,
     stride_dqb, stride_dqs, stride_dqh,
     num_heads_q, kv_group_size, seqlen_q, seqlen_k, num_m_blocks, stats_rows, sm_scale, qk_scale,
+    score_scale, tanh_scale, softcap, ALIBI_SLOPES, stride_ab, stride_ah,   # score variants, else None
     HEAD_DIM: gl.constexpr, ROWS: gl.constexpr, NUM_WG: gl.constexpr, BLOCK_N: gl.constexpr,
     STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, PRODUCER_REGS_: gl.constexpr, CONSUMER_REGS_: gl.constexpr,
+    SOFTCAP: gl.constexpr = False, ALIBI: gl.constexpr = False,
 ):
     dtype: gl.constexpr = q_desc.dtype
     cfg = DqConfig(ROWS, NUM_WG, BLOCK_N, HEAD_DIM, STAGES, IS_CAUSAL)
     work = DqWork(num_heads_q, kv_group_size, seqlen_q, seqlen_k, num_m_blocks, stats_rows)
+    scores = ScoreArgs(score_scale, tanh_scale, softcap, ALIBI_SLOPES, stride_ab, stride_ah, None, SOFTCAP, ALIBI,
+                       False)
     io = DqIO(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, DQ, stride_dqb, stride_dqs, stride_dqh,
-              sm_scale, qk_scale)
+              sm_scale, qk_scale, scores)
     kv_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
     q_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, HEAD_DIM], dtype)
     row_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS], gl.float32)
@@ -903,10 +932,11 @@ def supported(q, k, v, dout, variant: str) -> bool:
 
 @on_input_device
 def backward_hopper(dout, q, k, v, lse2, delta, sm_scale: float, causal: bool, dq, dk, dv, *,
-                    variant: str = "split"):
+                    variant: str = "split", scores: ScoreVariant = NO_SCORES):
     """Fill dq, dk, dv ([B, S, H, D] views, last stride 1) from dout and the preprocess kernel's lse2
     (base-2 LSE, +inf for rows without keys) and delta ([B, Hq, padded_rows] float32). A variant
-    without dQ (``computes_dq``) fills dk and dv only and leaves dq (which may be None) alone."""
+    without dQ (``computes_dq``) fills dk and dv only and leaves dq (which may be None) alone.
+    ``scores``: the forward's score variants (softcap and ALiBi change P and dS; sinks need nothing)."""
     batch, seqlen_q, heads_q, head_dim = q.shape
     _, seqlen_k, heads_k, _ = k.shape
     cfg = variant_config(variant, head_dim)
@@ -938,7 +968,8 @@ def backward_hopper(dout, q, k, v, lse2, delta, sm_scale: float, causal: bool, d
         stride_dvb=dv.stride(0), stride_dvs=dv.stride(1), stride_dvh=dv.stride(2),
         num_n_blocks=num_n_blocks, num_heads_q=heads_q, num_heads_k=heads_k, kv_group_size=heads_q // heads_k,
         seqlen_q=seqlen_q, seqlen_k=seqlen_k, num_m_blocks=num_m_blocks, batch=batch,
-        heads_per_group=heads_per_group, stats_rows=lse2.shape[-1], sm_scale=sm_scale, qk_scale=sm_scale * LOG2E,
+        heads_per_group=heads_per_group, stats_rows=lse2.shape[-1], sm_scale=sm_scale,
+        **score_launch_args(scores, sm_scale, sinks=False),
         HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=BLOCK_N, STAGES=cfg["stages"], DQ_BUFS=cfg["dq_bufs"],
         IS_CAUSAL=causal, NUM_WG=NUM_WG,
         WRITER_REGS_=cfg["writer_regs"], PRODUCER_REGS_=PRODUCER_REGS, CONSUMER_REGS_=cfg["consumer_regs"],
@@ -963,9 +994,10 @@ def dq_on_gluon(variant: str, head_dim: int) -> bool:
 
 
 @on_input_device
-def dq_hopper(dout, q, k, v, lse2, delta, sm_scale: float, causal: bool, dq, *, variant: str):
+def dq_hopper(dout, q, k, v, lse2, delta, sm_scale: float, causal: bool, dq, *, variant: str,
+              scores: ScoreVariant = NO_SCORES):
     """Fill dq ([B, Sq, Hq, D], last stride 1) with the Gluon dQ kernel, from the preprocess
-    kernel's lse2 and delta (padded_rows rows per head)."""
+    kernel's lse2 and delta (padded_rows rows per head); ``scores`` as ``backward_hopper``'s."""
     batch, seqlen_q, heads_q, head_dim = q.shape
     _, seqlen_k, heads_k, _ = k.shape
     cfg = VARIANTS[variant][head_dim]
@@ -979,7 +1011,8 @@ def dq_hopper(dout, q, k, v, lse2, delta, sm_scale: float, causal: bool, dq, *, 
         lse_desc=_row_descriptor(lse2, rows), delta_desc=_row_descriptor(delta, rows), DQ=dq,
         stride_dqb=dq.stride(0), stride_dqs=dq.stride(1), stride_dqh=dq.stride(2),
         num_heads_q=heads_q, kv_group_size=heads_q // heads_k, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
-        num_m_blocks=num_m_blocks, stats_rows=lse2.shape[-1], sm_scale=sm_scale, qk_scale=sm_scale * LOG2E,
+        num_m_blocks=num_m_blocks, stats_rows=lse2.shape[-1], sm_scale=sm_scale,
+        **score_launch_args(scores, sm_scale, sinks=False),
         HEAD_DIM=head_dim, ROWS=rows, NUM_WG=DQ_WG, BLOCK_N=block_n, STAGES=stages, IS_CAUSAL=causal,
         PRODUCER_REGS_=PRODUCER_REGS, CONSUMER_REGS_=CONSUMER_REGS_3WG,
         num_warps=4, maxnreg=MAXNREG_3WG,

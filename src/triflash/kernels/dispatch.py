@@ -23,10 +23,10 @@ kernels take.
 
 Score variants (``scores``: softcap, ALiBi, attention sinks; [Note: score variants] in common.py) run on
 the Gluon forward where it applies (softcap only when a Gluon variant is forced: slower there), and
-elsewhere on the portable Triton kernels (decode; the backward with softcap or ALiBi, while the
-Gluon backward takes sinks, which reach it only through the LSE): there a call that uses them never
-takes a Gluon kernel, whatever ``variant`` or ``force()`` says. ``force()`` makes the choice for
-calls made through the public functions (tests and benchmarks), without replacing any function.
+elsewhere on the portable Triton kernels: decode always; the backward with softcap or ALiBi unless a
+Gluon variant is forced (the Gluon backward takes sinks, which reach it only through the LSE).
+``force()`` makes the choice for calls made through the public functions (tests and benchmarks), without
+replacing any function.
 The measurements behind each rule: docs/performance.md and docs/performance-notes.md.
 """
 
@@ -313,7 +313,8 @@ def backward(dout, q, k, v, out, lse, sm_scale: float, causal: bool, *, dlse=Non
 
     hopper = None
     # Sinks alone leave the scores as they are and enter through the LSE: the Gluon kernels take them.
-    if config is None and window is None and not scores.transforms:
+    # Softcap and ALiBi: the Gluon kernels only when a Gluon variant is forced (not yet run on a GPU).
+    if config is None and window is None and (not scores.transforms or forced not in (None, TRITON, ATOMIC)):
         variant = forced or backward_variant(head_dim=head_dim, dtype=q.dtype, device=q.device, causal=causal,
                                              seqlen_q=seqlen_q, seqlen_k=seqlen_k, deterministic=deterministic)
         if variant not in (TRITON, ATOMIC) and configs.gluon_available():
@@ -338,14 +339,15 @@ def backward(dout, q, k, v, out, lse, sm_scale: float, causal: bool, *, dlse=Non
         backward_hopper.backward_hopper(
             dout, q, k, v, lse2, delta, sm_scale, causal,
             dq if need_dq else torch.empty_like(q), dk if need_dkdv else torch.empty_like(k),
-            dv if need_dkdv else torch.empty_like(v), variant=hopper)
+            dv if need_dkdv else torch.empty_like(v), variant=hopper, scores=scores)
         return dq, dk, dv
     if hopper is not None:
         if need_dkdv:
             backward_hopper.backward_hopper(dout, q, k, v, lse2, delta, sm_scale, causal, None, dk, dv,
-                                            variant=hopper)
+                                            variant=hopper, scores=scores)
         if need_dq and backward_hopper.dq_on_gluon(hopper, head_dim):
-            backward_hopper.dq_hopper(dout, q, k, v, lse2, delta, sm_scale, causal, dq, variant=hopper)
+            backward_hopper.dq_hopper(dout, q, k, v, lse2, delta, sm_scale, causal, dq, variant=hopper,
+                                      scores=scores)
             need_dq = False
     elif need_dkdv:
         triton_backward.run_dkdv(q, k, v, dout, lse2, delta, dk, dv, sm_scale, causal, dkdv_cfg, rows, window,

@@ -41,8 +41,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from . import launch
-from .common import LOG2E, ScoreVariant, on_input_device
 from .common import PLAIN as NO_SCORES
+from .common import ScoreVariant, on_input_device
 from .configs import cdiv, sm_count
 from .sm90_common import (
     PAIRED,
@@ -61,6 +61,7 @@ from .sm90_common import (
     fold_sink,
     release,
     row_limits,
+    score_launch_args,
     softmax,
     to_operand,
 )
@@ -804,21 +805,17 @@ def forward_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: 
                                     seqlen_q, seqlen_k, grid, heads_q // heads_k)
     section = min(section, batch * heads_q)
     # SOFTCAP / ALIBI: the consumers turn the scores into natural units (``Scores.apply``), so the
-    # running max is in natural units: the softmax takes log2(e), the epilogue a scale of 1.
-    natural = scores.softcap > 0 or scores.alibi_slopes is not None
-    tanh_scale, softcap, slopes, stride_ab, stride_ah, sinks = scores.kernel_args(sm_scale)
+    # running max is in natural units: the softmax takes log2(e) (score_launch_args), the epilogue 1.
     launch.run(
         _attn_fwd_hopper_kernel, (grid,),
         q_desc=q_desc, k_desc=k_desc, v_desc=v_desc, o_desc=o_desc, LSE=lse,
         num_heads_q=heads_q, kv_group_size=heads_q // heads_k, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
         num_m_blocks=num_m_blocks, num_items=num_items, section=section,
-        sm_scale=1.0 if natural else sm_scale, qk_scale=LOG2E if natural else sm_scale * LOG2E,
-        score_scale=sm_scale if slopes is not None and softcap is None else None, tanh_scale=tanh_scale,
-        softcap=softcap, ALIBI_SLOPES=slopes, stride_ab=stride_ab, stride_ah=stride_ah, SINKS=sinks,
+        sm_scale=1.0 if scores.transforms else sm_scale, **score_launch_args(scores, sm_scale, sinks=True),
         HEAD_DIM=head_dim, ROWS=cfg["rows"], NUM_WG=cfg["num_wg"], BLOCK_N=cfg["block_n"],
         STAGES=cfg["stages"], IS_CAUSAL=causal, OVERLAP=cfg["overlap"], PINGPONG=cfg["pingpong"],
         ORDER=ORDERS[order], LTC=cfg["ltc"], SKIP=cfg["skip"] and causal,
-        PRODUCER_REGS_=PRODUCER_REGS, CONSUMER_REGS_=cfg["consumer_regs"], **scores.flags(),
+        PRODUCER_REGS_=PRODUCER_REGS, CONSUMER_REGS_=cfg["consumer_regs"],
         num_warps=cfg["num_warps"], maxnreg=cfg["maxnreg"],
     )
     return out, lse

@@ -18,6 +18,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTen
 from triton.language.core import _aggregate as aggregate
 from triton.language.core import base_value  # Triton 3.5/3.6's name (later gluon.aggregate)
 
+from .common import LOG2E
 from .launch import tma_compatible
 
 # Tile orders of the persistent loop (``tile_coords``; forward_hopper.tile_order picks one).
@@ -323,6 +324,22 @@ class Scores:
             s = s - self.slope * gl.abs(self.rows[:, None] + self.off - cols[None, :]).to(gl.float32)
         return s
 
+    @gluon.jit
+    def apply_grad(self, s, cols):
+        """``apply``, and the factor the chain rule puts on dS: 1 - tanh^2 with SOFTCAP, else 1 (which
+        a caller without SOFTCAP does not use). A backward's transposed tile [keys, queries] passes its
+        key positions as ``rows``, the query positions as ``cols`` and -off: |k - off - q| = |q + off - k|."""
+        g = gl.full_like(s, 1.0)
+        if self.SOFTCAP:
+            t = fast_tanh(s * self.tanh_scale)
+            s = self.softcap * t
+            g = 1.0 - t * t
+        elif self.ALIBI:
+            s = s * self.sm_scale
+        if self.ALIBI:
+            s = s - self.slope * gl.abs(self.rows[:, None] + self.off - cols[None, :]).to(gl.float32)
+        return s, g
+
 
 @aggregate
 class ScoreArgs:
@@ -349,7 +366,8 @@ class ScoreArgs:
 
     @gluon.jit
     def tile(self, off_b, off_h, rows, off):
-        """The ``Scores`` of batch off_b, query head off_h, query positions ``rows``."""
+        """The ``Scores`` of batch off_b, query head off_h, query positions ``rows`` (a backward's
+        transposed tile: its key positions, and -off)."""
         if self.ALIBI:
             slope = gl.load(self.SLOPES + off_b * self.stride_ab + off_h * self.stride_ah)
             return Scores(self.sm_scale, self.tanh_scale, self.softcap, slope, rows, off, self.SOFTCAP, self.ALIBI)
@@ -400,6 +418,21 @@ def to_operand(p, dtype: gl.constexpr, p_layout: gl.constexpr):
         h = gl.inline_asm_elementwise("cvt.rn.bf16x2.f32 $0, $2, $1;", "=r,f,f", [p], dtype=gl.bfloat16,
                                       is_pure=True, pack=2)
     return gl.convert_layout(h, p_layout)
+
+
+def score_launch_args(scores, sm_scale: float, sinks: bool) -> dict:
+    """A Gluon launch's score-variant arguments (``ScoreArgs``' values and flags, None / False where
+    unused, so the plain kernels get none) and the online softmax's ``qk_scale``: log2(e) where softcap
+    or ALiBi put the scores in natural units, else sm_scale * log2(e). ``sinks``: the kernel takes
+    SINKS / HAS_SINKS (the forward; the backward reads sinks only through the LSE)."""
+    tanh_scale, softcap, slopes, stride_ab, stride_ah, sink_ptr = scores.kernel_args(sm_scale)
+    args = dict(qk_scale=LOG2E if scores.transforms else sm_scale * LOG2E,
+                score_scale=sm_scale if slopes is not None and softcap is None else None,
+                tanh_scale=tanh_scale, softcap=softcap, ALIBI_SLOPES=slopes, stride_ab=stride_ab,
+                stride_ah=stride_ah, SOFTCAP=softcap is not None, ALIBI=slopes is not None)
+    if sinks:
+        args.update(SINKS=sink_ptr, HAS_SINKS=sink_ptr is not None)
+    return args
 
 
 @functools.cache
