@@ -6,11 +6,13 @@
 #                                            # and (one test at a time) the 4 GiB offset tests
 #   bash scripts/gpu_checks.sh bwd   # the backward suite
 #   bash scripts/gpu_checks.sh rest  # decode, merge, SDPA routing, compile, validation, layouts
+#   bash scripts/gpu_checks.sh variants  # score variants (the Hopper kernels' too), atomic dQ,
+#                                        # deterministic=, call plans
 #
 # Logs go to $OUT (the device tool's folder that comes back), a short summary to stdout. The hang
 # guard (tests/conftest.py) ends a test that runs past TRIFLASH_TEST_TIMEOUT seconds.
 set -u
-part=${1:?usage: gpu_checks.sh fwd|bwd|rest}
+part=${1:?usage: gpu_checks.sh fwd|bwd|rest|variants}
 OUT=${OUT:-/tmp/gpu_checks}
 mkdir -p "$OUT"
 export PYTHONPATH=src TRIFLASH_TEST_TIMEOUT=${TRIFLASH_TEST_TIMEOUT:-240}
@@ -37,13 +39,19 @@ bwd)
     run bwd -n 16 tests/test_backward.py
     ;;
 rest)
-    # test_decode*.py ran with -n 8 before (16 workers crowded its long-context cases).
-    run decode -n 8 tests/test_decode.py tests/test_decode_hopper.py
+    # 16 workers ran an 80 GB H100 out of memory on the decode suites; the 128k-key cases take
+    # several GiB each (float64 references), so they run alone.
+    run decode -n 8 tests/test_decode.py tests/test_decode_hopper.py -k "not long_context"
+    run decode_long -n 1 tests/test_decode.py tests/test_decode_hopper.py -k "long_context"
     run rest -n 16 tests/test_merge.py tests/test_integrations.py tests/test_compile.py tests/test_validation.py \
         tests/test_layouts.py tests/test_devices.py tests/test_readme.py
     ;;
+variants)
+    run variants -n 16 tests/test_variants.py tests/test_backward_atomic.py tests/test_deterministic.py \
+        tests/test_launch.py
+    ;;
 *)
-    echo "unknown part $part (fwd, bwd or rest)" >&2
+    echo "unknown part $part (fwd, bwd, rest or variants)" >&2
     exit 2
     ;;
 esac
