@@ -39,14 +39,16 @@ def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
 
 
 def causal_visible(seqlen_q: int, seqlen_k: int, device=None, window_size=(-1, -1),
-                   causal: bool = True) -> torch.Tensor:
+                   causal: bool = True, rows: tuple[int, int] | None = None) -> torch.Tensor:
     """[Sq, Sk] bool: query i sees key j when j <= i + (Sk - Sq) (bottom-right alignment). With a
     ``window_size`` (left, right), also when i + off - left <= j <= i + off + right (-1: that side
-    unbounded); ``causal=False`` drops the causal bound, keeping the window's."""
-    i = torch.arange(seqlen_q, device=device)[:, None]
+    unbounded); ``causal=False`` drops the causal bound, keeping the window's. ``rows`` (r0, r1): only
+    those query rows, [r1 - r0, Sk]."""
+    r0, r1 = rows if rows is not None else (0, seqlen_q)
+    i = torch.arange(r0, r1, device=device)[:, None]
     j = torch.arange(seqlen_k, device=device)[None, :]
     off = seqlen_k - seqlen_q
-    visible = j <= i + off if causal else torch.ones(seqlen_q, seqlen_k, dtype=torch.bool, device=device)
+    visible = j <= i + off if causal else torch.ones(r1 - r0, seqlen_k, dtype=torch.bool, device=device)
     left, right = window_size
     if left >= 0:
         visible = visible & (j >= i + off - left)
@@ -58,7 +60,8 @@ def causal_visible(seqlen_q: int, seqlen_k: int, device=None, window_size=(-1, -
 def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
                   sm_scale: float | None = None, compute_dtype: torch.dtype | None = torch.float64,
                   return_lse: bool = False, max_scores: int = 2**28, window_size=(-1, -1), softcap: float = 0.0,
-                  alibi_slopes: torch.Tensor | None = None, sinks: torch.Tensor | None = None):
+                  alibi_slopes: torch.Tensor | None = None, sinks: torch.Tensor | None = None,
+                  row_span: tuple[int, int] | None = None):
     """Reference attention on [B, H, S, D] with GQA, bottom-right causal, a local window
     (``window_size``, see ``causal_visible``), empty rows and the score variants (module docstring).
 
@@ -66,7 +69,9 @@ def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
     softmax in float32 (the seeds' naive recipe). Returns out in ``compute_dtype`` (or q's dtype), and
     with ``return_lse`` the natural-log LSE [B, H, Sq] in float32 (float64 when compute_dtype is).
     Query rows are processed in chunks so that at most ``max_scores`` scores exist at once (long
-    sequences on the GPU); chunking does not change any value.
+    sequences on the GPU); chunking does not change any value. ``row_span`` (start, total): q holds
+    rows [start, start + Sq) of a problem of ``total`` query rows (masks and ALiBi's distances are
+    that problem's), so a caller can take autograd through one slice of rows at a time.
     """
     if sm_scale is None:
         sm_scale = 1.0 / math.sqrt(q.shape[-1])
@@ -78,6 +83,7 @@ def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
     soft_dtype = compute_dtype or torch.float32
     batch, heads, seqlen_q, _ = q.shape
     seqlen_k = k.shape[2]
+    start, total_q = row_span if row_span is not None else (0, seqlen_q)
     kc, vc = k.to(mm_dtype), v.to(mm_dtype)
     rows = max(1, max_scores // max(1, batch * heads * seqlen_k))
     outs, lses = [], []
@@ -89,12 +95,13 @@ def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
         if alibi_slopes is not None:
             slopes = alibi_slopes.to(soft_dtype)
             slopes = (slopes[None] if slopes.dim() == 1 else slopes)[:, :, None, None]       # [B or 1, H, 1, 1]
-            i = torch.arange(r0, min(r0 + rows, seqlen_q), device=q.device)[:, None]
+            i = torch.arange(start + r0, start + min(r0 + rows, seqlen_q), device=q.device)[:, None]
             j = torch.arange(seqlen_k, device=q.device)[None, :]
-            scores = scores - slopes * (i + seqlen_k - seqlen_q - j).abs().to(soft_dtype)
+            scores = scores - slopes * (i + seqlen_k - total_q - j).abs().to(soft_dtype)
         visible = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device)
         if causal or tuple(window_size) != (-1, -1):
-            visible = causal_visible(seqlen_q, seqlen_k, q.device, window_size, causal)[r0:r0 + rows]
+            visible = causal_visible(total_q, seqlen_k, q.device, window_size, causal,
+                                     rows=(start + r0, start + min(r0 + rows, seqlen_q)))
         if sinks is not None:
             # The sink: one more column in every row's softmax, dropped from the probabilities. A row
             # that sees no key then has p_sink = 1: out = 0, lse = sink.
@@ -122,11 +129,12 @@ def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
 
 
 def flash_attn_ref(q, k, v, causal=False, softmax_scale=None, compute_dtype=torch.float64,
-                   return_lse=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, sinks=None):
+                   return_lse=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, sinks=None,
+                   row_span=None):
     """``attention_ref`` for FlashAttention's layout: q [B, Sq, Hq, D], k/v [B, Sk, Hkv, D]."""
     res = attention_ref(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal, softmax_scale,
                         compute_dtype, return_lse, window_size=window_size, softcap=softcap,
-                        alibi_slopes=alibi_slopes, sinks=sinks)
+                        alibi_slopes=alibi_slopes, sinks=sinks, row_span=row_span)
     if return_lse:
         return res[0].transpose(1, 2), res[1]
     return res.transpose(1, 2)

@@ -206,15 +206,11 @@ def reference_forward_backward(q, k, v, dout, causal: bool, compute_dtype,
 
     Autograd runs on a chunk of query rows at a time, so only that chunk's graph exists at once. This
     is exact: each query row depends on K and V only, so dq rows come from their own chunk and dk, dv
-    are sums over chunks. A causal chunk ending at row r1 sees keys [0, r1) only, and the reference's
-    bottom-right alignment on that (rows, r1) problem is the same mask as on the full square.
-    compute_dtype=None gives PyTorch's same-dtype attention (grads in the input dtype). A local
-    ``window`` whose right side reaches no later key (causal, or right = 0) chunks the same way (its
-    left bound is relative to the row, which the chunk keeps); any other window takes one chunk.
-    The score variants (``softcap``, ``sinks``: not differentiated, ``alibi_slopes``) are passed
-    through: soft-capping and sinks act on each row alone; ALiBi's distance i + Sk - Sq - j is the
-    same in a prefix chunk, and other problems with ALiBi take one chunk too. One-chunk problems
-    run one batch element at a time.
+    are sums over chunks. The reference takes the chunk as rows [r0, r1) of the whole problem
+    (``row_span``), so masks, windows and ALiBi's distances are the whole problem's; a chunk whose
+    rows see no key past r1 (causal, or a window with right = 0) reads keys [0, r1) only.
+    compute_dtype=None gives PyTorch's same-dtype attention (grads in the input dtype). The score
+    variants (``softcap``, ``sinks``: not differentiated, ``alibi_slopes``) are passed through.
     """
     leaf_dtype = compute_dtype or q.dtype
     qh, kh, vh, doh = (t.transpose(1, 2) for t in (q, k, v, dout))      # [B, H, S, D] views
@@ -222,22 +218,24 @@ def reference_forward_backward(q, k, v, dout, causal: bool, compute_dtype,
     out, dq = torch.empty_like(qh, dtype=leaf_dtype), torch.empty_like(qh, dtype=leaf_dtype)
     dk, dv = torch.zeros_like(kh, dtype=leaf_dtype), torch.zeros_like(vh, dtype=leaf_dtype)
     prefix = causal or window[1] == 0        # rows [r0, r1) see keys [0, r1) at most
-    chunked = prefix or (window == (-1, -1) and alibi_slopes is None)
-    rows = max(1, max_scores // (batch * heads * seqlen)) if chunked else seqlen
+    rows = max(1, max_scores // (batch * heads * seqlen))
     variants = {"softcap": softcap, "sinks": sinks, "alibi_slopes": alibi_slopes}
-    for b0, b1 in ((0, batch),) if chunked else ((b, b + 1) for b in range(batch)):
-        for r0 in range(0, seqlen, rows):
-            r1 = min(seqlen, r0 + rows)
-            keys = r1 if prefix else seqlen
-            qc, kc, vc = (t.to(leaf_dtype).detach().requires_grad_()
-                          for t in (qh[b0:b1, :, r0:r1], kh[b0:b1, :, :keys], vh[b0:b1, :, :keys]))
-            oc = flash_attn_ref(qc.transpose(1, 2), kc.transpose(1, 2), vc.transpose(1, 2), causal,
-                                compute_dtype=compute_dtype, window_size=window, **variants).transpose(1, 2)
-            gq, gk, gv = torch.autograd.grad(oc, (qc, kc, vc), doh[b0:b1, :, r0:r1].to(oc.dtype))
-            out[b0:b1, :, r0:r1] = oc.detach()
-            dq[b0:b1, :, r0:r1] = gq
-            dk[b0:b1, :, :keys] += gk
-            dv[b0:b1, :, :keys] += gv
+    for r0 in range(0, seqlen, rows):
+        r1 = min(seqlen, r0 + rows)
+        keys = r1 if prefix else seqlen
+        qc, kc, vc = (t.to(leaf_dtype).detach().requires_grad_()
+                      for t in (qh[:, :, r0:r1], kh[:, :, :keys], vh[:, :, :keys]))
+        # (start, total rows): rows [r0, r1) of the prefix problem of r1 rows over keys [0, r1), whose
+        # bottom-right alignment is the square's, or of the whole square.
+        span = (r0, r1) if prefix else (r0, seqlen)
+        oc = flash_attn_ref(qc.transpose(1, 2), kc.transpose(1, 2), vc.transpose(1, 2), causal,
+                            compute_dtype=compute_dtype, window_size=window, row_span=span,
+                            **variants).transpose(1, 2)
+        gq, gk, gv = torch.autograd.grad(oc, (qc, kc, vc), doh[:, :, r0:r1].to(oc.dtype))
+        out[:, :, r0:r1] = oc.detach()
+        dq[:, :, r0:r1] = gq
+        dk[:, :, :keys] += gk
+        dv[:, :, :keys] += gv
     return tuple(t.transpose(1, 2) for t in (out, dq, dk, dv))
 
 
