@@ -190,17 +190,18 @@ def _backward_inputs(variants, want):
                     yield label, variant, q, k, v, torch.randn_like(q), stats, causal
 
 
-# The backward's score variants (softcap and [B, Hq] ALiBi slopes together), compiled at fp16.
-BWD_SCORES = ScoreVariant(5.0, torch.rand(2, 8))
+# The backward's score variants, compiled at fp16: each alone ([Hq] slopes) and together ([B, Hq]).
+BWD_SCORES = (("softcap", ScoreVariant(5.0)), ("alibi", ScoreVariant(0.0, torch.rand(8))),
+              ("softcap+alibi", ScoreVariant(5.0, torch.rand(2, 8))))
 
 
 def backward_cases(variants):
     for label, variant, q, k, v, do, stats, causal in _backward_inputs(variants, lambda var, d: True):
         yield f"bwd {label}", (lambda q=q, k=k, v=v, do=do, st=stats, c=causal, var=variant:
                                _backward_without_finish(do, q, k, v, st, c, var))
-        if q.dtype == torch.float16:
-            yield f"bwd {label} softcap+alibi", (lambda q=q, k=k, v=v, do=do, st=stats, c=causal, var=variant:
-                                                 _backward_without_finish(do, q, k, v, st, c, var, BWD_SCORES))
+        for name, scores in BWD_SCORES if q.dtype == torch.float16 else ():
+            yield f"bwd {label} {name}", (lambda q=q, k=k, v=v, do=do, st=stats, c=causal, var=variant, sc=scores:
+                                          _backward_without_finish(do, q, k, v, st, c, var, sc))
 
 
 def dq_cases(variants):
@@ -211,10 +212,10 @@ def dq_cases(variants):
     for label, variant, q, k, v, do, stats, causal in _backward_inputs(variants, takes_it):
         yield f"bwd-dq {label}", (lambda q=q, k=k, v=v, do=do, st=stats, c=causal, var=variant:
                                   BH.dq_hopper(do, q, k, v, st, st, 0.1, c, torch.empty_like(q), variant=var))
-        if q.dtype == torch.float16:
-            yield f"bwd-dq {label} softcap+alibi", (
-                lambda q=q, k=k, v=v, do=do, st=stats, c=causal, var=variant:
-                BH.dq_hopper(do, q, k, v, st, st, 0.1, c, torch.empty_like(q), variant=var, scores=BWD_SCORES))
+        for name, scores in BWD_SCORES if q.dtype == torch.float16 else ():
+            yield f"bwd-dq {label} {name}", (
+                lambda q=q, k=k, v=v, do=do, st=stats, c=causal, var=variant, sc=scores:
+                BH.dq_hopper(do, q, k, v, st, st, 0.1, c, torch.empty_like(q), variant=var, scores=sc))
 
 
 def decode_cases(tiles):

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU test suites, in three parts that each fit one device call (10 minutes): what a change made
+# The GPU test suites, in four parts that each fit one device call (10 minutes): what a change made
 # on a machine without a GPU owes before it is called verified on one.
 #
 #   bash scripts/gpu_checks.sh fwd   # forward suites, causal and empty rows, packed sequences, windows,

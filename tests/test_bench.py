@@ -800,15 +800,26 @@ def test_alibi_slopes_and_sinks_are_the_standard_ones(device):
 
 @pytest.mark.parametrize("causal,window", [(False, (-1, -1)), (True, (-1, -1)), (False, (6, 3)), (False, (-1, 4))],
                          ids=["full", "causal", "window-6-3", "right-4"])
-def test_chunked_reference_with_score_variants_is_exact(causal, window):
+def test_chunked_reference_with_score_variants_is_exact(monkeypatch, causal, window):
     """The chunked autograd reference with softcap, sinks and ALiBi, causal or not, with windows whose
     rows see later keys too, in chunks of 5 rows (so no chunk holds the whole problem), equals one
     whole autograd pass."""
+    from triflash.bench import checking
+
     q, k, v, dout = (torch.randn(2, 37, 2, 16, dtype=torch.float64) for _ in range(4))
     kw = dict(softcap=2.0, sinks=torch.tensor([0.5, -1.0], dtype=torch.float64),
               alibi_slopes=torch.tensor([0.25, 0.0625], dtype=torch.float64))
+    chunks = []
+    real = checking.flash_attn_ref
+
+    def spy(q, *args, **kwargs):
+        chunks.append(q.shape[:2])
+        return real(q, *args, **kwargs)
+    monkeypatch.setattr(checking, "flash_attn_ref", spy)
     chunked = reference_forward_backward(q, k, v, dout, causal, torch.float64, max_scores=2 * 2 * 37 * 5,
                                          window=window, **kw)
+    assert chunks == [(2, 5)] * 7 + [(2, 2)]             # the whole batch, 5 rows at a time
+    monkeypatch.undo()
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     out = flash_attn_ref(*leaves, causal=causal, window_size=window, **kw)
     whole = (out, *torch.autograd.grad(out, leaves, dout))

@@ -96,3 +96,23 @@ def test_empty_shapes_give_empty_results_as_sdpa(device, shape_q, shape_kv):
     assert triflash.attention(*(t.detach().transpose(1, 2) for t in (q, k, v))).shape == sdpa.shape
     with torch.no_grad():
         assert triflash.flash_attn_with_kvcache(q, k, v).shape == shape_q
+
+
+@pytest.mark.parametrize("causal,window", [(True, (-1, -1)), (False, (5, 2)), (False, (-1, -1))])
+def test_reference_row_span_is_a_slice_of_the_whole(causal, window):
+    """flash_attn_ref(row_span=(start, total)) on rows [start, start + n) of a problem equals those rows
+    of the whole problem's result (masks, windows, ALiBi distances, sinks, empty rows), and a span
+    outside the problem is refused naming the argument."""
+    q, k, v = (torch.randn(2, n, 2, 8, dtype=torch.float64) for n in (30, 20, 20))
+    kw = dict(causal=causal, window_size=window, return_lse=True, alibi_slopes=torch.tensor([0.3, 0.1]),
+              sinks=torch.tensor([0.5, -1.0], dtype=torch.float64))
+    whole, whole_lse = flash_attn_ref(q, k, v, **kw)
+    for start, stop in ((0, 7), (7, 19), (19, 30)):
+        part, part_lse = flash_attn_ref(q[:, start:stop], k, v, row_span=(start, 30), **kw)
+        torch.testing.assert_close(part, whole[:, start:stop], rtol=0, atol=1e-14)
+        torch.testing.assert_close(part_lse, whole_lse[:, :, start:stop], rtol=0, atol=1e-14)
+    assert causal_visible(30, 20, rows=(7, 19), window_size=window, causal=causal).equal(
+        causal_visible(30, 20, window_size=window, causal=causal)[7:19])
+    for bad in ((25, 30), (-1, 30), (0, 5)):
+        with pytest.raises(ValueError, match="row_span"):
+            flash_attn_ref(q[:, :7], k, v, row_span=bad)

@@ -128,13 +128,15 @@ def test_hopper_forward_with_variants(device, force_kernels, monkeypatch, gluon,
 
 
 def _hopper_backward_cases():
-    from triflash.kernels import configs, dispatch
+    from triflash.kernels import backward_hopper, configs, dispatch
 
     cases = []
     for head_dim, dtype in ((64, torch.float16), (64, torch.bfloat16), (128, torch.float16), (128, torch.bfloat16)):
         if not (HOPPER and configs.gluon_hopper_applies(head_dim=head_dim, dtype=dtype, device="cuda")):
             continue
-        for gluon in dispatch.backward_candidates(head_dim):
+        # The chooser's variants, and every other one a caller may force (the fused "split" at 64).
+        forced = [n for n, cfgs in backward_hopper.VARIANTS.items() if head_dim in cfgs]
+        for gluon in dict.fromkeys([*dispatch.backward_candidates(head_dim), *forced]):
             for name in VARIANTS:
                 for sq, sk, causal in HOPPER_SHAPES:
                     cases.append(pytest.param(gluon, name, sq, sk, causal, head_dim, dtype,
@@ -488,11 +490,11 @@ def test_which_forward_takes_the_variants(device, monkeypatch):
     assert taken == [("pp_persist", capped)]
 
 
-def test_sinks_alone_take_the_hopper_backward(device, monkeypatch):
-    """The backward's rule, with the Gluon kernels stubbed in (any machine): sinks alone take them
-    (the sink reaches the backward only through the LSE) and dsink comes from the preprocess' padded
-    delta rows, equal to the Triton path's; softcap or ALiBi keep the Triton kernels unless a Gluon
-    variant is forced, and then reach them."""
+def test_hopper_backward_takes_variants_only_when_forced(device, monkeypatch):
+    """The backward's rule, with the Gluon kernels stubbed in (any machine): a call with score
+    variants keeps the Triton kernels unless a Gluon variant is forced (they have not run on a GPU
+    there yet), and then reaches them with its variants; with sinks, dsink comes from the
+    preprocess' delta rows padded to the Gluon tiles, equal to the Triton path's."""
     from triflash.kernels import backward_hopper, configs, dispatch
     from triflash.kernels.common import ScoreVariant
 
@@ -517,14 +519,16 @@ def test_sinks_alone_take_the_hopper_backward(device, monkeypatch):
     monkeypatch.setattr(backward_hopper, "supported", lambda *args: True)
     monkeypatch.setattr(backward_hopper, "backward_hopper", stub)
     monkeypatch.setattr(backward_hopper, "dq_hopper", stub)
+    plain = dispatch.backward(dout, q, k, v, out, lse, 0.125, True)
+    assert [t[0] for t in taken] == ["dkdv", "dkdv"] and all(g is not None for g in plain)   # the stub ran
     got = torch.empty(2, device=device)
-    dispatch.backward(dout, q, k, v, out, lse, 0.125, True, scores=scores, dsink=got)
     padded = backward_hopper.padded_rows(150)
-    assert padded > 150 and taken and all(rows == padded and sc is scores for _, rows, sc in taken)
-    assert torch.equal(got, want)
-    for variant in (ScoreVariant(2.0, None, sinks), ScoreVariant(0.0, torch.rand(2, device=device), sinks)):
+    for variant in (scores, ScoreVariant(2.0, None, sinks), ScoreVariant(0.0, torch.rand(2, device=device), sinks)):
         taken.clear()
         dispatch.backward(dout, q, k, v, out, lse, 0.125, True, scores=variant, dsink=got)
         assert taken == []
+        assert torch.equal(got, want) or variant is not scores
+        got.fill_(float("nan"))
         dispatch.backward(dout, q, k, v, out, lse, 0.125, True, scores=variant, dsink=got, variant="dkdv")
-        assert taken and all(sc is variant for _, _, sc in taken)
+        assert taken and all(rows == padded and sc is variant for _, rows, sc in taken)
+        assert padded > 150 and torch.equal(got, want)                   # the same sinks, same lse

@@ -159,9 +159,8 @@ def flash_attn_func(q, k, v, *options, softmax_scale=None, causal=False, return_
             row's softmax denominator with no value: out_i = sum_j e^{s_ij} v_j / (sum_j e^{s_ij} +
             e^{sink_h}). Differentiable (it trains). The returned lse includes the sink; a row that
             sees no key gets out = 0 and lse = sink.
-            On H100/H200 (head dim 64/128) the forward with sinks or ALiBi and the backward with sinks
-            alone run on the Hopper kernels; softcap, the other backwards and decode on the portable
-            Triton kernels.
+            On H100/H200 (head dim 64/128) the forward with sinks or ALiBi runs on the Hopper kernels;
+            softcap's forward, the backward and decode with any variant on the portable Triton kernels.
         deterministic: the backward gives bit-identical gradients from run to run (dQ summed in a
             fixed order). False (default) permits one that adds dQ's parts with atomics, whose order,
             and so the last bits, vary between runs, where that is faster (nowhere yet: every backward

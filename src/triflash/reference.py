@@ -84,6 +84,9 @@ def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
     batch, heads, seqlen_q, _ = q.shape
     seqlen_k = k.shape[2]
     start, total_q = row_span if row_span is not None else (0, seqlen_q)
+    if not (isinstance(start, int) and isinstance(total_q, int) and 0 <= start and start + seqlen_q <= total_q):
+        raise ValueError(f"row_span must be (start, total) with 0 <= start and start + q's {seqlen_q} rows <= "
+                         f"total; got {row_span!r}")
     kc, vc = k.to(mm_dtype), v.to(mm_dtype)
     rows = max(1, max_scores // max(1, batch * heads * seqlen_k))
     outs, lses = [], []

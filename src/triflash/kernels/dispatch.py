@@ -23,8 +23,8 @@ kernels take.
 
 Score variants (``scores``: softcap, ALiBi, attention sinks; [Note: score variants] in common.py) run on
 the Gluon forward where it applies (softcap only when a Gluon variant is forced: slower there), and
-elsewhere on the portable Triton kernels: decode always; the backward with softcap or ALiBi unless a
-Gluon variant is forced (the Gluon backward takes sinks, which reach it only through the LSE).
+elsewhere on the portable Triton kernels: decode always; the backward unless a Gluon variant is forced
+(the Gluon backward kernels take all three, not yet run on a GPU).
 ``force()`` makes the choice for calls made through the public functions (tests and benchmarks), without
 replacing any function.
 The measurements behind each rule: docs/performance.md and docs/performance-notes.md.
@@ -246,7 +246,8 @@ def backward_variant(*, head_dim: int, dtype, device, causal: bool, seqlen_q: in
 
 def _portable_backward(variant: str | None, deterministic: bool) -> str:
     """``"triton"`` or ``"atomic"`` for a call that runs on the portable kernels (packed sequences,
-    windows, score variants, explicit configs, or a Gluon variant its inputs do not allow): a forced
+    windows, score variants unless a Gluon variant is forced, explicit configs, or a Gluon variant its
+    inputs do not allow): a forced
     ``"atomic"`` or ``"triton"`` as given, else ``"triton"``, or ``"atomic"`` where ``deterministic``
     is False and ``ATOMIC_BY_DEFAULT`` (the Gluon variants are deterministic: one forced that cannot
     run falls back to ``"triton"``)."""
@@ -271,9 +272,9 @@ def backward(dout, q, k, v, out, lse, sm_scale: float, causal: bool, *, dlse=Non
     choice take ``"atomic"`` where ``ATOMIC_BY_DEFAULT`` says it pays (nowhere yet; a forced variant
     wins). ``varlen``: packed
     sequences (q / out / dout [total_q, Hq, D], k / v [total_k, Hkv, D], lse / dlse [Hq, total_q]);
-    ``window`` as the forward's. Both run on the Triton kernels, as do softcap and ALiBi (``scores``,
-    the forward's); with sinks, their gradient [Hq] float32 is written into ``dsink`` (allocated
-    by the caller; ``backward._sink_grad_kernel``)."""
+    ``window`` as the forward's. Both run on the Triton kernels, as do score variants (``scores``,
+    the forward's) unless a Gluon variant is forced; with sinks, their gradient [Hq] float32 is
+    written into ``dsink`` (allocated by the caller; ``backward._sink_grad_kernel``)."""
     _check_backend(q, "backward")
     if scores.sinks is not None and dsink is None:
         raise ValueError("dsink: the backward with sinks writes their gradient into a [Hq] float32 tensor "
@@ -312,9 +313,9 @@ def backward(dout, q, k, v, out, lse, sm_scale: float, causal: bool, *, dlse=Non
         return dq, dk, dv
 
     hopper = None
-    # Sinks alone leave the scores as they are and enter through the LSE: the Gluon kernels take them.
-    # Softcap and ALiBi: the Gluon kernels only when a Gluon variant is forced (not yet run on a GPU).
-    if config is None and window is None and (not scores.transforms or forced not in (None, TRITON, ATOMIC)):
+    # Score variants take the Gluon kernels only when a Gluon variant is forced: they have not run on
+    # a GPU there yet (sinks need nothing in them, softcap and ALiBi Scores.apply_grad).
+    if config is None and window is None and (not scores.any or forced not in (None, TRITON, ATOMIC)):
         variant = forced or backward_variant(head_dim=head_dim, dtype=q.dtype, device=q.device, causal=causal,
                                              seqlen_q=seqlen_q, seqlen_k=seqlen_k, deterministic=deterministic)
         if variant not in (TRITON, ATOMIC) and configs.gluon_available():

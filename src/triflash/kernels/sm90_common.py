@@ -385,8 +385,9 @@ def fast_tanh(x):
     """tanh(x) = 1 - 2 / (1 + e^{2x}) with the hardware exp2 and an approximate division: two MUFU
     operations where libdevice's tanh takes a long polynomial (which made the softcap forward 3.5-5x
     slower than the plain one). Absolute error about 2e-7 (1e-7 near 0), so softcap * tanh moves a
-    score by about 2e-7 * softcap, far below fp16/bf16 rounding; the backward's libdevice tanh
-    recomputes P within that of the forward's. Saturates to +-1 (e^{2x} = inf or 0), never NaN."""
+    score by about 2e-7 * softcap, far below fp16/bf16 rounding: a backward recomputes P within that
+    of the forward's, whether with libdevice's tanh (Triton kernels) or this one (Gluon). Saturates
+    to +-1 (e^{2x} = inf or 0), never NaN."""
     e = gl.exp2(x * 2.8853900817779268)                     # e^{2x} = 2^{2x log2(e)}
     return 1.0 - gl.fdiv(gl.full_like(e, 2.0), 1.0 + e)
 
