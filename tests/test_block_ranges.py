@@ -620,7 +620,8 @@ def test_window_bounds_keeps_the_mask(max_q, max_k):
         for window in [None] + [(left, right) for left in sides for right in sides]:
             out_causal, out_window = window_bounds(window, causal, max_q, max_k)
             want = _all_masks(max_q, max_k, causal, window)
-            (wl, wr), flags = window_kernel_args(out_window)
+            flags = window_kernel_args(out_window)
+            wl, wr = flags["window_left"], flags["window_right"]
             if out_window is not None:
                 assert flags["HAS_LEFT"] or flags["HAS_RIGHT"], f"{window}: a window with no bound"
                 got = _all_masks(max_q, max_k, False, (wl if flags["HAS_LEFT"] else -1,
@@ -648,10 +649,12 @@ def test_window_bounds_named_cases():
     assert window_bounds((99, 98), False, 100, 100) == (False, (99, 98))
     assert window_bounds((10**12, 0), False, 100, 100) == (True, None)
     assert window_bounds((5, -1), True, 100, 100) == (True, (5, 0))
-    assert window_kernel_args(None) == ((0, 0), dict(HAS_LEFT=False, HAS_RIGHT=False))
-    assert window_kernel_args((5, 0)) == ((5, 0), dict(HAS_LEFT=True, HAS_RIGHT=True))
-    assert window_kernel_args((-1, 3)) == ((-1, 3), dict(HAS_LEFT=False, HAS_RIGHT=True))
-    assert window_kernel_args((4, -1)) == ((4, -1), dict(HAS_LEFT=True, HAS_RIGHT=False))
+    def args(left, right, has_left, has_right):
+        return dict(window_left=left, window_right=right, HAS_LEFT=has_left, HAS_RIGHT=has_right)
+    assert window_kernel_args(None) == args(0, 0, False, False)
+    assert window_kernel_args((5, 0)) == args(5, 0, True, True)
+    assert window_kernel_args((-1, 3)) == args(-1, 3, False, True)
+    assert window_kernel_args((4, -1)) == args(4, -1, True, False)
 
 
 # --------------------------------------------------------------------------------------------------

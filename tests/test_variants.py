@@ -63,9 +63,10 @@ def _cases():
     return cases
 
 
-@pytest.mark.parametrize("name,seqlen_q,seqlen_k,causal,window,dtype", _cases())
-def test_variant_forward_and_backward(device, name, seqlen_q, seqlen_k, causal, window, dtype):
-    q, k, v = make_qkv(2, seqlen_q, seqlen_k, HEADS_Q, HEADS_KV, 32, dtype, device, requires_grad=True)
+def _forward_and_backward(device, name, seqlen_q, seqlen_k, causal, head_dim, dtype, window=(-1, -1)):
+    """flash_attn_func with score variant ``name``: out and lse under the 2x rule, then dq, dk, dv (and
+    dsink) under the 3x rule, with a gradient on the lse too."""
+    q, k, v = make_qkv(2, seqlen_q, seqlen_k, HEADS_Q, HEADS_KV, head_dim, dtype, device, requires_grad=True)
     kwargs = _variant(name, device)
     sinks = kwargs.pop("sinks", None)
     if sinks is not None:
@@ -79,6 +80,11 @@ def test_variant_forward_and_backward(device, name, seqlen_q, seqlen_k, causal, 
     _check_backward(grads, q, k, v, dout, dlse, causal=causal, window_size=window, sinks=sinks, **kwargs)
 
 
+@pytest.mark.parametrize("name,seqlen_q,seqlen_k,causal,window,dtype", _cases())
+def test_variant_forward_and_backward(device, name, seqlen_q, seqlen_k, causal, window, dtype):
+    _forward_and_backward(device, name, seqlen_q, seqlen_k, causal, 32, dtype, window)
+
+
 # On sm_90 at head dims 64 and 128 (fp16/bf16) the forward's Gluon kernels take the variants too
 # (sm90_common.Scores, fold_sink): every variant the chooser can take, each forced, on each score
 # variant, with rows that see no key (Sq > Sk causal), Sq < Sk, one query row, and tiles crossed by
@@ -87,14 +93,22 @@ HOPPER = ON_GPU and torch.cuda.get_device_capability() == (9, 0)
 HOPPER_SHAPES = [(300, 700, True), (700, 300, True), (333, 333, False), (1, 500, False)]
 
 
-def _hopper_cases():
-    from triflash.kernels import configs, dispatch
+def _hopper_cases(kind):
+    """(Gluon variant, score variant, Sq, Sk, causal, head dim, dtype) for every Gluon ``kind``
+    ("forward": the chooser's candidates; "backward": those and every other one a caller may force,
+    the fused "split" at 64), or one skipped case off sm_90."""
+    from triflash.kernels import backward_hopper, configs, dispatch
 
     cases = []
     for head_dim, dtype in ((64, torch.float16), (64, torch.bfloat16), (128, torch.float16), (128, torch.bfloat16)):
         if not (HOPPER and configs.gluon_hopper_applies(head_dim=head_dim, dtype=dtype, device="cuda")):
             continue
-        for gluon in dispatch.forward_candidates(head_dim, dtype):
+        if kind == "forward":
+            gluons = dispatch.forward_candidates(head_dim, dtype)
+        else:
+            forced = [n for n, cfgs in backward_hopper.VARIANTS.items() if head_dim in cfgs]
+            gluons = dict.fromkeys([*dispatch.backward_candidates(head_dim), *forced])
+        for gluon in gluons:
             for name in VARIANTS:
                 for sq, sk, causal in HOPPER_SHAPES:
                     cases.append(pytest.param(gluon, name, sq, sk, causal, head_dim, dtype,
@@ -103,7 +117,7 @@ def _hopper_cases():
     return cases or [pytest.param(*[None] * 7, marks=pytest.mark.skip(reason="needs an sm_90 GPU (Gluon kernels)"))]
 
 
-@pytest.mark.parametrize("gluon,name,seqlen_q,seqlen_k,causal,head_dim,dtype", _hopper_cases())
+@pytest.mark.parametrize("gluon,name,seqlen_q,seqlen_k,causal,head_dim,dtype", _hopper_cases("forward"))
 def test_hopper_forward_with_variants(device, force_kernels, monkeypatch, gluon, name, seqlen_q, seqlen_k, causal,
                                       head_dim, dtype):
     from triflash.kernels import forward_hopper
@@ -113,39 +127,11 @@ def test_hopper_forward_with_variants(device, force_kernels, monkeypatch, gluon,
     monkeypatch.setattr(forward_hopper, "forward_hopper",
                         lambda *a, **kw: taken.append(kw["variant"]) or real(*a, **kw))
     force_kernels(forward=gluon)
-    q, k, v = make_qkv(2, seqlen_q, seqlen_k, HEADS_Q, HEADS_KV, head_dim, dtype, device, requires_grad=True)
-    kwargs = _variant(name, device)
-    sinks = kwargs.pop("sinks", None)
-    if sinks is not None:
-        sinks.requires_grad_()
-    out, lse = triflash.flash_attn_func(q, k, v, causal=causal, return_lse=True, sinks=sinks, **kwargs)
+    _forward_and_backward(device, name, seqlen_q, seqlen_k, causal, head_dim, dtype)
     assert taken == [gluon]
-    _check_forward(out, lse, q, k, v, causal=causal, sinks=sinks, **kwargs)
-    dout, dlse = torch.randn_like(out), torch.randn_like(lse)
-    leaves = (q, k, v) if sinks is None else (q, k, v, sinks)
-    grads = torch.autograd.grad((out, lse), leaves, (dout, dlse))
-    _check_backward(grads, q, k, v, dout, dlse, causal=causal, sinks=sinks, **kwargs)
 
 
-def _hopper_backward_cases():
-    from triflash.kernels import backward_hopper, configs, dispatch
-
-    cases = []
-    for head_dim, dtype in ((64, torch.float16), (64, torch.bfloat16), (128, torch.float16), (128, torch.bfloat16)):
-        if not (HOPPER and configs.gluon_hopper_applies(head_dim=head_dim, dtype=dtype, device="cuda")):
-            continue
-        # The chooser's variants, and every other one a caller may force (the fused "split" at 64).
-        forced = [n for n, cfgs in backward_hopper.VARIANTS.items() if head_dim in cfgs]
-        for gluon in dict.fromkeys([*dispatch.backward_candidates(head_dim), *forced]):
-            for name in VARIANTS:
-                for sq, sk, causal in HOPPER_SHAPES:
-                    cases.append(pytest.param(gluon, name, sq, sk, causal, head_dim, dtype,
-                                              id=f"{gluon}-{name}-Sq{sq}-Sk{sk}-{'causal' if causal else 'full'}"
-                                                 f"-D{head_dim}-{DTYPE_ID[dtype]}"))
-    return cases or [pytest.param(*[None] * 7, marks=pytest.mark.skip(reason="needs an sm_90 GPU (Gluon kernels)"))]
-
-
-@pytest.mark.parametrize("gluon,name,seqlen_q,seqlen_k,causal,head_dim,dtype", _hopper_backward_cases())
+@pytest.mark.parametrize("gluon,name,seqlen_q,seqlen_k,causal,head_dim,dtype", _hopper_cases("backward"))
 def test_hopper_backward_with_variants(device, force_kernels, monkeypatch, gluon, name, seqlen_q, seqlen_k, causal,
                                        head_dim, dtype):
     """Each Gluon backward variant, forced, with each score variant (softcap and ALiBi recompute P and
@@ -158,17 +144,8 @@ def test_hopper_backward_with_variants(device, force_kernels, monkeypatch, gluon
     monkeypatch.setattr(backward_hopper, "backward_hopper",
                         lambda *a, **kw: taken.append(kw["variant"]) or real(*a, **kw))
     force_kernels(backward=gluon)
-    q, k, v = make_qkv(2, seqlen_q, seqlen_k, HEADS_Q, HEADS_KV, head_dim, dtype, device, requires_grad=True)
-    kwargs = _variant(name, device)
-    sinks = kwargs.pop("sinks", None)
-    if sinks is not None:
-        sinks.requires_grad_()
-    out, lse = triflash.flash_attn_func(q, k, v, causal=causal, return_lse=True, sinks=sinks, **kwargs)
-    dout, dlse = torch.randn_like(out), torch.randn_like(lse)
-    leaves = (q, k, v) if sinks is None else (q, k, v, sinks)
-    grads = torch.autograd.grad((out, lse), leaves, (dout, dlse))
+    _forward_and_backward(device, name, seqlen_q, seqlen_k, causal, head_dim, dtype)
     assert taken == [gluon]
-    _check_backward(grads, q, k, v, dout, dlse, causal=causal, sinks=sinks, **kwargs)
 
 
 def test_rows_that_see_no_key(device):
@@ -209,8 +186,7 @@ def test_no_variant_is_the_plain_call(device):
     flag False, so their compiled code is the code without variants."""
     from triflash.kernels.common import PLAIN
 
-    assert all(a is None for a in PLAIN.kernel_args(0.125))
-    assert not any(PLAIN.flags().values()) and not any(PLAIN.transform_flags().values())
+    assert all(not a for a in (*PLAIN.transform_kwargs(0.125).values(), *PLAIN.sink_kwargs().values()))
     q, k, v = make_qkv(1, 40, 40, 2, 1, 32, torch.float16, device)
     assert torch.equal(triflash.flash_attn_func(q, k, v, causal=True),
                        triflash.flash_attn_func(q, k, v, causal=True, softcap=0.0, alibi_slopes=None, sinks=None))
@@ -483,9 +459,8 @@ def test_which_forward_takes_the_variants(device, monkeypatch):
     capped = ScoreVariant(4.0, slopes, sinks)
     out, lse = dispatch.forward(q, k, v, 0.125, True, scores=capped)
     assert taken == []
-    ref, ref_lse = flash_attn_ref(q, k, v, causal=True, softmax_scale=0.125, return_lse=True, softcap=4.0,
-                                  alibi_slopes=slopes, sinks=sinks)
-    assert max_err(out, ref) < 1e-2 and max_err(lse, ref_lse) < 1e-3
+    _check_forward(out, lse, q, k, v, causal=True, softmax_scale=0.125, softcap=4.0, alibi_slopes=slopes,
+                   sinks=sinks)
     dispatch.forward(q, k, v, 0.125, True, scores=capped, variant="pp_persist")
     assert taken == [("pp_persist", capped)]
 

@@ -639,17 +639,6 @@ def run_dq(q, k, v, dout, lse2, delta, dq, sm_scale: float, causal: bool, config
                sm_scale, causal, config, q.dtype, tma, window=window, scores=scores)
 
 
-def _score_args(scores: ScoreVariant, sm_scale: float) -> dict:
-    tanh_scale, softcap, slopes, stride_ab, stride_ah = scores.kernel_args(sm_scale)[:5]
-    return dict(tanh_scale=tanh_scale, softcap=softcap, ALIBI_SLOPES=slopes, stride_ab=stride_ab,
-                stride_ah=stride_ah, **scores.transform_flags())
-
-
-def _window_args(window) -> dict:
-    (left, right), flags = window_kernel_args(window)
-    return dict(window_left=left, window_right=right, **flags)
-
-
 def _launch_dkdv(Q, K, V, DO, lse2, delta, dk, dv, strides, batch, heads_q, heads_k, head_dim,
                  seqlen_q, seqlen_k, max_seqlen_k, stats_rows, sm_scale, causal, cfg, dtype, tma,
                  varlen=None, window=None, scores: ScoreVariant = PLAIN, dq_accum=None):
@@ -667,7 +656,7 @@ def _launch_dkdv(Q, K, V, DO, lse2, delta, dk, dv, strides, batch, heads_q, head
         num_heads_q=heads_q, num_heads_k=heads_k, kv_group_size=heads_q // heads_k, seqlen_q=seqlen_q,
         seqlen_k=seqlen_k, num_n_blocks=n_blocks, stats_rows=stats_rows,
         sm_scale=sm_scale, qk_scale=sm_scale * LOG2E, CU_Q=cu_q, CU_K=cu_k,
-        **_window_args(window), **_score_args(scores, sm_scale),
+        **window_kernel_args(window), **scores.transform_kwargs(sm_scale),
         HEAD_DIM=head_dim, BLOCK_D=configs.head_dim_block(head_dim), BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n, IS_CAUSAL=causal, DOT_PRECISION=_precision(dtype),
         PRECISE_P=dtype == torch.float32, TMA=tma, VARLEN=varlen is not None, LONG=long,
@@ -689,7 +678,7 @@ def _launch_dq(Q, K, V, DO, lse2, delta, dq, strides, batch, heads_q, heads_k, h
         num_heads_q=heads_q, kv_group_size=heads_q // heads_k, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
         num_m_blocks=m_blocks, stats_rows=stats_rows,
         sm_scale=sm_scale, qk_scale=sm_scale * LOG2E, CU_Q=cu_q, CU_K=cu_k,
-        **_window_args(window), **_score_args(scores, sm_scale),
+        **window_kernel_args(window), **scores.transform_kwargs(sm_scale),
         HEAD_DIM=head_dim, BLOCK_D=configs.head_dim_block(head_dim), BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n, IS_CAUSAL=causal, DOT_PRECISION=_precision(dtype),
         PRECISE_P=dtype == torch.float32, TMA=tma, VARLEN=varlen is not None,

@@ -96,12 +96,12 @@ def window_bounds(window, causal: bool, max_q: int, max_k: int) -> tuple[bool, t
         return causal, None
     return causal, (left, right)
 
-def window_kernel_args(window: tuple[int, int] | None) -> tuple[tuple[int, int], dict]:
-    """What a kernel launch takes for ``window_bounds``' window: the bounds (window_left,
-    window_right; placeholders without a window) and the HAS_LEFT / HAS_RIGHT flags."""
-    if window is None:
-        return (0, 0), dict(HAS_LEFT=False, HAS_RIGHT=False)
-    return window, dict(HAS_LEFT=window[0] >= 0, HAS_RIGHT=window[1] >= 0)
+def window_kernel_args(window: tuple[int, int] | None) -> dict:
+    """The keyword arguments a kernel launch takes for ``window_bounds``' window: window_left,
+    window_right (placeholders without a window) and the HAS_LEFT / HAS_RIGHT flags."""
+    left, right = window if window is not None else (0, 0)
+    return dict(window_left=left, window_right=right, HAS_LEFT=window is not None and left >= 0,
+                HAS_RIGHT=window is not None and right >= 0)
 
 @triton.jit
 def window_key_range(start_m, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M: tl.constexpr,

@@ -45,8 +45,8 @@ class Varlen(NamedTuple):
 class ScoreVariant(NamedTuple):
     """A call's score variants ([Note: score variants]), validated: ``softcap`` (0: none),
     ``alibi_slopes`` ([Hq] or [B, Hq] float32, or None), ``sinks`` ([Hq] float32, or None). The
-    kernels take them through ``kernel_args`` (None where a variant is off: no kernel parameter) and
-    ``flags``."""
+    kernels take them as ``transform_kwargs`` and ``sink_kwargs`` (None where a variant is off: no
+    kernel parameter, and the flag False)."""
     softcap: float = 0.0
     alibi_slopes: torch.Tensor | None = None
     sinks: torch.Tensor | None = None
@@ -61,27 +61,22 @@ class ScoreVariant(NamedTuple):
         variant then; sinks alone change only the LSE, which the backward reads as it is."""
         return self.softcap > 0 or self.alibi_slopes is not None
 
-    def kernel_args(self, sm_scale: float, sinks: bool = True) -> tuple:
-        """(tanh_scale, softcap, ALIBI_SLOPES, stride_ab, stride_ah, SINKS): None where unused. [Hq]
-        slopes get a batch stride of 0. ``sinks=False``: as ``flags``'."""
-        cap = (sm_scale / self.softcap, self.softcap) if self.softcap > 0 else (None, None)
+    def transform_kwargs(self, sm_scale: float) -> dict:
+        """The launch keywords of softcap and ALiBi (every kernel family): tanh_scale = sm_scale /
+        softcap, softcap, ALIBI_SLOPES and its batch / head strides ([Hq] slopes: batch stride 0), and
+        the SOFTCAP / ALIBI flags; None / False where off."""
+        capped = self.softcap > 0
         a = self.alibi_slopes
-        if a is None:
-            alibi = (None, None, None)
-        elif a.dim() == 1:
-            alibi = (a, 0, a.stride(0))
-        else:
-            alibi = (a, a.stride(0), a.stride(1))
-        return (*cap, *alibi, self.sinks if sinks else None)
+        strides = (None, None) if a is None else (0, a.stride(0)) if a.dim() == 1 else (a.stride(0), a.stride(1))
+        return dict(tanh_scale=sm_scale / self.softcap if capped else None, softcap=self.softcap if capped else None,
+                    ALIBI_SLOPES=a, stride_ab=strides[0], stride_ah=strides[1], SOFTCAP=capped, ALIBI=a is not None)
 
-    def transform_flags(self) -> dict:
-        """The backward kernels' flags: the sink needs nothing there (the LSE includes it)."""
-        return dict(SOFTCAP=self.softcap > 0, ALIBI=self.alibi_slopes is not None)
-
-    def flags(self, sinks: bool = True) -> dict:
-        """The kernels' constexpr flags (``sinks=False``: the sink is added elsewhere, by the merge)."""
-        return dict(SOFTCAP=self.softcap > 0, ALIBI=self.alibi_slopes is not None,
-                    HAS_SINKS=sinks and self.sinks is not None)
+    def sink_kwargs(self, in_kernel: bool = True) -> dict:
+        """The launch keywords of the sinks for a forward or decode kernel: SINKS and HAS_SINKS (None /
+        False where there are none, or where the sink is added elsewhere: ``in_kernel=False``, the
+        split decode's merge). The backward kernels take none: the LSE includes the sink."""
+        on = in_kernel and self.sinks is not None
+        return dict(SINKS=self.sinks if on else None, HAS_SINKS=on)
 
     def fill_empty_lse(self, lse: torch.Tensor) -> None:
         """lse [B, Hq, S] of rows that see no key: -inf, or with sinks the head's sink."""
@@ -370,13 +365,15 @@ def finish_rows(acc, l_i, m_i, sm_scale, LSE_F64: tl.constexpr = False, PRECISE:
     return out, tl.where(empty, float("-inf"), lse)
 
 
-def partial_and_table_strides(o_part, l_part, cache_seqlens, block_table) -> tuple[int, ...]:
-    """The stride arguments both decode kernels (decode.py's and decode_hopper.py's) take after the
-    query's, in their order: o_part's four and l_part's three (the split axis's stride 0 when there
-    is one split: o_part and l_part are then the final out and lse with a leading axis, whose
-    stride may not fit 32 bits), then cache_seqlens' one and block_table's two (0 where absent)."""
+def partial_and_table_strides(o_part, l_part, cache_seqlens, block_table) -> dict[str, int]:
+    """The stride keyword arguments both decode kernels (decode.py's and decode_hopper.py's) take
+    after the query's: o_part's four and l_part's three (the split axis's stride 0 when there is one
+    split: o_part and l_part are then the final out and lse with a leading axis, whose stride may not
+    fit 32 bits), then cache_seqlens' one and block_table's two (0 where absent)."""
     one = o_part.shape[0] == 1
-    return (0 if one else o_part.stride(0), *o_part.stride()[1:4],
-            0 if one else l_part.stride(0), *l_part.stride()[1:3],
-            cache_seqlens.stride(0) if cache_seqlens is not None else 0,
-            *(block_table.stride() if block_table is not None else (0, 0)))
+    values = (0 if one else o_part.stride(0), *o_part.stride()[1:4],
+              0 if one else l_part.stride(0), *l_part.stride()[1:3],
+              cache_seqlens.stride(0) if cache_seqlens is not None else 0,
+              *(block_table.stride() if block_table is not None else (0, 0)))
+    return dict(zip(("stride_on", "stride_ob", "stride_os", "stride_oh", "stride_ln", "stride_lb", "stride_lh",
+                     "stride_sl", "stride_btb", "stride_btp"), values))

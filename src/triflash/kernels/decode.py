@@ -315,23 +315,17 @@ def run(q, k_cache, v_cache, o_part, l_part, cache_seqlens, block_table, seqlen_
                 and config.block_n % page_size == 0
                 and all(s % 8 == 0 for s in k_cache.stride()[:3] + v_cache.stride()[:3]))
     grid = (batch * heads_kv * splits * num_m_blocks,)
-    (window_left, window_right), window_flags = window_kernel_args(window)
-    tanh_scale, softcap, alibi_slopes, stride_ab, stride_ah, sinks = scores.kernel_args(sm_scale, sinks=splits == 1)
-    (stride_on, stride_ob, stride_os, stride_oh, stride_ln, stride_lb, stride_lh, stride_sl, stride_btb,
-     stride_btp) = partial_and_table_strides(o_part, l_part, cache_seqlens, block_table)
     launch.run(
         _decode_kernel, grid,
         Q=q, K=k_cache, V=v_cache, O=o_part, LSE=l_part, SEQLENS=seqlens_arg, BLOCK_TABLE=table_arg,
         stride_qb=q.stride(0), stride_qs=q.stride(1), stride_qh=q.stride(2),
         stride_kb=k_cache.stride(0), stride_ks=k_cache.stride(1), stride_kh=k_cache.stride(2),
         stride_vb=v_cache.stride(0), stride_vs=v_cache.stride(1), stride_vh=v_cache.stride(2),
-        stride_on=stride_on, stride_ob=stride_ob, stride_os=stride_os, stride_oh=stride_oh,
-        stride_ln=stride_ln, stride_lb=stride_lb, stride_lh=stride_lh,
-        stride_sl=stride_sl, stride_btb=stride_btb, stride_btp=stride_btp,
+        **partial_and_table_strides(o_part, l_part, cache_seqlens, block_table),
         heads_kv=heads_kv, seqlen_q=seqlen_q, seqlen_k=k_cache.shape[1], seqlen_new=seqlen_new,
         num_m_blocks=num_m_blocks, num_splits=splits, sm_scale=sm_scale, qk_scale=sm_scale * LOG2E,
-        window_left=window_left, window_right=window_right, tanh_scale=tanh_scale, softcap=softcap,
-        ALIBI_SLOPES=alibi_slopes, stride_ab=stride_ab, stride_ah=stride_ah, SINKS=sinks,
+        **window_kernel_args(window), **scores.transform_kwargs(sm_scale),
+        **scores.sink_kwargs(in_kernel=splits == 1),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=configs.head_dim_block(head_dim),
         BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         PAGED=paged, PAGE_SIZE=page_size, PER_PAGE=per_page, HAS_SEQLENS=has_seqlens,
@@ -341,6 +335,5 @@ def run(q, k_cache, v_cache, o_part, l_part, cache_seqlens, block_table, seqlen_
         # block, an IEEE division at the end).
         PRECISE=q.dtype == torch.float32,
         NUM_STAGES=config.num_stages, LONG=needs_int64_rows(q, o_part),
-        **window_flags, **scores.flags(sinks=splits == 1),
         num_warps=config.num_warps, num_stages=config.num_stages,
     )

@@ -405,16 +405,12 @@ def decode_hopper(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     # (a launch limit of 128 per thread over its 8 warps, the producer's padded to a warpgroup, which
     # setmaxnreg then shares out between consumer and producer).
     maxnreg = 128 if programs_per_sm(head_dim, block_n, stages) == 2 else None
-    (stride_on, stride_ob, stride_os, stride_oh, stride_ln, stride_lb, stride_lh, stride_sl, stride_btb,
-     stride_btp) = partial_and_table_strides(o_part, l_part, cache_seqlens, block_table)
     launch.run(
         _decode_hopper_kernel, grid,
         Q=q, k_desc=descriptor(k_cache, box, HALF.value), v_desc=descriptor(v_cache, box, HALF.value), O=o_part,
         LSE=l_part, SEQLENS=cache_seqlens if has_seqlens else l_part, BLOCK_TABLE=block_table if paged else l_part,
         stride_qb=q.stride(0), stride_qs=q.stride(1), stride_qh=q.stride(2),
-        stride_on=stride_on, stride_ob=stride_ob, stride_os=stride_os, stride_oh=stride_oh,
-        stride_ln=stride_ln, stride_lb=stride_lb, stride_lh=stride_lh,
-        stride_sl=stride_sl, stride_btb=stride_btb, stride_btp=stride_btp,
+        **partial_and_table_strides(o_part, l_part, cache_seqlens, block_table),
         heads_kv=heads_kv, seqlen_q=seqlen_q, seqlen_k=k_cache.shape[1], seqlen_new=seqlen_new,
         num_m_blocks=num_m_blocks, num_splits=num_splits, sm_scale=sm_scale, qk_scale=sm_scale * LOG2E,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_N=block_n, BOX=box, PAGE_SIZE=page_size, PAGED=paged,

@@ -305,8 +305,6 @@ def _launch(Q, K, V, O, lse, q_strides, k_strides, v_strides, o_strides, batch, 
     longest sequence)."""
     num_m_blocks = configs.cdiv(max_seqlen_q, config.block_m)
     grid = (num_m_blocks * batch * heads_q,)
-    (window_left, window_right), window_flags = window_kernel_args(window)
-    tanh_scale, softcap, alibi_slopes, stride_ab, stride_ah, sinks = scores.kernel_args(sm_scale)
     launch.run(
         _attn_fwd_kernel, grid,
         Q=Q, K=K, V=V, O=O, LSE=lse,
@@ -318,8 +316,7 @@ def _launch(Q, K, V, O, lse, q_strides, k_strides, v_strides, o_strides, batch, 
         num_m_blocks=num_m_blocks, sm_scale=sm_scale, qk_scale=sm_scale * LOG2E,
         CU_Q=varlen.cu_seqlens_q if varlen is not None else None,
         CU_K=varlen.cu_seqlens_k if varlen is not None else None,
-        window_left=window_left, window_right=window_right, tanh_scale=tanh_scale, softcap=softcap,
-        ALIBI_SLOPES=alibi_slopes, stride_ab=stride_ab, stride_ah=stride_ah, SINKS=sinks,
+        **window_kernel_args(window), **scores.transform_kwargs(sm_scale), **scores.sink_kwargs(),
         HEAD_DIM=head_dim, BLOCK_D=configs.head_dim_block(head_dim),
         BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         IS_CAUSAL=causal, TMA=tma,
@@ -328,7 +325,6 @@ def _launch(Q, K, V, O, lse, q_strides, k_strides, v_strides, o_strides, batch, 
         # fp32: the softmax's largest score gets p = 1 exactly (see online_softmax_step).
         PRECISE=dtype == torch.float32,
         VARLEN=varlen is not None, LONG=needs_int64_rows(Q, K, V, O),
-        **window_flags, **scores.flags(),
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
 

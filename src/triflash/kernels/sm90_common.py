@@ -316,13 +316,7 @@ class Scores:
     @gluon.jit
     def apply(self, s, cols):
         """Raw scores s [ROWS, BN] of key positions ``cols`` -> the scores the softmax takes."""
-        if self.SOFTCAP:
-            s = self.softcap * fast_tanh(s * self.tanh_scale)
-        elif self.ALIBI:
-            s = s * self.sm_scale
-        if self.ALIBI:
-            s = s - self.slope * gl.abs(self.rows[:, None] + self.off - cols[None, :]).to(gl.float32)
-        return s
+        return self.apply_grad(s, cols)[0]
 
     @gluon.jit
     def apply_grad(self, s, cols):
@@ -426,13 +420,11 @@ def score_launch_args(scores, sm_scale: float, sinks: bool) -> dict:
     unused, so the plain kernels get none) and the online softmax's ``qk_scale``: log2(e) where softcap
     or ALiBi put the scores in natural units, else sm_scale * log2(e). ``sinks``: the kernel takes
     SINKS / HAS_SINKS (the forward; the backward reads sinks only through the LSE)."""
-    tanh_scale, softcap, slopes, stride_ab, stride_ah, sink_ptr = scores.kernel_args(sm_scale)
-    args = dict(qk_scale=LOG2E if scores.transforms else sm_scale * LOG2E,
-                score_scale=sm_scale if slopes is not None and softcap is None else None,
-                tanh_scale=tanh_scale, softcap=softcap, ALIBI_SLOPES=slopes, stride_ab=stride_ab,
-                stride_ah=stride_ah, SOFTCAP=softcap is not None, ALIBI=slopes is not None)
+    args = scores.transform_kwargs(sm_scale)
+    args.update(qk_scale=LOG2E if scores.transforms else sm_scale * LOG2E,
+                score_scale=sm_scale if args["ALIBI"] and not args["SOFTCAP"] else None)
     if sinks:
-        args.update(SINKS=sink_ptr, HAS_SINKS=sink_ptr is not None)
+        args.update(scores.sink_kwargs())
     return args
 
 
