@@ -13,7 +13,7 @@ registers a block may hold. Reports registers, spills and shared memory per vari
 also counts HGMMA (Hopper tensor-core) instructions in the disassembly.
 
     PYTHONPATH=src python scripts/compile_check.py [--arch 80,86,89,90,100,120,gfx942,gfx90a | all]
-        [--quick] [--jobs N] [--sass] [--only forward|backward|varlen|window|long|decode|merge]
+        [--quick] [--jobs N] [--sass] [--only forward|backward|varlen|window|long|decode|variants|merge]
         [--sass-dump DIR]
 
 --quick compiles only what the choosers pick (one dtype of fp16/bf16, fp32, no forced configs): the CI
@@ -46,7 +46,7 @@ from triflash.kernels import configs, dispatch  # noqa: E402
 from triflash.kernels import decode as DEC  # noqa: E402
 from triflash.kernels import forward as F  # noqa: E402
 from triflash.kernels import merge as M  # noqa: E402
-from triflash.kernels.common import Varlen  # noqa: E402
+from triflash.kernels.common import ScoreVariant, Varlen  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -484,6 +484,31 @@ def decode_cases(quick=False):
                                                                           0.1, False))
 
 
+def variant_cases(quick=False):
+    """The score variants (softcap, ALiBi, sinks) compiled into the portable forward, backward and
+    decode: fp16 takes the hardware tanh on NVIDIA targets, fp32 libdevice's."""
+    every = ScoreVariant(30.0, torch.rand(4), torch.randn(4))
+    for dtype in (torch.float16, torch.float32):
+        for d in ((128,) if quick else (64, 128)):
+            q, k, v = qkv(2, 300, 300, 4, 2, d, dtype)
+            out = torch.randn_like(q)
+            lse = torch.randn(2, 4, 300)
+            cfg = choose_forward(d, dtype, True, 8, 4096)
+            bcfg = choose_backward(d, dtype)
+            yield f"fwd variants {TYPES[dtype]} D{d} causal", \
+                (lambda q=q, k=k, v=v, cfg=cfg: dispatch.forward(q, k, v, 0.1, True, config=cfg, scores=every))
+            yield f"bwd variants {TYPES[dtype]} D{d} causal", \
+                (lambda q=q, k=k, v=v, out=out, lse=lse, bcfg=bcfg:
+                 dispatch.backward(torch.randn_like(q), q, k, v, out, lse, 0.1, True, config=bcfg, scores=every,
+                                   dsink=torch.empty(4)))
+        q = torch.randn(4, 1, 32, 128, dtype=dtype)
+        cache = torch.randn(4, 1024, 8, 128, dtype=dtype)
+        seqlens = torch.full((4,), 200, dtype=torch.int32)
+        slopes = ScoreVariant(30.0, torch.rand(32), torch.randn(32))
+        yield f"decode variants {TYPES[dtype]}", \
+            (lambda q=q, c=cache, s=seqlens: dispatch.decode(q, c, c, s, None, 0, 200, 0.1, False, scores=slopes))
+
+
 def merge_cases(quick=False):
     for d in ((64, 256) if quick else (16, 32, 64, 128, 256)):
         for parts in ((150,) if quick else (2, 8, 150)):
@@ -494,7 +519,7 @@ def merge_cases(quick=False):
 
 
 GROUPS = {"forward": forward_cases, "backward": backward_cases, "varlen": varlen_cases, "window": window_cases,
-          "long": long_cases, "decode": decode_cases, "merge": merge_cases}
+          "long": long_cases, "decode": decode_cases, "variants": variant_cases, "merge": merge_cases}
 # Fixed configs, not the choosers': code generation of the 64-bit offsets, the same on every target.
 QUICK_SKIPS = ("long",)
 

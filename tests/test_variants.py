@@ -434,9 +434,9 @@ def test_backward_with_sinks_needs_its_dsink_tensor():
 
 
 def test_which_forward_takes_the_variants(device, monkeypatch):
-    """The chooser's rule, with the Hopper kernel stubbed in (any machine): sinks and ALiBi take the
-    Gluon forward where it applies (the variants reach it), softcap the Triton kernel (measured slower
-    on Gluon) unless a Gluon variant is forced."""
+    """The chooser's rule (dispatch.GLUON_FORWARD_SCORES), with the Hopper kernel stubbed in (any
+    machine): at head dim 128 every variant reaches the Gluon forward; at 64 sinks and ALiBi do and
+    softcap keeps the Triton kernel (measured slower on Gluon there) unless a Gluon variant is forced."""
     from triflash.kernels import configs, dispatch, forward_hopper, sm90_common
     from triflash.kernels.common import ScoreVariant
 
@@ -449,37 +449,34 @@ def test_which_forward_takes_the_variants(device, monkeypatch):
     monkeypatch.setattr(configs, "gluon_hopper_applies", lambda *, head_dim, dtype, device: True)
     monkeypatch.setattr(sm90_common, "tma_supported", lambda *tensors: True)
     monkeypatch.setattr(forward_hopper, "forward_hopper", stub)
-    q, k, v = make_qkv(1, 40, 40, 2, 1, 128, torch.float16, device)     # head dim 128: a Gluon pick
-    slopes, sinks = torch.rand(2, device=device), torch.randn(2, device=device)
-    for scores in (ScoreVariant(0.0, slopes), ScoreVariant(0.0, None, sinks), ScoreVariant(0.0, slopes, sinks)):
+    # Not causal: at 40 tokens the chooser's pick is a Gluon one at both head dims.
+    for head_dim in (128, 64):
+        q, k, v = make_qkv(1, 40, 40, 2, 1, head_dim, torch.float16, device)
+        slopes, sinks = torch.rand(2, device=device), torch.randn(2, device=device)
+        for scores in (ScoreVariant(0.0, slopes), ScoreVariant(0.0, None, sinks), ScoreVariant(0.0, slopes, sinks)):
+            taken.clear()
+            dispatch.forward(q, k, v, 0.125, False, scores=scores)
+            assert len(taken) == 1 and taken[0][1] is scores
         taken.clear()
-        dispatch.forward(q, k, v, 0.125, True, scores=scores)
-        assert len(taken) == 1 and taken[0][1] is scores
-    taken.clear()
-    capped = ScoreVariant(4.0, slopes, sinks)
-    out, lse = dispatch.forward(q, k, v, 0.125, True, scores=capped)
-    assert taken == []
-    _check_forward(out, lse, q, k, v, causal=True, softmax_scale=0.125, softcap=4.0, alibi_slopes=slopes,
-                   sinks=sinks)
-    dispatch.forward(q, k, v, 0.125, True, scores=capped, variant="pp_persist")
-    assert taken == [("pp_persist", capped)]
+        capped = ScoreVariant(4.0, slopes, sinks)
+        out, lse = dispatch.forward(q, k, v, 0.125, False, scores=capped)
+        if head_dim == 128:
+            assert len(taken) == 1 and taken[0][1] is capped
+            continue
+        assert taken == []
+        _check_forward(out, lse, q, k, v, causal=False, softmax_scale=0.125, softcap=4.0, alibi_slopes=slopes,
+                       sinks=sinks)
+        dispatch.forward(q, k, v, 0.125, False, scores=capped, variant="pp_persist")
+        assert taken == [("pp_persist", capped)]
 
 
-def test_hopper_backward_takes_variants_only_when_forced(device, monkeypatch):
-    """The backward's rule, with the Gluon kernels stubbed in (any machine): a call with score
-    variants keeps the Triton kernels unless a Gluon variant is forced (they have not run on a GPU
-    there yet), and then reaches them with its variants; with sinks, dsink comes from the
-    preprocess' delta rows padded to the Gluon tiles, equal to the Triton path's."""
+def test_which_backward_takes_the_variants(device, monkeypatch):
+    """The backward's rule (dispatch.GLUON_BACKWARD_SCORES), with the Gluon kernels stubbed in (any
+    machine): sinks and softcap reach the Gluon kernels at head dims 64 and 128, ALiBi at 128 only
+    (the Triton kernels at 64 unless a Gluon variant is forced), each with its variants; with sinks,
+    dsink comes from the preprocess' delta rows padded to the Gluon tiles, equal to the Triton path's."""
     from triflash.kernels import backward_hopper, configs, dispatch
     from triflash.kernels.common import ScoreVariant
-
-    q, k, v = make_qkv(2, 150, 150, 2, 1, 128, torch.float16, device)
-    sinks = torch.randn(2, device=device)
-    scores = ScoreVariant(0.0, None, sinks)
-    out, lse = dispatch.forward(q, k, v, 0.125, True, scores=scores)
-    dout = torch.randn_like(out)
-    want = torch.empty(2, device=device)
-    dispatch.backward(dout, q, k, v, out, lse, 0.125, True, scores=scores, dsink=want)
 
     taken = []
 
@@ -489,22 +486,33 @@ def test_hopper_backward_takes_variants_only_when_forced(device, monkeypatch):
             if g is not None:
                 g.zero_()
 
-    monkeypatch.setattr(configs, "gluon_hopper_applies", lambda *, head_dim, dtype, device: True)
-    monkeypatch.setattr(configs, "gluon_available", lambda: True)
-    monkeypatch.setattr(backward_hopper, "supported", lambda *args: True)
-    monkeypatch.setattr(backward_hopper, "backward_hopper", stub)
-    monkeypatch.setattr(backward_hopper, "dq_hopper", stub)
-    plain = dispatch.backward(dout, q, k, v, out, lse, 0.125, True)
-    assert [t[0] for t in taken] == ["dkdv", "dkdv"] and all(g is not None for g in plain)   # the stub ran
-    got = torch.empty(2, device=device)
-    padded = backward_hopper.padded_rows(150)
-    for variant in (scores, ScoreVariant(2.0, None, sinks), ScoreVariant(0.0, torch.rand(2, device=device), sinks)):
-        taken.clear()
-        dispatch.backward(dout, q, k, v, out, lse, 0.125, True, scores=variant, dsink=got)
-        assert taken == []
-        if variant is scores:                          # the Triton path's dsink, as computed above
-            assert torch.equal(got, want)
-        got.fill_(float("nan"))
-        dispatch.backward(dout, q, k, v, out, lse, 0.125, True, scores=variant, dsink=got, variant="dkdv")
-        assert taken and all(rows == padded and sc is variant for _, rows, sc in taken)
-        assert padded > 150 and torch.equal(got, want)                   # the same sinks, same lse
+    for head_dim in (128, 64):
+        q, k, v = make_qkv(2, 150, 150, 2, 1, head_dim, torch.float16, device)
+        sinks, slopes = torch.randn(2, device=device), torch.rand(2, device=device)
+        scores = ScoreVariant(0.0, None, sinks)
+        out, lse = dispatch.forward(q, k, v, 0.125, True, scores=scores)
+        dout = torch.randn_like(out)
+        want = torch.empty(2, device=device)
+        dispatch.backward(dout, q, k, v, out, lse, 0.125, True, scores=scores, dsink=want)   # Triton
+        with monkeypatch.context() as m:
+            m.setattr(configs, "gluon_hopper_applies", lambda *, head_dim, dtype, device: True)
+            m.setattr(configs, "gluon_available", lambda: True)
+            m.setattr(backward_hopper, "supported", lambda *args: True)
+            m.setattr(backward_hopper, "backward_hopper", stub)
+            m.setattr(backward_hopper, "dq_hopper", stub)
+            taken.clear()
+            plain = dispatch.backward(dout, q, k, v, out, lse, 0.125, True)
+            assert taken and all(g is not None for g in plain)                     # the stub ran
+            got = torch.empty(2, device=device)
+            padded = backward_hopper.padded_rows(150)
+            for variant in (scores, ScoreVariant(2.0, None, sinks), ScoreVariant(0.0, slopes, sinks)):
+                taken.clear()
+                got.fill_(float("nan"))
+                dispatch.backward(dout, q, k, v, out, lse, 0.125, True, scores=variant, dsink=got)
+                if variant.alibi_slopes is not None and head_dim == 64:
+                    assert taken == []                                             # the Triton kernels
+                    assert torch.equal(got, want)
+                    dispatch.backward(dout, q, k, v, out, lse, 0.125, True, scores=variant, dsink=got,
+                                      variant="dkdv")
+                assert taken and all(rows == padded and sc is variant for _, rows, sc in taken)
+                assert padded > 150 and torch.equal(got, want)                    # the same sinks, same lse

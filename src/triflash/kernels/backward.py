@@ -179,7 +179,7 @@ def _dkdv_inner(
         s_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)       # [BN, BM] = (Q K^T)^T
         if SOFTCAP or ALIBI:
             s_t, t_t = score_mod(s_t, offs_m[None, :], offs_n[:, None], causal_offset, sm_scale, tanh_scale,
-                                 softcap, slope, SOFTCAP, ALIBI)
+                                 softcap, slope, SOFTCAP, ALIBI, q.dtype != tl.float32)
             p_t = _recompute_p(s_t, lse2[None, :], sm_scale, qk_scale, PRECISE_P, True)   # [BN, BM]
         else:
             p_t = _recompute_p(s_t, lse2[None, :], sm_scale, qk_scale, PRECISE_P)   # [BN, BM]
@@ -368,7 +368,7 @@ def _dq_inner(
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)          # [BM, BN]
         if SOFTCAP or ALIBI:
             s, t = score_mod(s, offs_m[:, None], cols[None, :], causal_offset, sm_scale, tanh_scale, softcap,
-                             slope, SOFTCAP, ALIBI)
+                             slope, SOFTCAP, ALIBI, q.dtype != tl.float32)
             p = _recompute_p(s, lse2[:, None], sm_scale, qk_scale, PRECISE_P, True)   # [BM, BN]
         else:
             p = _recompute_p(s, lse2[:, None], sm_scale, qk_scale, PRECISE_P)  # [BM, BN]

@@ -56,6 +56,12 @@ class ScoreVariant(NamedTuple):
         return self.softcap > 0 or self.alibi_slopes is not None or self.sinks is not None
 
     @property
+    def names(self) -> frozenset:
+        """The variants in use, by name: "softcap", "alibi", "sinks"."""
+        return frozenset(n for n, on in (("softcap", self.softcap > 0), ("alibi", self.alibi_slopes is not None),
+                                         ("sinks", self.sinks is not None)) if on)
+
+    @property
     def transforms(self) -> bool:
         """Whether the scores themselves change (softcap, ALiBi): the backward's kernels need the
         variant then; sinks alone change only the LSE, which the backward reads as it is."""
@@ -140,6 +146,11 @@ LN2_K = tl.constexpr(math.log(2.0))
 #   the next addition (ptxas contracts a * b + c; libdevice's mul_rn / add_rn are never contracted;
 #   the interpreter's numpy never fuses).
 LIBDEVICE = tl.constexpr(not configs.INTERPRET)
+# NVIDIA's tanh.approx.f32 (one MUFU operation, relative error below 2^-10.9) instead of libdevice's
+# polynomial for fp16/bf16 inputs: their scores already carry rounding of that size, and libdevice's
+# tanh made the softcap kernels 2-3x slower (docs/performance.md#score-variants-on-hopper). fp32
+# inputs keep libdevice's; ROCm and the interpreter have no PTX.
+PTX_TANH = tl.constexpr(not configs.INTERPRET and torch.version.hip is None)
 
 
 @triton.jit
@@ -237,12 +248,17 @@ def natural_log(x):
 
 
 @triton.jit
-def tanh(x):
-    """tanh(x) of fp32 x: libdevice's on the GPU; in the interpreter (no libdevice) the formula
-    sign(x) (1 - e^{-2|x|}) / (1 + e^{-2|x|}) in float64, rounded once to fp32 (no overflow, and no
-    cancellation error near 0 at fp32 precision)."""
+def tanh(x, APPROX: tl.constexpr = False):
+    """tanh(x) of fp32 x: on NVIDIA GPUs with APPROX the hardware's tanh.approx.f32 (see PTX_TANH),
+    else libdevice's; in the interpreter (no libdevice) the formula sign(x) (1 - e^{-2|x|}) /
+    (1 + e^{-2|x|}) in float64, rounded once to fp32 (no overflow, and no cancellation error near 0
+    at fp32 precision)."""
     if LIBDEVICE:
-        return libdevice.tanh(x)
+        if APPROX and PTX_TANH:
+            return tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [x], dtype=tl.float32,
+                                             is_pure=True, pack=1)
+        else:
+            return libdevice.tanh(x)
     else:
         t = x.to(tl.float64)
         e = tl.exp(-2.0 * tl.abs(t))
@@ -269,13 +285,14 @@ def tanh(x):
 
 @triton.jit
 def score_mod(qk, rows, cols, off, sm_scale, tanh_scale, softcap, slope, SOFTCAP: tl.constexpr,
-              ALIBI: tl.constexpr):
+              ALIBI: tl.constexpr, APPROX: tl.constexpr = False):
     """Raw scores qk (any 2-D tile) -> (s, t): s the natural-unit scores with the cap and the bias
     ([Note: score variants]), t = tanh(qk * tanh_scale) for SOFTCAP's chain rule (else qk).
     rows / cols: query and key positions, broadcast to the tile's orientation; off = seqlen_k -
-    seqlen_q; tanh_scale = sm_scale / softcap; slope: a scalar or a tile-broadcastable column."""
+    seqlen_q; tanh_scale = sm_scale / softcap; slope: a scalar or a tile-broadcastable column.
+    APPROX (the inputs are fp16/bf16): the hardware tanh, see ``tanh``."""
     if SOFTCAP:
-        t = tanh(qk * tanh_scale)
+        t = tanh(qk * tanh_scale, APPROX)
         s = softcap * t
     else:
         t = qk

@@ -152,7 +152,7 @@ def _decode_inner(
                 visible = visible & (cols[None, :] <= offs_i[:, None] + causal_offset)   # [BM, BN]
         if SOFTCAP or ALIBI:
             qk, _ = score_mod(qk, offs_i[:, None], cols[None, :], causal_offset, sm_scale, tanh_scale, softcap,
-                              slope, SOFTCAP, ALIBI)                          # natural units
+                              slope, SOFTCAP, ALIBI, q.dtype != tl.float32)   # natural units
             p, m_new, l_i, acc = online_softmax_step(qk, visible, m_i, l_i, acc, LOG2E_K, MASKED, PRECISE)
         else:
             p, m_new, l_i, acc = online_softmax_step(qk, visible, m_i, l_i, acc, qk_scale, MASKED, PRECISE)

@@ -22,9 +22,9 @@ portable kernels with dQ accumulated by atomics (not deterministic), on every in
 kernels take.
 
 Score variants (``scores``: softcap, ALiBi, attention sinks; [Note: score variants] in common.py) run on
-the Gluon forward where it applies (softcap only when a Gluon variant is forced: slower there), and
-elsewhere on the portable Triton kernels: decode always; the backward unless a Gluon variant is forced
-(the Gluon backward kernels take all three, not yet run on a GPU).
+the Gluon forward and backward where those apply and ``GLUON_FORWARD_SCORES`` /
+``GLUON_BACKWARD_SCORES`` list them for the head dim (a forced Gluon variant takes any), and elsewhere
+on the portable Triton kernels (decode always).
 ``force()`` makes the choice for calls made through the public functions (tests and benchmarks), without
 replacing any function.
 The measurements behind each rule: docs/performance.md and docs/performance-notes.md.
@@ -132,6 +132,19 @@ HOPPER_FORWARD_VARIANTS = {
 }
 
 
+# The score variants the Gluon kernels take unless a variant is forced, per head dim; a call with any
+# other goes to the Triton kernels. Measured on the H100 (docs/performance.md#score-variants-on-hopper):
+# the forward with softcap at head dim 64 is slower on Gluon (the exp2 and the tanh share the MUFU, the
+# bound at 64), and the Gluon dK/dV kernel spills with ALiBi at 64 (3.8x slower).
+GLUON_FORWARD_SCORES = {64: frozenset({"sinks", "alibi"}), 128: frozenset({"sinks", "alibi", "softcap"})}
+GLUON_BACKWARD_SCORES = {64: frozenset({"sinks", "softcap"}), 128: frozenset({"sinks", "alibi", "softcap"})}
+
+
+def gluon_takes(scores: ScoreVariant, table: dict, head_dim: int) -> bool:
+    """Whether the chooser may take a Gluon kernel for a call with these score variants."""
+    return scores.names <= table.get(head_dim, frozenset())
+
+
 def forward_candidates(head_dim: int, dtype) -> tuple[str, ...]:
     """Every variant ``forward_variant`` can take for this head dim and dtype (the GPU tests force each)."""
     return HOPPER_FORWARD_VARIANTS[head_dim][str(dtype).removeprefix("torch.")]
@@ -190,12 +203,9 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float, 
             scores.fill_empty_lse(lse)
         return out, lse
     if config is None and window is None:
-        # Softcap: the Triton kernel unless a Gluon variant is forced. With libdevice's tanh the Gluon
-        # kernels were 1.25-2x slower than the Triton kernel on the H100 (sinks and ALiBi pay there:
-        # docs/performance.md#score-variants-on-hopper); their tanh is now sm90_common.fast_tanh, not
-        # timed yet.
-        variant = variant or _forced_variant("forward") or (TRITON if scores.softcap > 0 else forward_variant(
-            head_dim=head_dim, dtype=q.dtype, device=q.device, causal=causal, seqlen_q=seqlen_q, seqlen_k=seqlen_k))
+        variant = variant or _forced_variant("forward") or (
+            forward_variant(head_dim=head_dim, dtype=q.dtype, device=q.device, causal=causal, seqlen_q=seqlen_q,
+                            seqlen_k=seqlen_k) if gluon_takes(scores, GLUON_FORWARD_SCORES, head_dim) else TRITON)
         if variant != TRITON and configs.gluon_hopper_applies(head_dim=head_dim, dtype=q.dtype, device=q.device):
             from . import forward_hopper, sm90_common
 
@@ -246,7 +256,7 @@ def backward_variant(*, head_dim: int, dtype, device, causal: bool, seqlen_q: in
 
 def _portable_backward(variant: str | None, deterministic: bool) -> str:
     """``"triton"`` or ``"atomic"`` for a call that runs on the portable kernels (packed sequences,
-    windows, score variants unless a Gluon variant is forced, explicit configs, or a Gluon variant its
+    windows, score variants the Gluon kernels do not take, explicit configs, or a Gluon variant its
     inputs do not allow): a forced
     ``"atomic"`` or ``"triton"`` as given, else ``"triton"``, or ``"atomic"`` where ``deterministic``
     is False and ``ATOMIC_BY_DEFAULT`` (the Gluon variants are deterministic: one forced that cannot
@@ -273,8 +283,9 @@ def backward(dout, q, k, v, out, lse, sm_scale: float, causal: bool, *, dlse=Non
     wins). ``varlen``: packed
     sequences (q / out / dout [total_q, Hq, D], k / v [total_k, Hkv, D], lse / dlse [Hq, total_q]);
     ``window`` as the forward's. Both run on the Triton kernels, as do score variants (``scores``,
-    the forward's) unless a Gluon variant is forced; with sinks, their gradient [Hq] float32 is
-    written into ``dsink`` (allocated by the caller; ``backward._sink_grad_kernel``)."""
+    the forward's) outside ``GLUON_BACKWARD_SCORES`` unless a Gluon variant is forced; with sinks,
+    their gradient [Hq] float32 is written into ``dsink`` (allocated by the caller;
+    ``backward._sink_grad_kernel``)."""
     _check_backend(q, "backward")
     if scores.sinks is not None and dsink is None:
         raise ValueError("dsink: the backward with sinks writes their gradient into a [Hq] float32 tensor "
@@ -313,9 +324,8 @@ def backward(dout, q, k, v, out, lse, sm_scale: float, causal: bool, *, dlse=Non
         return dq, dk, dv
 
     hopper = None
-    # Score variants take the Gluon kernels only when a Gluon variant is forced: they have not run on
-    # a GPU there yet (sinks need nothing in them, softcap and ALiBi Scores.apply_grad).
-    if config is None and window is None and (not scores.any or forced not in (None, TRITON, ATOMIC)):
+    if config is None and window is None and (forced not in (None, TRITON, ATOMIC)
+                                              or gluon_takes(scores, GLUON_BACKWARD_SCORES, head_dim)):
         variant = forced or backward_variant(head_dim=head_dim, dtype=q.dtype, device=q.device, causal=causal,
                                              seqlen_q=seqlen_q, seqlen_k=seqlen_k, deterministic=deterministic)
         if variant not in (TRITON, ATOMIC) and configs.gluon_available():

@@ -104,7 +104,7 @@ def _fwd_inner(
         if SOFTCAP or ALIBI:
             # Natural-unit scores (capped, biased): the exp2 then takes log2(e) as its scale.
             qk, _ = score_mod(qk, offs_m[:, None], cols[None, :], causal_offset, sm_scale, tanh_scale,
-                              softcap, slope, SOFTCAP, ALIBI)                # [BM, BN]
+                              softcap, slope, SOFTCAP, ALIBI, q.dtype != tl.float32)   # [BM, BN]
             p, m_new, l_i, acc = online_softmax_step(qk, visible, m_i, l_i, acc, LOG2E_K, MASKED, PRECISE)
         else:
             p, m_new, l_i, acc = online_softmax_step(qk, visible, m_i, l_i, acc, qk_scale, MASKED, PRECISE)
