@@ -516,3 +516,27 @@ def test_which_backward_takes_the_variants(device, monkeypatch):
                                       variant="dkdv")
                 assert taken and all(rows == padded and sc is variant for _, rows, sc in taken)
                 assert padded > 150 and torch.equal(got, want)                    # the same sinks, same lse
+
+
+def test_dsink_sums_every_block_of_rows(device, monkeypatch):
+    """The backward's dsink (``backward.preprocess``: each block of rows' share, then
+    ``_sink_grad_kernel`` adds the shares per head in several steps when there are many) equals
+    -sum over (b, i) of exp(sink - lse) * (rowsum(dO * O) - dlse) in float64, with rows of no key
+    (lse = -inf) adding nothing and a ragged last block of rows."""
+    from triflash.kernels import backward, configs
+
+    monkeypatch.setattr(backward, "SINK_GRAD_BLOCK", 2)          # 3 batches x 4 blocks: six steps
+    batch, seqlen, heads, dim = 3, 3 * configs.BWD_PREPROCESS_BLOCK_M + 5, 2, 16
+    gen = torch.Generator().manual_seed(0)
+    out, dout = (torch.randn(batch, seqlen, heads, dim, generator=gen).to(device) for _ in range(2))
+    lse = torch.randn(batch, heads, seqlen, generator=gen).to(device)
+    lse[1, 0, 7] = float("-inf")
+    dlse = torch.randn(batch, heads, seqlen, generator=gen).to(device)
+    sinks = torch.tensor([0.5, -1.5], device=device)
+    dsink = torch.full((heads,), float("nan"), device=device)
+    backward.preprocess(dout, out, lse, dlse, seqlen, False, sinks=sinks, dsink=dsink)
+    delta = (out.double() * dout.double()).sum(-1).transpose(1, 2) - dlse.double()     # [B, H, S]
+    p_sink = torch.exp(sinks.double()[None, :, None] - lse.double())
+    p_sink[lse == float("-inf")] = 0.0                   # a row that saw no key has no softmax to join
+    want = -(p_sink * delta).sum(dim=(0, 2))
+    torch.testing.assert_close(dsink.double(), want, rtol=1e-5, atol=1e-5)

@@ -39,6 +39,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTensorDescriptor
 
 from . import launch
+from .block_ranges import causal_query_range
 from .common import PLAIN as NO_SCORES
 from .common import ScoreVariant, on_input_device
 from .configs import cdiv, gluon_hopper_applies, sm_count
@@ -257,11 +258,9 @@ def _bwd_coords(num_n_blocks, num_heads_k, kv_group_size, seqlen_q, seqlen_k, nu
     off_hk = bh % num_heads_k
     off_b = bh // num_heads_k
     start_n = pid_n * BLOCK_N
-    if IS_CAUSAL:
-        # Row i sees key j when j <= i + seqlen_k - seqlen_q (bottom-right alignment).
-        m_lo = gl.maximum(start_n - (seqlen_k - seqlen_q), 0) // BLOCK_M
-    else:
-        m_lo = 0
+    # The first query block that sees a key of the block (bottom-right alignment).
+    lo, _ = causal_query_range(start_n, seqlen_q, seqlen_k, num_m_blocks * BLOCK_M, BLOCK_M, BLOCK_N, IS_CAUSAL)
+    m_lo = lo // BLOCK_M
     n_steps = gl.maximum(num_m_blocks - m_lo, 0) * kv_group_size
     # Non-causal: from the last query block down; causal: from the diagonal up, so that key block n
     # reaches block m at step m - m_lo(n), after key block n + 1 did (see the module docstring).

@@ -14,8 +14,9 @@ Every kernel walks its tiles through these functions, so each visibility rule is
 
 Each walk returns ranges in three kinds: blocks no row sees (never loaded), blocks every row sees
 in full (no mask), and blocks on an edge (element mask). tests/test_block_ranges.py checks every
-range against a brute-force mask over small shapes. The Hopper kernels' persistent tile walk is
-``sm90_common.tile_coords`` / ``row_limits`` (Gluon), which follow the same causal rule.
+range against a brute-force mask over small shapes. The Gluon (Hopper) kernels call the same
+functions: ``sm90_common.tile_coords`` / ``row_limits``, ``forward_hopper._blocks_seen`` and
+``backward_hopper._bwd_coords`` wrap them for their persistent tile walks.
 """
 
 from __future__ import annotations
@@ -35,24 +36,34 @@ def sequence_bounds(CU_Q, CU_K, off_b):
     return q_start, k_start, seqlen_q, seqlen_k
 
 @triton.jit
+def full_key_blocks(start_m, seqlen_q, seqlen_k, BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr):
+    """How many whole BLOCK_N key blocks from key 0 on every query row from start_m on sees: the
+    blocks the first row's causal diagonal already passes (bottom-right aligned), or all whole
+    blocks without causal masking. ``causal_key_range``'s off_band_end in blocks; the Gluon kernels'
+    ``sm90_common.row_limits`` counts in blocks."""
+    if IS_CAUSAL:
+        # Off-band: keys the first row of the block already sees, so every row sees them.
+        first_row_end = tl.maximum(start_m + (seqlen_k - seqlen_q) + 1, 0)
+        return tl.minimum(first_row_end // BLOCK_N, seqlen_k // BLOCK_N)
+    else:
+        return seqlen_k // BLOCK_N
+
+@triton.jit
 def causal_key_range(start_m, seqlen_q, seqlen_k, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      IS_CAUSAL: tl.constexpr):
     """Key ranges of the query block [start_m, start_m + BLOCK_M): (off_band_end, hi).
 
-    Keys [0, off_band_end) come in whole BLOCK_N blocks that every row of the block sees: no mask.
-    Keys [off_band_end, hi) need the element mask (the causal diagonal, the ragged end of the keys).
-    No key from hi on is visible to any row, so those blocks are never visited. Causal masking is
-    bottom-right aligned: row i sees key j when j <= i + (seqlen_k - seqlen_q)."""
-    causal_offset = seqlen_k - seqlen_q
-    full_blocks_end = (seqlen_k // BLOCK_N) * BLOCK_N
+    Keys [0, off_band_end) come in whole BLOCK_N blocks that every row of the block sees: no mask
+    (``full_key_blocks``). Keys [off_band_end, hi) need the element mask (the causal diagonal, the
+    ragged end of the keys). No key from hi on is visible to any row, so those blocks are never
+    visited. Causal masking is bottom-right aligned: row i sees key j when j <= i + (seqlen_k -
+    seqlen_q). The Gluon kernels take hi for a tile (``sm90_common.tile_coords``) and for one
+    warpgroup's rows (``forward_hopper._blocks_seen``)."""
+    off_band_end = full_key_blocks(start_m, seqlen_q, seqlen_k, BLOCK_N, IS_CAUSAL) * BLOCK_N
     if IS_CAUSAL:
-        # Off-band: keys the first row of the block already sees, so every row sees them.
-        first_row_end = tl.maximum(start_m + causal_offset + 1, 0)
-        off_band_end = tl.minimum((first_row_end // BLOCK_N) * BLOCK_N, full_blocks_end)
         # Nothing past the last row's diagonal.
-        hi = tl.minimum(tl.maximum(start_m + BLOCK_M + causal_offset, 0), seqlen_k)
+        hi = tl.minimum(tl.maximum(start_m + BLOCK_M + (seqlen_k - seqlen_q), 0), seqlen_k)
     else:
-        off_band_end = full_blocks_end
         hi = seqlen_k
     return off_band_end, hi
 

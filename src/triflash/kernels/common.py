@@ -279,7 +279,8 @@ def tanh(x, APPROX: tl.constexpr = False):
 # units) and the LSE is formed with scale 1. SINKS touches only the epilogue (``add_sink``): the
 # sink joins the running (max, sum) like one more score, the output takes no value from it, and the
 # LSE includes it. The backward recomputes P from that LSE, so P (and dV, dK, dQ) need nothing more
-# for sinks; dsink = -sum over rows of exp(sink - lse) * delta (``backward._sink_grad_kernel``).
+# for sinks; dsink = -sum over rows of exp(sink - lse) * delta (``backward.preprocess``: per block of rows,
+# then ``_sink_grad_kernel`` adds them up).
 # SOFTCAP's chain rule in the backward: dS_raw = dS * (1 - tanh^2); ALiBi is a constant bias.
 
 

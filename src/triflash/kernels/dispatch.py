@@ -285,7 +285,7 @@ def backward(dout, q, k, v, out, lse, sm_scale: float, causal: bool, *, dlse=Non
     ``window`` as the forward's. Both run on the Triton kernels, as do score variants (``scores``,
     the forward's) outside ``GLUON_BACKWARD_SCORES`` unless a Gluon variant is forced; with sinks,
     their gradient [Hq] float32 is written into ``dsink`` (allocated by the caller;
-    ``backward._sink_grad_kernel``)."""
+    ``backward.preprocess``)."""
     _check_backend(q, "backward")
     if scores.sinks is not None and dsink is None:
         raise ValueError("dsink: the backward with sinks writes their gradient into a [Hq] float32 tensor "
@@ -319,8 +319,7 @@ def backward(dout, q, k, v, out, lse, sm_scale: float, causal: bool, *, dlse=Non
             if seqlen_q == 0 or batch == 0 or heads_q == 0:
                 dsink.zero_()
             else:
-                delta, _ = triton_backward.preprocess(dout, out, lse, dlse, seqlen_q, False)
-                triton_backward.sink_grad(scores.sinks, lse.contiguous(), delta, seqlen_q, dsink)
+                triton_backward.preprocess(dout, out, lse, dlse, seqlen_q, False, sinks=scores.sinks, dsink=dsink)
         return dq, dk, dv
 
     hopper = None
@@ -342,9 +341,7 @@ def backward(dout, q, k, v, out, lse, sm_scale: float, causal: bool, *, dlse=Non
     # The Hopper kernel reads delta and lse2 in whole tiles: their rows are padded to a tile multiple.
     rows = backward_hopper.padded_rows(seqlen_q) if hopper is not None else seqlen_q
     dq_accum = triton_backward.dq_accumulator(q, rows) if atomic else None
-    delta, lse2 = triton_backward.preprocess(dout, out, lse, dlse, rows, precise_p, dq_accum)
-    if scores.sinks is not None:
-        triton_backward.sink_grad(scores.sinks, lse.contiguous(), delta, rows, dsink)
+    delta, lse2 = triton_backward.preprocess(dout, out, lse, dlse, rows, precise_p, dq_accum, scores.sinks, dsink)
     if hopper is not None and backward_hopper.computes_dq(hopper):
         # The fused kernel computes all three gradients; unrequested ones go to scratch tensors.
         backward_hopper.backward_hopper(

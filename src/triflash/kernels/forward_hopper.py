@@ -41,6 +41,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from . import launch
+from .block_ranges import causal_key_range
 from .common import PLAIN as NO_SCORES
 from .common import ScoreVariant, on_input_device
 from .configs import cdiv, sm_count
@@ -367,11 +368,12 @@ def _blocks_seen(row0, ROWS: gl.constexpr, seqlen_q, seqlen_k, causal_offset, n_
     are past the end of the queries (the last tile's lower warpgroups). The tile's n_blocks reach
     the diagonal of the tile's last row, so with 192-row tiles of 128-key blocks the upper
     warpgroups of a causal tile see one block fewer, half the time two of them."""
-    row_end = gl.minimum(row0 + ROWS, seqlen_q)
     n = n_blocks
     if IS_CAUSAL:
-        n = gl.minimum(gl.cdiv(gl.minimum(gl.maximum(row_end + causal_offset, 0), seqlen_k), BLOCK_N), n_blocks)
-    if row_end <= row0:
+        # The rows' key range (rows past the queries see no more keys than the last query row does).
+        _, hi = causal_key_range(row0, seqlen_q, seqlen_k, ROWS, BLOCK_N, IS_CAUSAL)
+        n = gl.minimum(gl.cdiv(hi, BLOCK_N), n_blocks)
+    if seqlen_q <= row0:
         n = 0
     return n
 

@@ -18,6 +18,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTen
 from triton.language.core import _aggregate as aggregate
 from triton.language.core import base_value  # Triton 3.5/3.6's name (later gluon.aggregate)
 
+from .block_ranges import causal_key_range, full_key_blocks
 from .common import LOG2E
 from .launch import tma_compatible
 
@@ -192,7 +193,8 @@ def tile_coords(item, half, num_m_blocks, num_heads_q, kv_group_size, seqlen_q, 
                  section, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, IS_CAUSAL: gl.constexpr,
                  ORDER: gl.constexpr):
     """Work item (and half of it) -> (pid_bh, batch, query head, kv head, first query row, key blocks
-    to visit, valid). The key blocks are [0, n_blocks): none above the last row's causal diagonal.
+    to visit, valid). The key blocks are [0, n_blocks): none above the last row's causal diagonal
+    (``block_ranges.causal_key_range``).
     Every partition calls this with the same arguments, so they all walk the same blocks.
 
     ORDER (host side: ``tile_order``), num_items tiles or items:
@@ -236,10 +238,7 @@ def tile_coords(item, half, num_m_blocks, num_heads_q, kv_group_size, seqlen_q, 
     off_h = pid_bh % num_heads_q
     off_hk = off_h // kv_group_size
     start_m = pid_m * BLOCK_M
-    if IS_CAUSAL:
-        hi = gl.minimum(gl.maximum(start_m + BLOCK_M + seqlen_k - seqlen_q, 0), seqlen_k)
-    else:
-        hi = seqlen_k
+    _, hi = causal_key_range(start_m, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, IS_CAUSAL)
     n_blocks = gl.cdiv(hi, BLOCK_N)
     return pid_bh, off_b, off_h, off_hk, start_m, n_blocks, valid
 
@@ -248,14 +247,14 @@ def tile_coords(item, half, num_m_blocks, num_heads_q, kv_group_size, seqlen_q, 
 def row_limits(row0, rows, causal_offset, seqlen_k, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
                 IS_CAUSAL: gl.constexpr, row_layout: gl.constexpr):
     """For query rows ``rows`` (the first is row0): (n_full, col_limit). Key blocks [0, n_full) are
-    seen in full by every row (no mask); row i sees keys < col_limit[i] (the end of the keys, or its
-    causal diagonal + 1, bottom-right aligned: causal_offset = seqlen_k - seqlen_q). The forward's
+    seen in full by every row (no mask: ``block_ranges.full_key_blocks``); row i sees keys <
+    col_limit[i] (the end of the keys, or its causal diagonal + 1, bottom-right aligned:
+    causal_offset = seqlen_k - seqlen_q). The forward's
     consumers and the backward's dQ consumers use it."""
+    n_full = full_key_blocks(row0, seqlen_k - causal_offset, seqlen_k, BLOCK_N, IS_CAUSAL)
     if IS_CAUSAL:
-        n_full = gl.minimum(gl.maximum(row0 + causal_offset + 1, 0) // BLOCK_N, seqlen_k // BLOCK_N)
         col_limit = gl.minimum(rows + causal_offset + 1, seqlen_k)
     else:
-        n_full = seqlen_k // BLOCK_N
         col_limit = gl.full([ROWS], 0, gl.int32, row_layout) + seqlen_k
     return n_full, col_limit
 
