@@ -522,21 +522,30 @@ def test_dsink_sums_every_block_of_rows(device, monkeypatch):
     """The backward's dsink (``backward.preprocess``: each block of rows' share, then
     ``_sink_grad_kernel`` adds the shares per head in several steps when there are many) equals
     -sum over (b, i) of exp(sink - lse) * (rowsum(dO * O) - dlse) in float64, with rows of no key
-    (lse = -inf) adding nothing and a ragged last block of rows."""
+    (lse = -inf) adding nothing and a ragged last block of rows; and it is the same to the bit
+    whether the stats' rows are padded (the Hopper backward pads them to its tiles) or not."""
     from triflash.kernels import backward, configs
 
-    monkeypatch.setattr(backward, "SINK_GRAD_BLOCK", 2)          # 3 batches x 4 blocks: six steps
-    batch, seqlen, heads, dim = 3, 3 * configs.BWD_PREPROCESS_BLOCK_M + 5, 2, 16
-    gen = torch.Generator().manual_seed(0)
-    out, dout = (torch.randn(batch, seqlen, heads, dim, generator=gen).to(device) for _ in range(2))
-    lse = torch.randn(batch, heads, seqlen, generator=gen).to(device)
-    lse[1, 0, 7] = float("-inf")
-    dlse = torch.randn(batch, heads, seqlen, generator=gen).to(device)
-    sinks = torch.tensor([0.5, -1.5], device=device)
-    dsink = torch.full((heads,), float("nan"), device=device)
-    backward.preprocess(dout, out, lse, dlse, seqlen, False, sinks=sinks, dsink=dsink)
-    delta = (out.double() * dout.double()).sum(-1).transpose(1, 2) - dlse.double()     # [B, H, S]
-    p_sink = torch.exp(sinks.double()[None, :, None] - lse.double())
-    p_sink[lse == float("-inf")] = 0.0                   # a row that saw no key has no softmax to join
-    want = -(p_sink * delta).sum(dim=(0, 2))
-    torch.testing.assert_close(dsink.double(), want, rtol=1e-5, atol=1e-5)
+    batch, seqlen, heads, dim = 3, 2 * configs.BWD_PREPROCESS_BLOCK_M + 22, 2, 16
+    for seed in range(4):           # the padding's effect on the bits (before it was left out) varies by seed
+        gen = torch.Generator().manual_seed(seed)
+        out, dout = (torch.randn(batch, seqlen, heads, dim, generator=gen).to(device) for _ in range(2))
+        lse = torch.randn(batch, heads, seqlen, generator=gen).to(device)
+        lse[1, 0, 7] = float("-inf")
+        dlse = torch.randn(batch, heads, seqlen, generator=gen).to(device)
+        sinks = torch.randn(heads, generator=gen).to(device)
+        got = {}
+        # Stats rows as the Triton path has them, padded by one block (the Hopper path pads them to
+        # its tiles), and summed two shares per step (several steps per head: 3 batches x 3 blocks).
+        for name, rows, step in (("plain", seqlen, 1024), ("padded", seqlen + configs.BWD_PREPROCESS_BLOCK_M, 1024),
+                                 ("stepped", seqlen, 2)):
+            monkeypatch.setattr(backward, "SINK_GRAD_BLOCK", step)
+            got[name] = torch.full((heads,), float("nan"), device=device)
+            backward.preprocess(dout, out, lse, dlse, rows, False, sinks=sinks, dsink=got[name])
+        assert torch.equal(got["padded"], got["plain"]), seed
+        delta = (out.double() * dout.double()).sum(-1).transpose(1, 2) - dlse.double()     # [B, H, S]
+        p_sink = torch.exp(sinks.double()[None, :, None] - lse.double())
+        p_sink[lse == float("-inf")] = 0.0               # a row that saw no key has no softmax to join
+        want = -(p_sink * delta).sum(dim=(0, 2))
+        for name in ("plain", "stepped"):
+            torch.testing.assert_close(got[name].double(), want, rtol=1e-5, atol=1e-5)

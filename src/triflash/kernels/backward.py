@@ -91,8 +91,8 @@ def _bwd_preprocess_kernel(
     offsets (``common.needs_int64_rows``), as in every kernel of this file. ZERO_DQ: also zero the
     atomic dQ's float32 workspace DQ_ACC [B, H, rows_out, HEAD_DIM] (its rows are the stats' rows),
     which saves the atomic path a separate fill (else DQ_ACC is None). HAS_SINKS: also this block's
-    share of dsink, sum of exp(sink - lse) * delta over its rows, into SINK_PART [H, B, num_m_blocks]
-    (``_sink_grad_kernel`` adds them up)."""
+    share of dsink, sum of exp(sink - lse) * delta over its rows, into SINK_PART [H, B,
+    cdiv(seqlen_q, BLOCK_M)] (``_sink_grad_kernel`` adds them up)."""
     stride_os, stride_dos = wide(stride_os, LONG), wide(stride_dos, LONG)
     pid = tl.program_id(0)
     pid_m = pid % num_m_blocks
@@ -119,10 +119,14 @@ def _bwd_preprocess_kernel(
     tl.store(Delta + row, delta, mask=out_ok)
     lse = tl.load(LSE + lse_row, mask=m_ok, other=float("-inf"))
     if HAS_SINKS:
-        sink = tl.load(SINKS + off_h)
-        p_sink = tl.where(lse == float("-inf"), 0.0, tl.math.exp2((sink - lse) * LOG2E_K))   # 0 past Sq
-        tl.store(SINK_PART + (off_h * batch + off_b).to(tl.int64) * num_m_blocks + pid_m,
-                 tl.sum(p_sink * delta, axis=0))
+        # Blocks of the seqlen_q rows only (not the padding to rows_out): the same shares, summed in
+        # the same order, whatever the padding, so every backward path gives the same dsink bits.
+        q_blocks = tl.cdiv(seqlen_q, BLOCK_M)
+        if pid_m < q_blocks:
+            sink = tl.load(SINKS + off_h)
+            p_sink = tl.where(lse == float("-inf"), 0.0, tl.math.exp2((sink - lse) * LOG2E_K))
+            tl.store(SINK_PART + (off_h * batch + off_b).to(tl.int64) * q_blocks + pid_m,
+                     tl.sum(p_sink * delta, axis=0))
     if not PRECISE_P:
         lse = lse * LOG2E_K                                   # to base 2 for one-FMA recomputation
     lse2 = tl.where(lse == float("-inf"), float("inf"), lse)
@@ -533,7 +537,8 @@ def preprocess(dout, out, lse, dlse, rows_out: int, precise_p: bool, dq_accum=No
         dlse = dlse.contiguous().float()
     parts = None
     if sinks is not None:
-        parts = torch.empty((heads_q, batch * pre_blocks), dtype=torch.float32, device=out.device)
+        parts = torch.empty((heads_q, batch * configs.cdiv(seqlen_q, pre_block)), dtype=torch.float32,
+                            device=out.device)
     launch.run(
         _bwd_preprocess_kernel, (pre_blocks * batch * heads_q,),
         O=out, DO=dout, LSE=lse.contiguous(), DLSE=dlse, Delta=delta, LSE2=lse2, DQ_ACC=dq_accum,
@@ -544,7 +549,7 @@ def preprocess(dout, out, lse, dlse, rows_out: int, precise_p: bool, dq_accum=No
         ZERO_DQ=dq_accum is not None, SINKS=sinks, SINK_PART=parts, batch=batch, HAS_SINKS=sinks is not None,
     )
     if sinks is not None:
-        count = batch * pre_blocks
+        count = parts.shape[1]
         launch.run(_sink_grad_kernel, (heads_q,), SINK_PART=parts, DSINK=dsink, parts=count,
                    BLOCK=min(triton.next_power_of_2(count), SINK_GRAD_BLOCK))
     return delta, lse2

@@ -148,8 +148,10 @@ LN2_K = tl.constexpr(math.log(2.0))
 LIBDEVICE = tl.constexpr(not configs.INTERPRET)
 # NVIDIA's tanh.approx.f32 (one MUFU operation, relative error below 2^-10.9) instead of libdevice's
 # polynomial for fp16/bf16 inputs: their scores already carry rounding of that size, and libdevice's
-# tanh made the softcap kernels 2-3x slower (docs/performance.md#score-variants-on-hopper). fp32
-# inputs keep libdevice's; ROCm and the interpreter have no PTX.
+# tanh made the softcap kernels 2-3x slower (docs/performance.md#score-variants-on-hopper). The
+# backward's factor 1 - tanh^2 takes the same error in absolute terms (relatively larger near
+# saturation, where the factor and so dS are small), as in FlashAttention 2/3. fp32 inputs keep
+# libdevice's; ROCm and the interpreter have no PTX.
 PTX_TANH = tl.constexpr(not configs.INTERPRET and torch.version.hip is None)
 
 

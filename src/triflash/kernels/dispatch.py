@@ -133,9 +133,10 @@ HOPPER_FORWARD_VARIANTS = {
 
 
 # The score variants the Gluon kernels take unless a variant is forced, per head dim; a call with any
-# other goes to the Triton kernels. Measured on the H100 (docs/performance.md#score-variants-on-hopper):
-# the forward with softcap at head dim 64 is slower on Gluon (the exp2 and the tanh share the MUFU, the
-# bound at 64), and the Gluon dK/dV kernel spills with ALiBi at 64 (3.8x slower).
+# other goes to the Triton kernels. Measured on the H100 and the H200
+# (docs/performance.md#score-variants-on-hopper): the forward with softcap at head dim 64 ties with the
+# Triton kernel there (both bound by the MUFU, which the exp2 and the tanh share), and the Gluon dK/dV
+# kernel spills with ALiBi at 64 (3.8x slower).
 GLUON_FORWARD_SCORES = {64: frozenset({"sinks", "alibi"}), 128: frozenset({"sinks", "alibi", "softcap"})}
 GLUON_BACKWARD_SCORES = {64: frozenset({"sinks", "softcap"}), 128: frozenset({"sinks", "alibi", "softcap"})}
 

@@ -361,8 +361,8 @@ def _overlap_step(cfg, sh, WG: gl.constexpr, j, c, t, p, acc, l_acc, m_i, l_i, q
 
 
 @gluon.jit
-def _blocks_seen(row0, ROWS: gl.constexpr, seqlen_q, seqlen_k, causal_offset, n_blocks,
-                 BLOCK_N: gl.constexpr, IS_CAUSAL: gl.constexpr):
+def _blocks_seen(row0, ROWS: gl.constexpr, seqlen_q, seqlen_k, n_blocks, BLOCK_N: gl.constexpr,
+                 IS_CAUSAL: gl.constexpr):
     """How many of the tile's key blocks [0, n_blocks) a warpgroup's query rows [row0, row0 + ROWS)
     see: up to its last row's causal diagonal (bottom-right aligned), and none when all of its rows
     are past the end of the queries (the last tile's lower warpgroups). The tile's n_blocks reach
@@ -447,8 +447,7 @@ def _consumer(cfg, WG: gl.constexpr, tiles, io, sh):
                 # the tile's n_blocks, which reach the causal diagonal of the tile's last row).
                 n_mine = n_blocks
                 if SKIP:
-                    n_mine = _blocks_seen(row0, ROWS, seqlen_q, seqlen_k, causal_offset, n_blocks, BLOCK_N,
-                                          cfg.IS_CAUSAL)
+                    n_mine = _blocks_seen(row0, ROWS, seqlen_q, seqlen_k, n_blocks, BLOCK_N, cfg.IS_CAUSAL)
 
                 mbarrier.wait(q_bar, n_done & 1)   # always: the query's TMA must land before the tile is done
 
