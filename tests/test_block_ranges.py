@@ -26,7 +26,9 @@ from conftest import DEVICE, ON_GPU
 
 from triflash.kernels import block_ranges
 from triflash.kernels.block_ranges import (
+    causal_col_limit,
     causal_key_range,
+    causal_mask,
     causal_query_range,
     sequence_bounds,
     split_key_range,
@@ -400,6 +402,48 @@ def test_window_visible(flags):
         wrong = (got != want.to(torch.int8)).flatten(1).any(1).nonzero().flatten().tolist()
         assert not wrong, f"window_visible {name} differs from the rule for (r0, c0, off, left, right) in " \
                           f"{[cases[w] for w in wrong[:8]]}"
+
+
+@triton.jit
+def _causal_mask_kernel(C, OUT, OUT_T, LIMIT, BM: tl.constexpr, BN: tl.constexpr):
+    """One case per program: rows r0 + [0, BM) against cols c0 + [0, BN), in both orientations, and
+    the rows' bounds (``causal_col_limit``)."""
+    c = tl.program_id(0)
+    r0 = tl.load(C + 3 * c)
+    c0 = tl.load(C + 3 * c + 1)
+    off = tl.load(C + 3 * c + 2)
+    rows = r0 + tl.arange(0, BM)
+    cols = c0 + tl.arange(0, BN)
+    tile = c * BM * BN
+    v = causal_mask(rows[:, None], cols[None, :], off)                                          # [BM, BN]
+    tl.store(OUT + tile + tl.arange(0, BM)[:, None] * BN + tl.arange(0, BN)[None, :], v.to(tl.int8))
+    v_t = causal_mask(rows[None, :], cols[:, None], off)                                        # [BN, BM]
+    tl.store(OUT_T + tile + tl.arange(0, BN)[:, None] * BM + tl.arange(0, BM)[None, :], v_t.to(tl.int8))
+    tl.store(LIMIT + c * BM + tl.arange(0, BM), causal_col_limit(rows, off))
+
+
+def test_causal_mask():
+    """The causal element mask equals the rule j <= i + off for every element, in the forward's
+    orientation and the transposed one, and the per-row bound i + off + 1 is the first key the row
+    does not see, for offsets of both signs."""
+    cases = [(r0, c0, off) for r0, c0 in [(0, 0), (32, 0), (0, 48), (2**20, 2**20 - 20)]
+             for off in (-45, -17, -1, 0, 3, 33)]
+    bm, bn = 32, 16
+    table = torch.tensor(cases, dtype=torch.int32, device=DEVICE)
+    out = torch.full((len(cases), bm, bn), -1, dtype=torch.int8, device=DEVICE)
+    out_t = torch.full((len(cases), bn, bm), -1, dtype=torch.int8, device=DEVICE)
+    limit = torch.full((len(cases), bm), -1, dtype=torch.int32, device=DEVICE)
+    _causal_mask_kernel[(len(cases),)](table, out, out_t, limit, BM=bm, BN=bn)
+    t = table.cpu().long()
+    i = t[:, 0, None, None] + torch.arange(bm)[None, :, None]
+    j = t[:, 1, None, None] + torch.arange(bn)[None, None, :]
+    want = j <= i + t[:, 2, None, None]
+    for name, got in (("[BM, BN]", out.cpu()), ("transposed", out_t.cpu().transpose(1, 2))):
+        wrong = (got != want.to(torch.int8)).flatten(1).any(1).nonzero().flatten().tolist()
+        assert not wrong, f"causal_mask {name} differs from the rule for (r0, c0, off) in " \
+                          f"{[cases[w] for w in wrong[:8]]}"
+    # Row i sees every key below its bound and none from it on.
+    assert torch.equal(want, j < limit.cpu().long()[:, :, None])
 
 
 # --------------------------------------------------------------------------------------------------

@@ -52,6 +52,7 @@ import triton.language as tl
 from . import configs, launch
 from .block_ranges import (
     causal_key_range,
+    causal_mask,
     causal_query_range,
     sequence_bounds,
     window_kernel_args,
@@ -200,7 +201,7 @@ def _dkdv_inner(
                 p_t = tl.where(window_visible(offs_m[None, :], offs_n[:, None], causal_offset, window_left,
                                               window_right, HAS_LEFT, HAS_RIGHT), p_t, 0.0)
             else:
-                p_t = tl.where(offs_n[:, None] <= offs_m[None, :] + causal_offset, p_t, 0.0)
+                p_t = tl.where(causal_mask(offs_m[None, :], offs_n[:, None], causal_offset), p_t, 0.0)
         # fp32 (PRECISE_P): each block's sum on its own, then added (add_rn): short rounding chains.
         if PRECISE_P:
             dv = add_rn(dv, tl.dot(p_t, do, input_precision=DOT_PRECISION))
@@ -390,7 +391,7 @@ def _dq_inner(
                 visible = visible & window_visible(offs_m[:, None], cols[None, :], causal_offset, window_left,
                                                    window_right, HAS_LEFT, HAS_RIGHT)
             elif IS_CAUSAL:
-                visible = visible & (cols[None, :] <= offs_m[:, None] + causal_offset)
+                visible = visible & causal_mask(offs_m[:, None], cols[None, :], causal_offset)
             p = tl.where(visible, p, 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)        # [BM, BN]
         ds = p * (dp - delta[:, None])

@@ -39,7 +39,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTensorDescriptor
 
 from . import launch
-from .block_ranges import causal_query_range
+from .block_ranges import causal_key_end, causal_mask, causal_query_range, first_full_query_block
 from .common import PLAIN as NO_SCORES
 from .common import ScoreVariant, on_input_device
 from .configs import cdiv, gluon_hopper_applies, sm_count
@@ -328,7 +328,7 @@ def _bwd_step(cfg, sh, WG: gl.constexpr, i, dk, dv, zero_st, zero_dq, k_smem, v_
     p_t = gl.exp2(s_t * qk_scale - sh.lse.index(s).load(col_layout)[None, :])
     if MASK == 1:
         # Causal: keys after a row's diagonal (which include every key past seqlen_k) get p = 0.
-        p_t = gl.where(keys[:, None] <= cols[None, :] + causal_offset, p_t, 0.0)
+        p_t = gl.where(causal_mask(cols[None, :], keys[:, None], causal_offset), p_t, 0.0)
     elif MASK == 2:
         # Key rows past seqlen_k read as zeros, so their score is 0 and p = exp2(-lse2), which is huge
         # when every real score of a row is very negative: dS would overflow to inf and inf * 0 (the
@@ -398,7 +398,7 @@ def _bwd_consumer(cfg, WG: gl.constexpr, work, io, sh):
     causal_offset = seqlen_k - work.seqlen_q
     # Query blocks from m_full on see every key of this partition's rows (no mask needed).
     if cfg.IS_CAUSAL:
-        m_full = gl.cdiv(gl.maximum(start_n + KEYS - 1 - causal_offset, 0), BLOCK_M)
+        m_full = first_full_query_block(start_n, work.seqlen_q, seqlen_k, BLOCK_M, KEYS)
     else:
         m_full = 0
     key_tail = start_n + KEYS > seqlen_k                 # this partition holds key rows past the end
@@ -467,14 +467,15 @@ def _pass_turns(sem0, sem1, value0, value1):
 
 
 @gluon.jit
-def _dq_turn(i, pid_n, num_n_blocks, m_first, m_step, kv_group_size, causal_offset,
+def _dq_turn(i, pid_n, num_n_blocks, m_first, m_step, kv_group_size, seqlen_q, seqlen_k,
              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, IS_CAUSAL: gl.constexpr):
     """Key block pid_n's place in the order of additions into step i's query block m: the blocks
     that add into m are 0 .. n_max(m) (causal: those whose first key some row of m sees), and they
     add from n_max(m) down to 0, so the place is n_max(m) - pid_n."""
     m = m_first + m_step * (i // kv_group_size)
     if IS_CAUSAL:
-        n_max = gl.minimum(num_n_blocks - 1, (m * BLOCK_M + BLOCK_M - 1 + causal_offset) // BLOCK_N)
+        # The key block of the last row's diagonal.
+        n_max = gl.minimum(num_n_blocks - 1, (causal_key_end(m * BLOCK_M, seqlen_q, seqlen_k, BLOCK_M) - 1) // BLOCK_N)
     else:
         n_max = num_n_blocks - 1
     return n_max - pid_n
@@ -529,14 +530,13 @@ def _bwd_writer(cfg, work, io, sh, THREADS: gl.constexpr):
     rows0 = gl.arange(0, CHUNK, layout=gl.SliceLayout(1, layout))
     dims = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, layout))
     offs = rows0[:, None] * HEAD_DIM + dims[None, :]
-    causal_offset = work.seqlen_k - work.seqlen_q
     for j in range(0, n_steps, 2):
         j1 = gl.minimum(j + 1, n_steps - 1)
         has1 = j + 1 < n_steps
-        turn0 = _dq_turn(j, pid_n, num_n_blocks, m_first, m_step, kv_group_size, causal_offset, BLOCK_M, BLOCK_N,
-                         IS_CAUSAL)
-        turn1 = _dq_turn(j1, pid_n, num_n_blocks, m_first, m_step, kv_group_size, causal_offset, BLOCK_M, BLOCK_N,
-                         IS_CAUSAL)
+        turn0 = _dq_turn(j, pid_n, num_n_blocks, m_first, m_step, kv_group_size, work.seqlen_q, work.seqlen_k,
+                         BLOCK_M, BLOCK_N, IS_CAUSAL)
+        turn1 = _dq_turn(j1, pid_n, num_n_blocks, m_first, m_step, kv_group_size, work.seqlen_q, work.seqlen_k,
+                         BLOCK_M, BLOCK_N, IS_CAUSAL)
         sem0, base0 = _dq_block(j, SEM, DQW, off_b, off_hk, kv_group_size, num_heads_q, num_m_blocks, m_first, m_step,
                                 BLOCK_M, HEAD_DIM)
         sem1, base1 = _dq_block(j1, SEM, DQW, off_b, off_hk, kv_group_size, num_heads_q, num_m_blocks, m_first, m_step,

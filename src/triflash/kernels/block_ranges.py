@@ -4,7 +4,9 @@ Every kernel walks its tiles through these functions, so each visibility rule is
 
 * causal (bottom-right aligned: query i sees key j when j <= i + seqlen_k - seqlen_q), forward
   walk (``causal_key_range``: key blocks of a query tile) and backward walk (``causal_query_range``:
-  query rows of a key block);
+  query rows of a key block), the element mask ``causal_mask`` (per-row bound:
+  ``causal_col_limit``), and the pieces the Gluon kernels count in blocks (``full_key_blocks``,
+  ``first_full_query_block``, ``causal_key_end``);
 * local windows (query i sees key j when i + off - left <= j <= i + off + right): ``window_bounds``
   folds a window into the plain paths where it reaches every key, ``window_key_range`` /
   ``window_query_range`` are the two walks, ``window_visible`` the element mask;
@@ -36,6 +38,33 @@ def sequence_bounds(CU_Q, CU_K, off_b):
     return q_start, k_start, seqlen_q, seqlen_k
 
 @triton.jit
+def causal_mask(rows, cols, off):
+    """The causal element mask: row i sees key j when j <= i + off (off = seqlen_k - seqlen_q,
+    bottom-right aligned), for rows and cols already broadcast to the tile's orientation ([BM, 1]
+    and [1, BN], or transposed), as ``window_visible``."""
+    return cols <= rows + off
+
+@triton.jit
+def causal_col_limit(rows, off):
+    """The same rule as a per-row bound (the Gluon kernels' form): row i sees the keys below
+    i + off + 1 (to be clipped to the sequence's end by the caller)."""
+    return rows + off + 1
+
+@triton.jit
+def causal_key_end(start_m, seqlen_q, seqlen_k, BLOCK_M: tl.constexpr):
+    """One past the last key the last row of the query block [start_m, start_m + BLOCK_M) sees under
+    causal masking (its diagonal + 1; not clipped: at most 0, or past the keys, when the block sees
+    none or all of them). ``causal_key_range``'s hi before clipping."""
+    return start_m + BLOCK_M + (seqlen_k - seqlen_q)
+
+@triton.jit
+def first_full_query_block(start_n, seqlen_q, seqlen_k, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The first BLOCK_M query block all of whose rows see every key of the key block [start_n,
+    start_n + BLOCK_N) under causal masking: the block holding its last key's diagonal row, rounded
+    up. ``causal_query_range``'s full_from in blocks (the Gluon dK/dV kernel counts in blocks)."""
+    return tl.cdiv(tl.maximum(start_n + BLOCK_N - 1 - (seqlen_k - seqlen_q), 0), BLOCK_M)
+
+@triton.jit
 def full_key_blocks(start_m, seqlen_q, seqlen_k, BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr):
     """How many whole BLOCK_N key blocks from key 0 on every query row from start_m on sees: the
     blocks the first row's causal diagonal already passes (bottom-right aligned), or all whole
@@ -62,7 +91,7 @@ def causal_key_range(start_m, seqlen_q, seqlen_k, BLOCK_M: tl.constexpr, BLOCK_N
     off_band_end = full_key_blocks(start_m, seqlen_q, seqlen_k, BLOCK_N, IS_CAUSAL) * BLOCK_N
     if IS_CAUSAL:
         # Nothing past the last row's diagonal.
-        hi = tl.minimum(tl.maximum(start_m + BLOCK_M + (seqlen_k - seqlen_q), 0), seqlen_k)
+        hi = tl.minimum(tl.maximum(causal_key_end(start_m, seqlen_q, seqlen_k, BLOCK_M), 0), seqlen_k)
     else:
         hi = seqlen_k
     return off_band_end, hi
@@ -80,7 +109,7 @@ def causal_query_range(start_n, seqlen_q, seqlen_k, q_blocks_end, BLOCK_M: tl.co
         # The block's first key is seen from row start_n - causal_offset on; rows from
         # start_n + BLOCK_N - 1 - causal_offset on see every key of the block (no mask needed).
         lo = (tl.maximum(start_n - causal_offset, 0) // BLOCK_M) * BLOCK_M
-        full_from = tl.cdiv(tl.maximum(start_n + BLOCK_N - 1 - causal_offset, 0), BLOCK_M) * BLOCK_M
+        full_from = first_full_query_block(start_n, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N) * BLOCK_M
         full_from = tl.minimum(tl.maximum(full_from, lo), q_blocks_end)
     else:
         lo = 0

@@ -41,6 +41,7 @@ import triton.language as tl
 
 from . import configs, launch
 from .block_ranges import (
+    causal_mask,
     split_key_range,
     split_program,
     split_window_range,
@@ -149,7 +150,7 @@ def _decode_inner(
                 visible = visible & window_visible(offs_i[:, None], cols[None, :], causal_offset,
                                                    window_left, window_right, HAS_LEFT, HAS_RIGHT)
             elif IS_CAUSAL:
-                visible = visible & (cols[None, :] <= offs_i[:, None] + causal_offset)   # [BM, BN]
+                visible = visible & causal_mask(offs_i[:, None], cols[None, :], causal_offset)   # [BM, BN]
         if SOFTCAP or ALIBI:
             qk, _ = score_mod(qk, offs_i[:, None], cols[None, :], causal_offset, sm_scale, tanh_scale, softcap,
                               slope, SOFTCAP, ALIBI, q.dtype != tl.float32)   # natural units

@@ -33,7 +33,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from . import launch
-from .block_ranges import split_key_range, split_program
+from .block_ranges import causal_col_limit, split_key_range, split_program
 from .common import LOG2E, needs_int64_rows, on_input_device, partial_and_table_strides, rows_past_int32
 from .configs import GLUON_DECODE_ROWS, cdiv, gluon_hopper_applies
 from .launch import tma_compatible
@@ -277,7 +277,7 @@ def _consumer(cfg, work, io, q_smem, k, v):
     # Per-row bound of the masked loop: the range's end, and (causal) the row's diagonal.
     rows = pid_m * ROWS + gl.arange(0, ROWS, layout=row_layout)
     if cfg.IS_CAUSAL:
-        col_limit = gl.minimum(rows // GROUP + causal_offset + 1, hi)
+        col_limit = gl.minimum(causal_col_limit(rows // GROUP, causal_offset), hi)
     else:
         col_limit = gl.full([ROWS], 0, gl.int32, row_layout) + hi
     s_zero = gl.zeros([ROWS, cfg.BLOCK_N], gl.float32, cfg.s_layout)

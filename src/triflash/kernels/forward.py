@@ -35,6 +35,7 @@ import triton.language as tl
 from . import configs, launch
 from .block_ranges import (
     causal_key_range,
+    causal_mask,
     sequence_bounds,
     window_kernel_args,
     window_key_range,
@@ -100,7 +101,7 @@ def _fwd_inner(
                 visible = visible & window_visible(offs_m[:, None], cols[None, :], causal_offset,
                                                    window_left, window_right, HAS_LEFT, HAS_RIGHT)  # [BM, BN]
             elif IS_CAUSAL:
-                visible = visible & (cols[None, :] <= offs_m[:, None] + causal_offset)  # [BM, BN]
+                visible = visible & causal_mask(offs_m[:, None], cols[None, :], causal_offset)  # [BM, BN]
         if SOFTCAP or ALIBI:
             # Natural-unit scores (capped, biased): the exp2 then takes log2(e) as its scale.
             qk, _ = score_mod(qk, offs_m[:, None], cols[None, :], causal_offset, sm_scale, tanh_scale,

@@ -18,7 +18,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTen
 from triton.language.core import _aggregate as aggregate
 from triton.language.core import base_value  # Triton 3.5/3.6's name (later gluon.aggregate)
 
-from .block_ranges import causal_key_range, full_key_blocks
+from .block_ranges import causal_col_limit, causal_key_range, full_key_blocks
 from .common import LOG2E
 from .launch import tma_compatible
 
@@ -253,7 +253,7 @@ def row_limits(row0, rows, causal_offset, seqlen_k, ROWS: gl.constexpr, BLOCK_N:
     consumers and the backward's dQ consumers use it."""
     n_full = full_key_blocks(row0, seqlen_k - causal_offset, seqlen_k, BLOCK_N, IS_CAUSAL)
     if IS_CAUSAL:
-        col_limit = gl.minimum(rows + causal_offset + 1, seqlen_k)
+        col_limit = gl.minimum(causal_col_limit(rows, causal_offset), seqlen_k)
     else:
         col_limit = gl.full([ROWS], 0, gl.int32, row_layout) + seqlen_k
     return n_full, col_limit
