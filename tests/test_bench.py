@@ -835,7 +835,7 @@ class DropsVariants(Triflash):
     name = "drops-variants"
 
     def run(self, q, k, v, causal):
-        self.score_kwargs = {}
+        self.call_kwargs = {}
         return super().run(q, k, v, causal)
 
 

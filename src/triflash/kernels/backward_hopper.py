@@ -45,6 +45,7 @@ from .common import ScoreVariant, on_input_device
 from .configs import cdiv, gluon_hopper_applies, sm_count
 from .sm90_common import (
     PLAIN,
+    PRODUCER_REGS,
     SCALAR,
     SMEM,
     Ring,
@@ -62,7 +63,6 @@ from .sm90_common import (
 BLOCK_N = 128              # keys per CTA: 64 per consumer partition
 NUM_WG = 2                 # consumer partitions (one warpgroup each)
 SEM_STRIDE: gl.constexpr = gl.constexpr(32)   # int32 per turn counter: one 128-byte line each
-PRODUCER_REGS = 24
 # Launches of three warpgroups (two consumers and the producer's, no writer): the dK/dV-only form and
 # the dQ kernel. maxnreg at launch, and what setmaxnreg then gives each consumer: what the producer
 # gives up, up to setmaxnreg's 240 (FA3's split at head_dim 128).

@@ -42,7 +42,9 @@ from .sm90_common import SCALAR, Ring, aggregate, constexprs, descriptor, finish
 ROWS = gl.constexpr(GLUON_DECODE_ROWS)   # query rows per program: the wgmma M of one warpgroup
 HALF = gl.constexpr(64)      # head-dim columns per shared-memory tile (128-byte rows at 16 bits)
 MIN_BOX = 8          # rows of one 128-byte swizzle atom: the smallest page a box may hold
-PRODUCER_REGS = 48   # setmaxnreg of the producer's warpgroup
+# setmaxnreg of the producer's warpgroup: more than the forward's and the backward's
+# (sm90_common.PRODUCER_REGS): it reads the block table and issues a TMA box per page (docs/hopper.md).
+DECODE_PRODUCER_REGS = 48
 SHARED_PER_SM = 232448   # bytes of shared memory the CTAs of one H100/H200 SM may use together
 
 
@@ -414,6 +416,6 @@ def decode_hopper(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         heads_kv=heads_kv, seqlen_q=seqlen_q, seqlen_k=k_cache.shape[1], seqlen_new=seqlen_new,
         num_m_blocks=num_m_blocks, num_splits=num_splits, sm_scale=sm_scale, qk_scale=sm_scale * LOG2E,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_N=block_n, BOX=box, PAGE_SIZE=page_size, PAGED=paged,
-        HAS_SEQLENS=has_seqlens, IS_CAUSAL=causal, STAGES=stages, PRODUCER_REGS_=PRODUCER_REGS,
+        HAS_SEQLENS=has_seqlens, IS_CAUSAL=causal, STAGES=stages, PRODUCER_REGS_=DECODE_PRODUCER_REGS,
         num_warps=4, **({} if maxnreg is None else {"maxnreg": maxnreg}),
     )
