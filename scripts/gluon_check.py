@@ -162,6 +162,11 @@ def cases(variants):
                                  + (f" {order}" if len(orders) > 1 else ""))
                         yield label, (lambda q=q, k=k, v=v, c=causal, var=variant, o=order:
                                       FH.forward_hopper(q, k, v, 0.1, c, variant=var, order=o))
+                    # Local windows, as window_bounds passes them.
+                    for window in WINDOWS[causal]:
+                        label = f"{variant} D{d} {TYPES[dtype]} {'causal' if causal else 'full'} window{window}"
+                        yield label, (lambda q=q, k=k, v=v, c=causal, var=variant, w=window:
+                                      FH.forward_hopper(q, k, v, 0.1, c, variant=var, window=w))
                     # The score variants (flags compiled in only when used): sinks alone (raw units, a
                     # sink folded at the end) and all three ([B, Hq] slopes; natural units), fp16.
                     if dtype == torch.float16:
@@ -190,6 +195,10 @@ def _backward_inputs(variants, want):
                     yield label, variant, q, k, v, torch.randn_like(q), stats, causal
 
 
+# The windows the forward, dK/dV and dQ cases compile with (non-causal: both edges, a right edge only,
+# a left edge only; causal: a left edge). -1: no bound on that side.
+WINDOWS = {False: ((300, 77), (-1, 50), (100, -1)), True: ((300, 0),)}
+
 # The backward's score variants, compiled at fp16: each alone ([Hq] slopes) and together ([B, Hq]).
 BWD_SCORES = (("softcap", ScoreVariant(5.0)), ("alibi", ScoreVariant(0.0, torch.rand(8))),
               ("softcap+alibi", ScoreVariant(5.0, torch.rand(2, 8))))
@@ -199,6 +208,10 @@ def backward_cases(variants):
     for label, variant, q, k, v, do, stats, causal in _backward_inputs(variants, lambda var, d: True):
         yield f"bwd {label}", (lambda q=q, k=k, v=v, do=do, st=stats, c=causal, var=variant:
                                _backward_without_finish(do, q, k, v, st, c, var))
+        for window in WINDOWS[causal] if not BH.computes_dq(variant) else ():
+            yield f"bwd {label} window{window}", (lambda q=q, k=k, v=v, do=do, st=stats, c=causal, var=variant,
+                                                  w=window: _backward_without_finish(do, q, k, v, st, c, var,
+                                                                                     window=w))
         for name, scores in BWD_SCORES if q.dtype == torch.float16 else ():
             yield f"bwd {label} {name}", (lambda q=q, k=k, v=v, do=do, st=stats, c=causal, var=variant, sc=scores:
                                           _backward_without_finish(do, q, k, v, st, c, var, sc))
@@ -212,6 +225,10 @@ def dq_cases(variants):
     for label, variant, q, k, v, do, stats, causal in _backward_inputs(variants, takes_it):
         yield f"bwd-dq {label}", (lambda q=q, k=k, v=v, do=do, st=stats, c=causal, var=variant:
                                   BH.dq_hopper(do, q, k, v, st, st, 0.1, c, torch.empty_like(q), variant=var))
+        for window in WINDOWS[causal]:
+            yield f"bwd-dq {label} window{window}", (
+                lambda q=q, k=k, v=v, do=do, st=stats, c=causal, var=variant, w=window:
+                BH.dq_hopper(do, q, k, v, st, st, 0.1, c, torch.empty_like(q), variant=var, window=w))
         for name, scores in BWD_SCORES if q.dtype == torch.float16 else ():
             yield f"bwd-dq {label} {name}", (
                 lambda q=q, k=k, v=v, do=do, st=stats, c=causal, var=variant, sc=scores:
@@ -247,13 +264,13 @@ def decode_cases(tiles):
                                                        stages=st, num_splits=n))
 
 
-def _backward_without_finish(do, q, k, v, stats, causal, variant, scores=PLAIN_SCORES):
+def _backward_without_finish(do, q, k, v, stats, causal, variant, scores=PLAIN_SCORES, window=None):
     """backward_hopper with its small Triton epilogue kernel not launched (no GPU here)."""
     saved = BH._dq_finish_kernel
     BH._dq_finish_kernel = Recorder(saved, [])
     try:
         BH.backward_hopper(do, q, k, v, stats, stats, 0.1, causal, torch.empty_like(q), torch.empty_like(k),
-                           torch.empty_like(v), variant=variant, scores=scores)
+                           torch.empty_like(v), variant=variant, scores=scores, window=window)
     finally:
         BH._dq_finish_kernel = saved
 

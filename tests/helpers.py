@@ -63,11 +63,13 @@ def make_qkv(batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, dtype, devi
     return randn(seqlen_q, heads_q), randn(seqlen_k, heads_kv), randn(seqlen_k, heads_kv)
 
 
-def assert_matches_reference(out, lse, q, k, v, causal=False, softmax_scale=None, window_size=(-1, -1)):
-    """The forward's out and lse ([B, S, H, D] inputs) against the float64 reference, by the 2x rule."""
+def assert_matches_reference(out, lse, q, k, v, causal=False, softmax_scale=None, window_size=(-1, -1),
+                             **variants):
+    """The forward's out and lse ([B, S, H, D] inputs) against the float64 reference, by the 2x rule.
+    ``variants``: score variants (softcap, alibi_slopes, sinks) as the reference takes them."""
     from triflash.reference import flash_attn_ref
 
-    kwargs = dict(causal=causal, softmax_scale=softmax_scale, return_lse=True, window_size=window_size)
+    kwargs = dict(causal=causal, softmax_scale=softmax_scale, return_lse=True, window_size=window_size, **variants)
     ref, ref_lse = flash_attn_ref(q, k, v, **kwargs)
     same, same_lse = flash_attn_ref(q, k, v, compute_dtype=None, **kwargs)
     assert_2x_rule("out", out, ref, same, q.dtype)

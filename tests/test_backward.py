@@ -436,7 +436,8 @@ def test_dq_kernel_reads_padded_stats(device, monkeypatch, force_kernels, causal
 
     calls = []
 
-    def dkdv_by_triton(dout_, q_, k_, v_, lse2, delta, sm_scale, causal_, dq, dk, dv, *, variant, scores):
+    def dkdv_by_triton(dout_, q_, k_, v_, lse2, delta, sm_scale, causal_, dq, dk, dv, *, variant, scores, window):
+        assert window is None
         calls.append((variant, tuple(lse2.shape), dq))
         _, dk2, dv2 = dispatch.backward(dout_, q_, k_, v_, out, lse, sm_scale, causal_, need_dq=False,
                                         config=triton_cfg)

@@ -403,6 +403,17 @@ def test_hopper_variant_chooser(monkeypatch):
     assert pick(head_dim=64, causal=True, seqlen_q=8192, seqlen_k=8192, **bf16) == "pp3_persist"
     assert pick(head_dim=64, causal=True, seqlen_q=16384, seqlen_k=16384, **bf16) == "pp3_persist"
     assert pick(head_dim=80, causal=False, seqlen_q=4096, seqlen_k=4096, **kw) == "triton"
+    # Local windows (left, right): at 128 always the persistent kernel; at 64 by the keys a query sees
+    # (Triton below 2048, two warpgroups below 4096), never the _ltc form.
+    assert pick(head_dim=128, causal=False, seqlen_q=16384, seqlen_k=16384, window=(512, 512), **kw) == "pp_persist"
+    assert pick(head_dim=128, causal=True, seqlen_q=8192, seqlen_k=8192, window=(256, 0), **kw) == "pp_persist"
+    for window, want in (((1024, 0), "triton"), ((2046, 0), "triton"), ((2047, 0), "pp_persist"),
+                         ((1023, 1024), "pp_persist"), ((4095, 0), "pp3_persist"), ((-1, 300), "pp3_persist")):
+        for dtype in (torch.float16, torch.bfloat16):
+            got = pick(head_dim=64, causal=window[1] == 0, seqlen_q=8192, seqlen_k=8192, window=window,
+                       device="cpu", dtype=dtype)
+            assert got == want, (window, dtype, got)
+    assert pick(head_dim=64, causal=True, seqlen_q=1024, seqlen_k=8192, window=(4096, 0), **kw) == "triton"
     assert pick(head_dim=64, causal=True, seqlen_q=2048, seqlen_k=16384, **kw) == "pp3_persist_ltc"
     # Causal from 2k queries with fewer keys: untimed, so 128-row tiles as before.
     assert pick(head_dim=64, causal=True, seqlen_q=4096, seqlen_k=2047, **kw) == "pp_persist"

@@ -434,7 +434,8 @@ def test_which_forward_takes_the_variants(device, monkeypatch):
 
     taken = []
 
-    def stub(q, k, v, sm_scale, causal, out=None, *, variant, scores):
+    def stub(q, k, v, sm_scale, causal, out=None, *, variant, scores, window):
+        assert window is None
         taken.append((variant, scores))
         return out, torch.zeros(q.shape[0], q.shape[2], q.shape[1], device=q.device)
 
@@ -472,7 +473,8 @@ def test_which_backward_takes_the_variants(device, monkeypatch):
 
     taken = []
 
-    def stub(dout, q, k, v, lse2, delta, sm_scale, causal, *grads, variant, scores):
+    def stub(dout, q, k, v, lse2, delta, sm_scale, causal, *grads, variant, scores, window=None):
+        assert window is None
         taken.append((variant, delta.shape[-1], scores))
         for g in grads:
             if g is not None:

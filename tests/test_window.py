@@ -1,8 +1,9 @@
 """Local (sliding-window) attention: window_size=(left, right) in flash_attn_func, attention and
 flash_attn_varlen_func, forward and backward, against the float64 reference with the same window
-(helpers' 2x / 3x rules). Windows run on the Triton kernels on every GPU; the interpreter's tiles
-(64 x 32) and the GPU's are both crossed by these sizes, so each of the three key ranges (masked left
-edge, whole blocks, masked right edge) and the rows that see no key occur."""
+(helpers' 2x / 3x rules). Windows run on the Triton kernels everywhere and, on sm_90 at head dims 64
+and 128, on the Gluon forward, dK/dV and dQ kernels (each variant forced below); the interpreter's
+tiles (64 x 32) and the GPU's are both crossed by these sizes, so each of the three key ranges
+(masked left edge, whole blocks, masked right edge) and the rows that see no key occur."""
 
 import pytest
 import torch
@@ -109,18 +110,76 @@ def test_huge_windows_are_unbounded(device):
                        triflash.flash_attn_func(q, k, v, causal=True))
 
 
-def test_a_gluon_variant_given_with_a_window_is_not_taken(device):
-    """backward(..., variant=variant) with a window runs the Triton kernels (the Gluon ones have no
-    windows): the same bits as without the variant."""
+def test_the_fused_gluon_variant_given_with_a_window_is_not_taken(device):
+    """backward(..., variant="split") with a window runs the Triton kernels (the fused Gluon kernel's dQ
+    turns follow the causal walk: no windows): the same bits as the Triton kernels forced."""
     from triflash.kernels.dispatch import backward, forward
 
     q, k, v = make_qkv(1, 40, 40, 2, 1, 64, torch.float16, device)
-    out, lse = forward(q, k, v, 0.125, True, window=(8, 0))
+    out, lse = forward(q, k, v, 0.125, True, window=(8, 0), variant="triton")
     dout = torch.randn_like(out)
-    plain = backward(dout, q, k, v, out, lse, 0.125, True, window=(8, 0))
-    forced = backward(dout, q, k, v, out, lse, 0.125, True, window=(8, 0), variant="dkdv")
+    plain = backward(dout, q, k, v, out, lse, 0.125, True, window=(8, 0), variant="triton")
+    forced = backward(dout, q, k, v, out, lse, 0.125, True, window=(8, 0), variant="split")
     for a, b in zip(plain, forced):
         assert torch.equal(a, b)
+
+
+# On sm_90 at head dims 64 and 128 (fp16/bf16) windows run on the Gluon kernels: each forward variant
+# the chooser can take and each dK/dV variant (with its dQ kernel), forced, at lengths that cross the
+# 128- and 192-row query tiles and the 128-key blocks: left and right edges, causal with a left edge,
+# Sq != Sk both ways, one query row, a diagonal-only window, and rows that see no key.
+HOPPER = ON_GPU and torch.cuda.get_device_capability() == (9, 0)
+HOPPER_SHAPES = [(700, 700, (256, 0), True), (500, 900, (100, 37), False), (900, 500, (300, -1), False),
+                 (333, 333, (-1, 50), False), (1, 600, (64, 0), True), (640, 640, (0, 0), False),
+                 (400, 150, (20, 20), False)]
+
+
+def _hopper_cases():
+    from triflash.kernels import configs, dispatch
+
+    cases = []
+    for head_dim, dtype in ((64, torch.float16), (64, torch.bfloat16), (128, torch.float16), (128, torch.bfloat16)):
+        if not (HOPPER and configs.gluon_hopper_applies(head_dim=head_dim, dtype=dtype, device="cuda")):
+            continue
+        kinds = [("forward", g) for g in dispatch.forward_candidates(head_dim, dtype)]
+        kinds += [("backward", g) for g in dispatch.backward_candidates(head_dim)]
+        for kind, gluon in kinds:
+            shapes = [(*shape, False) for shape in HOPPER_SHAPES] + [(*shape, True) for shape in HOPPER_SHAPES[:2]]
+            for sq, sk, window, causal, scores in shapes:
+                cases.append(pytest.param(kind, gluon, sq, sk, window, causal, head_dim, dtype, scores,
+                                          id=f"{kind}-{gluon}-Sq{sq}-Sk{sk}-w{window[0]}_{window[1]}-"
+                                             f"{'causal' if causal else 'full'}-D{head_dim}-{DTYPE_ID[dtype]}"
+                                             + ("-softcap_alibi" if scores else "")))
+    return cases
+
+
+HOPPER_CASES = _hopper_cases() or [
+    pytest.param(*[None] * 9, marks=pytest.mark.skip(reason="needs an sm_90 GPU (Gluon kernels)"))]
+
+
+@pytest.mark.parametrize("kind,gluon,seqlen_q,seqlen_k,window,causal,head_dim,dtype,scores", HOPPER_CASES)
+def test_hopper_kernels_with_windows(device, force_kernels, monkeypatch, kind, gluon, seqlen_q, seqlen_k, window,
+                                     causal, head_dim, dtype, scores):
+    """Each Gluon forward or backward variant, forced, with a window (and on two shapes with softcap
+    and [B, H] ALiBi slopes too, ``scores``): out and lse under the 2x rule, gradients under the 3x
+    rule (a gradient on the lse too), and the forced kernel is the one that ran, with the window."""
+    from triflash.kernels import backward_hopper, forward_hopper
+
+    module = forward_hopper if kind == "forward" else backward_hopper
+    entry = f"{kind}_hopper"
+    taken = []
+    real = getattr(module, entry)
+    monkeypatch.setattr(module, entry,
+                        lambda *a, **kw: taken.append((kw["variant"], kw.get("window"))) or real(*a, **kw))
+    force_kernels(**{kind: gluon})
+    q, k, v = make_qkv(2, seqlen_q, seqlen_k, 4, 2, head_dim, dtype, device, requires_grad=True)
+    variants = dict(softcap=5.0, alibi_slopes=torch.rand(2, 4, device=device)) if scores else {}
+    out, lse = triflash.flash_attn_func(q, k, v, causal=causal, window_size=window, return_lse=True, **variants)
+    assert_matches_reference(out, lse, q, k, v, causal=causal, window_size=window, **variants)
+    dout, dlse = torch.randn_like(out), torch.randn_like(lse)
+    grads = torch.autograd.grad((out, lse), (q, k, v), (dout, dlse))
+    assert_grads_3x(grads, q, k, v, dout, causal, dtype, dlse, None, window, **variants)
+    assert [t[0] for t in taken] == [gluon] and taken[0][1] is not None
 
 
 def test_window_size_is_checked(device):

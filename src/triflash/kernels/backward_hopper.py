@@ -50,6 +50,7 @@ from .sm90_common import (
     SMEM,
     Ring,
     ScoreArgs,
+    Window,
     aggregate,
     constexprs,
     descriptor,
@@ -58,6 +59,7 @@ from .sm90_common import (
     shared_layout,
     tile_coords,
     tma_supported,
+    window_launch_args,
 )
 
 BLOCK_N = 128              # keys per CTA: 64 per consumer partition
@@ -159,20 +161,22 @@ class BwdWork:
     batch: SCALAR
     heads_per_group: SCALAR
     stats_rows: SCALAR
+    window: Window
 
     @gluon.constexpr_function
     def __init__(self, num_n_blocks, num_heads_q, num_heads_k, kv_group_size, seqlen_q, seqlen_k, num_m_blocks,
-                 batch, heads_per_group, stats_rows):
+                 batch, heads_per_group, stats_rows, window):
         constexprs(self, num_n_blocks=num_n_blocks, num_heads_q=num_heads_q, num_heads_k=num_heads_k,
                    kv_group_size=kv_group_size, seqlen_q=seqlen_q, seqlen_k=seqlen_k, num_m_blocks=num_m_blocks,
                    batch=batch, heads_per_group=heads_per_group, stats_rows=stats_rows)
+        self.window = window
 
     @gluon.jit
     def coords(self, cfg):
         """``_bwd_coords``: (pid_n, batch, KV head, first key, steps, first query block, its step)."""
         return _bwd_coords(self.num_n_blocks, self.num_heads_k, self.kv_group_size, self.seqlen_q, self.seqlen_k,
-                           self.num_m_blocks, self.batch, self.heads_per_group, cfg.BLOCK_M, cfg.BLOCK_N,
-                           cfg.IS_CAUSAL)
+                           self.num_m_blocks, self.batch, self.heads_per_group, self.window, cfg.BLOCK_M,
+                           cfg.BLOCK_N, cfg.IS_CAUSAL)
 
 
 @aggregate
@@ -237,10 +241,11 @@ class BwdIO:
 
 @gluon.jit
 def _bwd_coords(num_n_blocks, num_heads_k, kv_group_size, seqlen_q, seqlen_k, num_m_blocks, batch,
-                heads_per_group, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, IS_CAUSAL: gl.constexpr):
+                heads_per_group, window, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, IS_CAUSAL: gl.constexpr):
     """This CTA's (batch, KV head, key block) and its steps. Step i visits query block
     m = m_first + m_step * (i // G) of query head hk * G + i % G (G = kv_group_size), for i in
-    [0, n_steps): every query block from the first one that sees a key of the block (m_lo) on.
+    [0, n_steps): every query block from the first one that sees a key of the block (m_lo) on (with
+    a ``Window``, up to the last one that does: ``block_ranges.window_query_range``).
 
     Program ids go over groups of ``heads_per_group`` (batch, KV head) pairs, about one wave of the
     GPU; inside a group the key block varies slowest, from the last one down:
@@ -258,6 +263,12 @@ def _bwd_coords(num_n_blocks, num_heads_k, kv_group_size, seqlen_q, seqlen_k, nu
     off_hk = bh % num_heads_k
     off_b = bh // num_heads_k
     start_n = pid_n * BLOCK_N
+    if window.ON:
+        # The query blocks whose windows hold a key of the block, from the first one up.
+        lo, _, _, hi = window.query_rows(start_n, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N)
+        m_lo = lo // BLOCK_M
+        n_steps = gl.maximum(gl.cdiv(hi, BLOCK_M) - m_lo, 0) * kv_group_size
+        return pid_n, off_b, off_hk, start_n, n_steps, m_lo, 1
     # The first query block that sees a key of the block (bottom-right alignment).
     lo, _ = causal_query_range(start_n, seqlen_q, seqlen_k, num_m_blocks * BLOCK_M, BLOCK_M, BLOCK_N, IS_CAUSAL)
     m_lo = lo // BLOCK_M
@@ -305,13 +316,15 @@ def _bwd_producer(cfg, work, io, sh):
 @gluon.jit
 def _bwd_step(cfg, sh, WG: gl.constexpr, i, dk, dv, zero_st, zero_dq, k_smem, v_smem, ds_smem, keys, cols0,
               seqlen_k, m_first, m_step, kv_group_size, causal_offset, qk_scale, col_layout: gl.constexpr,
-              a_layout: gl.constexpr, MASK: gl.constexpr, scores, off_b, off_hk):
+              a_layout: gl.constexpr, MASK: gl.constexpr, scores, off_b, off_hk, q_first=None, q_last=None):
     """One (query block, key block) step of a consumer partition (its key rows: ``k_smem``, ``v_smem``,
     ``ds_smem``): returns the updated dK, dV and (DQ) hands its dQ partial to the writer. MASK (compile
-    time, so a step has no branch): 0 none, 1 the causal diagonal, 2 the key rows past seqlen_k (the
-    caller runs each kind of step in its own loop). (Issuing the next step's S^T / dP^T before waiting
-    for this step's products was tried: ptxas then serialises the wgmmas, C7514.) ``scores``: softcap
-    and ALiBi on the step's scores (query head and slope per step) and softcap's factor on dS."""
+    time, so a step has no branch): 0 none, 1 the causal diagonal, 2 the key rows past seqlen_k, 3 a
+    window: key row j is seen by the queries [q_first[j], q_last[j]] (``Window.first_query``, ``last_query``; none
+    for key rows past seqlen_k). The caller runs each kind of step in its own loop. (Issuing the next
+    step's S^T / dP^T before waiting for this step's products was tried: ptxas then serialises the
+    wgmmas, C7514.) ``scores``: softcap and ALiBi on the step's scores (query head and slope per step)
+    and softcap's factor on dS."""
     dtype: gl.constexpr = sh.q.mem.dtype
     s = sh.q.index(i)
     q_tile = sh.q.tile(s)
@@ -334,6 +347,11 @@ def _bwd_step(cfg, sh, WG: gl.constexpr, i, dk, dv, zero_st, zero_dq, k_smem, v_
         # when every real score of a row is very negative: dS would overflow to inf and inf * 0 (the
         # zero K row) would put NaN into dQ. Their p is set to 0.
         p_t = gl.where(keys[:, None] < seqlen_k, p_t, 0.0)
+    elif MASK == 3:
+        seen = cols[None, :] >= q_first[:, None]
+        if q_last is not None:
+            seen = seen & (cols[None, :] <= q_last[:, None])
+        p_t = gl.where(seen, p_t, 0.0)
     dp_t = warpgroup_mma_wait(0, deps=(dpt_tok,))
     if scores.SOFTCAP:
         ds_t = (p_t * (dp_t - sh.delta.index(s).load(col_layout)[None, :]) * g_t).to(dtype)
@@ -396,12 +414,22 @@ def _bwd_consumer(cfg, WG: gl.constexpr, work, io, sh):
     cols0 = gl.arange(0, BLOCK_M, layout=col_layout)
     keys = start_n + gl.arange(0, KEYS, layout=key_layout)
     causal_offset = seqlen_k - work.seqlen_q
-    # Query blocks from m_full on see every key of this partition's rows (no mask needed).
-    if cfg.IS_CAUSAL:
+    key_tail = start_n + KEYS > seqlen_k                 # this partition holds key rows past the end
+    if work.window.ON:
+        # Query blocks [m_full, m_end) see every key of this partition's rows: no mask; the others
+        # need the window's (and where key_tail, the end of the keys).
+        _, full_lo, full_hi, _ = work.window.query_rows(start_n, work.seqlen_q, seqlen_k, BLOCK_M, KEYS)
+        m_full = full_lo // BLOCK_M
+        m_end = full_hi // BLOCK_M
+        q_first = work.window.first_query(keys, causal_offset, seqlen_k)
+        q_last = None
+        if work.window.HAS_LEFT:
+            q_last = work.window.last_query(keys, causal_offset)
+    elif cfg.IS_CAUSAL:
+        # Query blocks from m_full on see every key of this partition's rows (no mask needed).
         m_full = first_full_query_block(start_n, work.seqlen_q, seqlen_k, BLOCK_M, KEYS)
     else:
         m_full = 0
-    key_tail = start_n + KEYS > seqlen_k                 # this partition holds key rows past the end
 
     zero_st = gl.zeros([KEYS, BLOCK_M], gl.float32, st_layout)
     zero_dq = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, dq_layout)
@@ -412,24 +440,45 @@ def _bwd_consumer(cfg, WG: gl.constexpr, work, io, sh):
     # query blocks below m_full (the first steps: they go up from the diagonal); then the rest, with
     # the key-tail mask where this partition holds key rows past seqlen_k. (The three calls written
     # as one gl.static_range(3) over the mask kind spill 8-16 bytes at head_dim 128.)
-    if cfg.IS_CAUSAL:
-        n_masked = gl.minimum(gl.maximum(m_full - m_first, 0) * kv_group_size, n_steps)
-        for i in range(0, n_masked):
+    if work.window.ON:
+        # The window's masked steps (query blocks below m_full), the unmasked ones (up to m_end),
+        # the masked ones after them; all masked in a partition that holds key rows past the end.
+        n_front = gl.minimum(gl.maximum(m_full - m_first, 0) * kv_group_size, n_steps)
+        n_mid = gl.minimum(gl.maximum(m_end - m_first, 0) * kv_group_size, n_steps)
+        if key_tail:
+            n_front = n_steps
+        n_mid = gl.maximum(n_mid, n_front)
+        for i in range(0, n_front):
             dk, dv = _bwd_step(cfg, sh, WG, i, dk, dv, zero_st, zero_dq, k_smem, v_smem, ds_smem, keys, cols0,
                                seqlen_k, m_first, m_step, kv_group_size, causal_offset, io.qk_scale, col_layout,
-                               a_layout, 1, io.scores, off_b, off_hk)
-    else:
-        n_masked = 0
-    if key_tail:
-        for i in range(n_masked, n_steps):
-            dk, dv = _bwd_step(cfg, sh, WG, i, dk, dv, zero_st, zero_dq, k_smem, v_smem, ds_smem, keys, cols0,
-                               seqlen_k, m_first, m_step, kv_group_size, causal_offset, io.qk_scale, col_layout,
-                               a_layout, 2, io.scores, off_b, off_hk)
-    else:
-        for i in range(n_masked, n_steps):
+                               a_layout, 3, io.scores, off_b, off_hk, q_first, q_last)
+        for i in range(n_front, n_mid):
             dk, dv = _bwd_step(cfg, sh, WG, i, dk, dv, zero_st, zero_dq, k_smem, v_smem, ds_smem, keys, cols0,
                                seqlen_k, m_first, m_step, kv_group_size, causal_offset, io.qk_scale, col_layout,
                                a_layout, 0, io.scores, off_b, off_hk)
+        for i in range(n_mid, n_steps):
+            dk, dv = _bwd_step(cfg, sh, WG, i, dk, dv, zero_st, zero_dq, k_smem, v_smem, ds_smem, keys, cols0,
+                               seqlen_k, m_first, m_step, kv_group_size, causal_offset, io.qk_scale, col_layout,
+                               a_layout, 3, io.scores, off_b, off_hk, q_first, q_last)
+    else:
+        if cfg.IS_CAUSAL:
+            n_masked = gl.minimum(gl.maximum(m_full - m_first, 0) * kv_group_size, n_steps)
+            for i in range(0, n_masked):
+                dk, dv = _bwd_step(cfg, sh, WG, i, dk, dv, zero_st, zero_dq, k_smem, v_smem, ds_smem, keys, cols0,
+                                   seqlen_k, m_first, m_step, kv_group_size, causal_offset, io.qk_scale, col_layout,
+                                   a_layout, 1, io.scores, off_b, off_hk)
+        else:
+            n_masked = 0
+        if key_tail:
+            for i in range(n_masked, n_steps):
+                dk, dv = _bwd_step(cfg, sh, WG, i, dk, dv, zero_st, zero_dq, k_smem, v_smem, ds_smem, keys, cols0,
+                                   seqlen_k, m_first, m_step, kv_group_size, causal_offset, io.qk_scale, col_layout,
+                                   a_layout, 2, io.scores, off_b, off_hk)
+        else:
+            for i in range(n_masked, n_steps):
+                dk, dv = _bwd_step(cfg, sh, WG, i, dk, dv, zero_st, zero_dq, k_smem, v_smem, ds_smem, keys, cols0,
+                                   seqlen_k, m_first, m_step, kv_group_size, causal_offset, io.qk_scale, col_layout,
+                                   a_layout, 0, io.scores, off_b, off_hk)
 
     # -- epilogue: dK * sm_scale and dV; key rows past seqlen_k are not stored --
     out_keys = start_n + gl.arange(0, KEYS, layout=gl.SliceLayout(1, kv_layout))
@@ -563,23 +612,27 @@ def _bwd_writer(cfg, work, io, sh, THREADS: gl.constexpr):
 
 
 @gluon.jit(do_not_specialize=["num_n_blocks", "num_heads_q", "num_heads_k", "kv_group_size", "seqlen_q",
-                              "seqlen_k", "num_m_blocks", "batch", "heads_per_group"])
+                              "seqlen_k", "num_m_blocks", "batch", "heads_per_group", "window_left",
+                              "window_right"])
 def _attn_bwd_hopper_kernel(
     q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, DK, DV, DQW, SEM,
     stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh,
     num_n_blocks, num_heads_q, num_heads_k, kv_group_size, seqlen_q, seqlen_k, num_m_blocks,
     batch, heads_per_group, stats_rows, sm_scale, qk_scale,
     score_scale, tanh_scale, softcap, ALIBI_SLOPES, stride_ab, stride_ah,   # score variants, else None
+    window_left, window_right,                                              # a window, else None
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
     DQ_BUFS: gl.constexpr, IS_CAUSAL: gl.constexpr,
     NUM_WG: gl.constexpr, WRITER_REGS_: gl.constexpr, PRODUCER_REGS_: gl.constexpr,
     CONSUMER_REGS_: gl.constexpr, DQ: gl.constexpr, SOFTCAP: gl.constexpr = False, ALIBI: gl.constexpr = False,
+    HAS_LEFT: gl.constexpr = False, HAS_RIGHT: gl.constexpr = False,
 ):
     dtype: gl.constexpr = q_desc.dtype
     gl.static_assert(DQ_BUFS >= 2, "the writer takes two steps' partials per round")
+    gl.static_assert(not (DQ and (HAS_LEFT or HAS_RIGHT)), "the fused form's dQ turns follow the causal walk")
     cfg = BwdConfig(HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, DQ_BUFS, IS_CAUSAL, NUM_WG, DQ)
     work = BwdWork(num_n_blocks, num_heads_q, num_heads_k, kv_group_size, seqlen_q, seqlen_k, num_m_blocks, batch,
-                   heads_per_group, stats_rows)
+                   heads_per_group, stats_rows, Window(window_left, window_right, HAS_LEFT, HAS_RIGHT))
     scores = ScoreArgs(score_scale, tanh_scale, softcap, ALIBI_SLOPES, stride_ab, stride_ah, None, SOFTCAP, ALIBI,
                        False)
     io = BwdIO(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, DK, DV, DQW, SEM, stride_dkb, stride_dks,
@@ -695,18 +748,20 @@ class DqWork:
     seqlen_k: SCALAR
     num_m_blocks: SCALAR
     stats_rows: SCALAR
+    window: Window
 
     @gluon.constexpr_function
-    def __init__(self, num_heads_q, kv_group_size, seqlen_q, seqlen_k, num_m_blocks, stats_rows):
+    def __init__(self, num_heads_q, kv_group_size, seqlen_q, seqlen_k, num_m_blocks, stats_rows, window):
         constexprs(self, num_heads_q=num_heads_q, kv_group_size=kv_group_size, seqlen_q=seqlen_q,
                    seqlen_k=seqlen_k, num_m_blocks=num_m_blocks, stats_rows=stats_rows)
+        self.window = window
 
     @gluon.jit
     def coords(self, cfg):
         """The forward's ``tile_coords`` for this program's tile (one per program, PLAIN order)."""
         return tile_coords(gl.program_id(0), 0, self.num_m_blocks, self.num_heads_q, self.kv_group_size,
-                           self.seqlen_q, self.seqlen_k, gl.num_programs(0), 1, cfg.ROWS * cfg.NUM_WG, cfg.BLOCK_N,
-                           cfg.IS_CAUSAL, PLAIN)
+                           self.seqlen_q, self.seqlen_k, gl.num_programs(0), 1, self.window, cfg.ROWS * cfg.NUM_WG,
+                           cfg.BLOCK_N, cfg.IS_CAUSAL, PLAIN)
 
 
 @aggregate
@@ -761,7 +816,7 @@ def _dq_producer(cfg, work, io, sh):
     ROWS: gl.constexpr = cfg.ROWS
     NUM_WG: gl.constexpr = cfg.NUM_WG
     stats_rows = work.stats_rows
-    pid_bh, off_b, off_h, off_hk, start_m, n_blocks, _ = work.coords(cfg)
+    pid_bh, off_b, off_h, off_hk, start_m, first, n_blocks, _ = work.coords(cfg)
     mbarrier.expect(sh.q_ready, NUM_WG * (io.q_desc.block_type.nbytes + io.do_desc.block_type.nbytes
                                           + 2 * io.lse_desc.block_type.nbytes))
     for w in gl.static_range(NUM_WG):
@@ -771,9 +826,9 @@ def _dq_producer(cfg, work, io, sh):
         tma.async_copy_global_to_shared(io.lse_desc, [pid_bh * stats_rows + row0], sh.q_ready, sh.lse.index(w))
         tma.async_copy_global_to_shared(io.delta_desc, [pid_bh * stats_rows + row0], sh.q_ready,
                                         sh.delta.index(w))
-    for j in range(n_blocks):
-        s = sh.kv.index(j)
-        sh.kv.acquire(j)
+    for j in range(first, n_blocks):
+        s = sh.kv.index(j - first)
+        sh.kv.acquire(j - first)
         sh.kv.expect(s, io.k_desc.block_type.nbytes + io.v_desc.block_type.nbytes)
         sh.kv.load(io.k_desc, [off_b, j * cfg.BLOCK_N, off_hk, 0], s)
         tma.async_copy_global_to_shared(io.v_desc, [off_b, j * cfg.BLOCK_N, off_hk, 0], sh.kv.ready.index(s),
@@ -781,14 +836,15 @@ def _dq_producer(cfg, work, io, sh):
 
 
 @gluon.jit
-def _dq_step(cfg, sh, j, dq, q_tile, do_tile, zero_s, lse2, delta, cols0, col_limit, qk_scale,
-             a_layout: gl.constexpr, MASK: gl.constexpr, mod):
-    """One key block j of the dQ consumer: S, dP, dS = P (dP - delta), dQ += dS K_j. MASK: keys at or
-    past a row's column limit (its causal diagonal + 1, or seqlen_k) get p = 0. ``mod``: the tile's
+def _dq_step(cfg, sh, j, c, dq, q_tile, do_tile, zero_s, lse2, delta, cols0, col_limit, qk_scale,
+             a_layout: gl.constexpr, MASK: gl.constexpr, mod, col_start=None):
+    """One key block j (ring tile c) of the dQ consumer: S, dP, dS = P (dP - delta), dQ += dS K_j.
+    MASK: keys at or past a row's column limit (its causal diagonal + 1, a window's right edge, or
+    seqlen_k) and, with ``col_start``, before a window's left edge get p = 0. ``mod``: the tile's
     ``Scores`` (softcap, ALiBi; softcap's factor on dS)."""
     dtype: gl.constexpr = q_tile.dtype
-    s = sh.kv.index(j)
-    sh.kv.wait(j)
+    s = sh.kv.index(c)
+    sh.kv.wait(c)
     k_tile = sh.kv.tile(s)
     s_tok = warpgroup_mma(q_tile, k_tile.permute((1, 0)), zero_s, use_acc=False, is_async=True)
     dp_tok = warpgroup_mma(do_tile, sh.v.index(s).permute((1, 0)), zero_s, use_acc=False, is_async=True)
@@ -798,7 +854,10 @@ def _dq_step(cfg, sh, j, dq, q_tile, do_tile, zero_s, lse2, delta, cols0, col_li
     p = gl.exp2(s_ij * qk_scale - lse2[:, None])
     if MASK:
         cols = j * cfg.BLOCK_N + cols0
-        p = gl.where(cols[None, :] < col_limit[:, None], p, 0.0)
+        if col_start is None:
+            p = gl.where(cols[None, :] < col_limit[:, None], p, 0.0)
+        else:
+            p = gl.where((cols[None, :] < col_limit[:, None]) & (cols[None, :] >= col_start[:, None]), p, 0.0)
     dp = warpgroup_mma_wait(0, deps=(dp_tok,))
     if mod.SOFTCAP:
         ds = gl.convert_layout((p * (dp - delta[:, None]) * g).to(dtype), a_layout)
@@ -821,7 +880,7 @@ def _dq_consumer(cfg, WG: gl.constexpr, work, io, sh):
     HEAD_DIM: gl.constexpr = cfg.HEAD_DIM
     seqlen_q = work.seqlen_q
     seqlen_k = work.seqlen_k
-    pid_bh, off_b, off_h, off_hk, start_m, n_blocks, _ = work.coords(cfg)
+    pid_bh, off_b, off_h, off_hk, start_m, first, n_blocks, _ = work.coords(cfg)
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
     dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -832,9 +891,16 @@ def _dq_consumer(cfg, WG: gl.constexpr, work, io, sh):
     rows = row0 + gl.arange(0, ROWS, layout=row_layout)
     cols0 = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
     causal_offset = seqlen_k - seqlen_q
-    # Key blocks [0, n_full) are seen in full by every row of this warpgroup: no mask there.
-    n_full, col_limit = row_limits(row0, rows, causal_offset, seqlen_k, ROWS, BLOCK_N, cfg.IS_CAUSAL,
-                                    row_layout)
+    # Key blocks [full_lo, n_full) are seen in full by every row of this warpgroup: no mask there
+    # (full_lo = 0 without a window); row i sees keys [col_start[i], col_limit[i]).
+    col_start = None
+    if work.window.ON:
+        full_lo, n_full, col_limit = work.window.row_limits(row0, rows, causal_offset, seqlen_k, ROWS, BLOCK_N)
+        if work.window.HAS_LEFT:
+            col_start = work.window.col_start(rows, causal_offset)
+    else:
+        n_full, col_limit = row_limits(row0, rows, causal_offset, seqlen_k, ROWS, BLOCK_N, cfg.IS_CAUSAL,
+                                        row_layout)
     q_tile = sh.q.index(WG)
     do_tile = sh.do.index(WG)
     mbarrier.wait(sh.q_ready, 0)
@@ -843,14 +909,22 @@ def _dq_consumer(cfg, WG: gl.constexpr, work, io, sh):
     zero_s = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
     dq = gl.zeros([ROWS, HEAD_DIM], gl.float32, dq_layout)
     mod = io.scores.tile(off_b, off_h, rows, causal_offset)         # score variants (else a no-op)
-    # Key blocks [0, n_full) unmasked, then the rest masked, in two loops (no branch inside a step).
+    # Key blocks [lo, n_lo) unmasked, then the rest masked, in loops of their own (no branch inside a
+    # step); with a window, masked blocks [first, lo) before them.
     n_lo = gl.minimum(n_full, n_blocks)
-    for j in range(0, n_lo):
-        dq = _dq_step(cfg, sh, j, dq, q_tile, do_tile, zero_s, lse2, delta, cols0, col_limit, io.qk_scale,
+    lo = first
+    if work.window.ON:
+        n_lo = gl.maximum(n_lo, first)
+        lo = gl.minimum(gl.maximum(full_lo, first), n_lo)
+        for j in range(first, lo):
+            dq = _dq_step(cfg, sh, j, j - first, dq, q_tile, do_tile, zero_s, lse2, delta, cols0, col_limit,
+                          io.qk_scale, a_layout, True, mod, col_start)
+    for j in range(lo, n_lo):
+        dq = _dq_step(cfg, sh, j, j - first, dq, q_tile, do_tile, zero_s, lse2, delta, cols0, col_limit, io.qk_scale,
                       a_layout, False, mod)
     for j in range(n_lo, n_blocks):
-        dq = _dq_step(cfg, sh, j, dq, q_tile, do_tile, zero_s, lse2, delta, cols0, col_limit, io.qk_scale,
-                      a_layout, True, mod)
+        dq = _dq_step(cfg, sh, j, j - first, dq, q_tile, do_tile, zero_s, lse2, delta, cols0, col_limit, io.qk_scale,
+                      a_layout, True, mod, col_start)
     out_rows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, dq_layout))
     dims = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, dq_layout))
     ptrs = io.DQ + off_b.to(gl.int64) * io.stride_dqb + off_h.to(gl.int64) * io.stride_dqh \
@@ -858,19 +932,23 @@ def _dq_consumer(cfg, WG: gl.constexpr, work, io, sh):
     gl.store(ptrs, (dq * io.sm_scale).to(io.DQ.dtype.element_ty), mask=(out_rows < seqlen_q)[:, None])
 
 
-@gluon.jit(do_not_specialize=["num_heads_q", "kv_group_size", "seqlen_q", "seqlen_k", "num_m_blocks"])
+@gluon.jit(do_not_specialize=["num_heads_q", "kv_group_size", "seqlen_q", "seqlen_k", "num_m_blocks",
+                              "window_left", "window_right"])
 def _attn_bwd_dq_hopper_kernel(
     q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, DQ,
     stride_dqb, stride_dqs, stride_dqh,
     num_heads_q, kv_group_size, seqlen_q, seqlen_k, num_m_blocks, stats_rows, sm_scale, qk_scale,
     score_scale, tanh_scale, softcap, ALIBI_SLOPES, stride_ab, stride_ah,   # score variants, else None
+    window_left, window_right,                                              # a window, else None
     HEAD_DIM: gl.constexpr, ROWS: gl.constexpr, NUM_WG: gl.constexpr, BLOCK_N: gl.constexpr,
     STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, PRODUCER_REGS_: gl.constexpr, CONSUMER_REGS_: gl.constexpr,
     SOFTCAP: gl.constexpr = False, ALIBI: gl.constexpr = False,
+    HAS_LEFT: gl.constexpr = False, HAS_RIGHT: gl.constexpr = False,
 ):
     dtype: gl.constexpr = q_desc.dtype
     cfg = DqConfig(ROWS, NUM_WG, BLOCK_N, HEAD_DIM, STAGES, IS_CAUSAL)
-    work = DqWork(num_heads_q, kv_group_size, seqlen_q, seqlen_k, num_m_blocks, stats_rows)
+    work = DqWork(num_heads_q, kv_group_size, seqlen_q, seqlen_k, num_m_blocks, stats_rows,
+                  Window(window_left, window_right, HAS_LEFT, HAS_RIGHT))
     scores = ScoreArgs(score_scale, tanh_scale, softcap, ALIBI_SLOPES, stride_ab, stride_ah, None, SOFTCAP, ALIBI,
                        False)
     io = DqIO(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, DQ, stride_dqb, stride_dqs, stride_dqh,
@@ -931,14 +1009,18 @@ def supported(q, k, v, dout, variant: str) -> bool:
 
 @on_input_device
 def backward_hopper(dout, q, k, v, lse2, delta, sm_scale: float, causal: bool, dq, dk, dv, *,
-                    variant: str = "split", scores: ScoreVariant = NO_SCORES):
+                    variant: str = "split", scores: ScoreVariant = NO_SCORES,
+                    window: tuple[int, int] | None = None):
     """Fill dq, dk, dv ([B, S, H, D] views, last stride 1) from dout and the preprocess kernel's lse2
     (base-2 LSE, +inf for rows without keys) and delta ([B, Hq, padded_rows] float32). A variant
     without dQ (``computes_dq``) fills dk and dv only and leaves dq (which may be None) alone.
-    ``scores``: the forward's score variants (softcap and ALiBi change P and dS; sinks need nothing)."""
+    ``scores``: the forward's score variants (softcap and ALiBi change P and dS; sinks need nothing).
+    ``window``: as ``block_ranges.window_bounds`` returns it, or None; the dK/dV-only variants only."""
     batch, seqlen_q, heads_q, head_dim = q.shape
     _, seqlen_k, heads_k, _ = k.shape
     cfg = variant_config(variant, head_dim)
+    if window is not None and cfg["dq"]:
+        raise ValueError(f"variant {variant!r} (dQ in the same pass) takes no window; got window={window}")
     block_m = cfg["block_m"]
     num_m_blocks = cdiv(seqlen_q, block_m)
     num_n_blocks = cdiv(seqlen_k, BLOCK_N)
@@ -968,7 +1050,7 @@ def backward_hopper(dout, q, k, v, lse2, delta, sm_scale: float, causal: bool, d
         num_n_blocks=num_n_blocks, num_heads_q=heads_q, num_heads_k=heads_k, kv_group_size=heads_q // heads_k,
         seqlen_q=seqlen_q, seqlen_k=seqlen_k, num_m_blocks=num_m_blocks, batch=batch,
         heads_per_group=heads_per_group, stats_rows=lse2.shape[-1], sm_scale=sm_scale,
-        **score_launch_args(scores, sm_scale, sinks=False),
+        **score_launch_args(scores, sm_scale, sinks=False), **window_launch_args(window),
         HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=BLOCK_N, STAGES=cfg["stages"], DQ_BUFS=cfg["dq_bufs"],
         IS_CAUSAL=causal, NUM_WG=NUM_WG,
         WRITER_REGS_=cfg["writer_regs"], PRODUCER_REGS_=PRODUCER_REGS, CONSUMER_REGS_=cfg["consumer_regs"],
@@ -994,9 +1076,10 @@ def dq_on_gluon(variant: str, head_dim: int) -> bool:
 
 @on_input_device
 def dq_hopper(dout, q, k, v, lse2, delta, sm_scale: float, causal: bool, dq, *, variant: str,
-              scores: ScoreVariant = NO_SCORES):
+              scores: ScoreVariant = NO_SCORES, window: tuple[int, int] | None = None):
     """Fill dq ([B, Sq, Hq, D], last stride 1) with the Gluon dQ kernel, from the preprocess
-    kernel's lse2 and delta (padded_rows rows per head); ``scores`` as ``backward_hopper``'s."""
+    kernel's lse2 and delta (padded_rows rows per head); ``scores`` and ``window`` as
+    ``backward_hopper``'s."""
     batch, seqlen_q, heads_q, head_dim = q.shape
     _, seqlen_k, heads_k, _ = k.shape
     cfg = VARIANTS[variant][head_dim]
@@ -1011,7 +1094,7 @@ def dq_hopper(dout, q, k, v, lse2, delta, sm_scale: float, causal: bool, dq, *, 
         stride_dqb=dq.stride(0), stride_dqs=dq.stride(1), stride_dqh=dq.stride(2),
         num_heads_q=heads_q, kv_group_size=heads_q // heads_k, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
         num_m_blocks=num_m_blocks, stats_rows=lse2.shape[-1], sm_scale=sm_scale,
-        **score_launch_args(scores, sm_scale, sinks=False),
+        **score_launch_args(scores, sm_scale, sinks=False), **window_launch_args(window),
         HEAD_DIM=head_dim, ROWS=rows, NUM_WG=DQ_WG, BLOCK_N=block_n, STAGES=stages, IS_CAUSAL=causal,
         PRODUCER_REGS_=PRODUCER_REGS, CONSUMER_REGS_=CONSUMER_REGS_3WG,
         num_warps=4, maxnreg=MAXNREG_3WG,

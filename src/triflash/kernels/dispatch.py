@@ -7,11 +7,12 @@ Gluon is optional (Triton < 3.5 lacks it: ``configs.gluon_available``).
 
 Kernel families:
 
-* forward: the Gluon Hopper kernel (``forward_hopper``, sm_90, fp16/bf16, head dim 64/128, no
-  window, no packed sequences) in the variant ``forward_variant`` picks; else the portable Triton
-  kernel (``forward``) with ``configs.forward_config``'s tiles;
+* forward: the Gluon Hopper kernel (``forward_hopper``, sm_90, fp16/bf16, head dim 64/128, local
+  windows too, no packed sequences) in the variant ``forward_variant`` picks; else the portable
+  Triton kernel (``forward``) with ``configs.forward_config``'s tiles;
 * backward: ``preprocess`` (delta, lse2), then dK/dV and dQ from the Gluon kernels
-  (``backward_variant``) or the Triton ones (``configs.backward_config``);
+  (``backward_variant``; with a window the dK/dV-only variants) or the Triton ones
+  (``configs.backward_config``);
 * decode: the Gluon decode kernel or the Triton one (``configs.decode_config`` chooses both the
   kernel and the split count), then ``merge`` of the split partials;
 * merge (``merge_attn_states``): one kernel, ``merge``.
@@ -151,22 +152,41 @@ def forward_candidates(head_dim: int, dtype) -> tuple[str, ...]:
     return HOPPER_FORWARD_VARIANTS[head_dim][str(dtype).removeprefix("torch.")]
 
 
-def forward_variant(*, head_dim: int, dtype, device, causal: bool, seqlen_q: int, seqlen_k: int) -> str:
+# At head dim 64 a local window seen whole by fewer keys than this (left + right + 1) keeps the
+# Triton forward; below the second bound the Gluon forward takes two warpgroups (``pp_persist``).
+# Measured causal on the H100 (docs/performance.md#packed-sequences-and-local-windows).
+GLUON_WINDOW_MIN_KEYS_D64 = 2048
+GLUON_WINDOW_PP3_KEYS_D64 = 4096
+
+
+def forward_variant(*, head_dim: int, dtype, device, causal: bool, seqlen_q: int, seqlen_k: int,
+                    window: tuple[int, int] | None = None) -> str:
     """The forward's kernel: a Gluon variant or ``"triton"``. The rule (measured on H200 and H100,
     docs/performance-notes.md#forward-on-hopper):
 
     * head dim 128: persistent ``pp_persist``, except non-causal from 8k keys (``pp``, one tile per CTA);
+      with a local window (``window_bounds``' (left, right)) always ``pp_persist``;
     * head dim 64: three consumer warpgroups (``pp3_persist``, fp16's ``_ltc`` form sums rows on the
       tensor cores) non-causal from 1k queries and causal from 2k queries and 2k keys; below that
-      ``pp_persist``; causal below 2k queries the Triton kernel (faster there).
+      ``pp_persist``; causal below 2k queries the Triton kernel (faster there). With a window that
+      shows each query fewer than ``GLUON_WINDOW_MIN_KEYS_D64`` keys the Triton kernel, fewer than
+      ``GLUON_WINDOW_PP3_KEYS_D64`` ``pp_persist``, and never the ``_ltc`` form (its three loops of
+      steps spill there, 88 bytes).
     """
     if not configs.gluon_hopper_applies(head_dim=head_dim, dtype=dtype, device=device):
         return TRITON
     if head_dim == 128:
-        return "pp" if not causal and seqlen_k >= 8192 else "pp_persist"
+        return "pp" if not causal and seqlen_k >= 8192 and window is None else "pp_persist"
     if causal and seqlen_q < 2048:
         return TRITON
-    ltc = "_ltc" if dtype == torch.float16 else ""
+    if window is not None:
+        left, right = window
+        span = left + right + 1 if left >= 0 and right >= 0 else None
+        if span is not None and span < GLUON_WINDOW_MIN_KEYS_D64:
+            return TRITON
+        if span is not None and span < GLUON_WINDOW_PP3_KEYS_D64:
+            return "pp_persist"
+    ltc = "_ltc" if dtype == torch.float16 and window is None else ""
     if not causal:
         return f"pp3_persist{ltc}" if seqlen_q >= 1024 else "pp_persist"
     return f"pp3_persist{ltc}" if seqlen_k >= 2048 else "pp_persist"
@@ -181,7 +201,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float, 
     1 (the [B, H, S, D] API passes a transposed one). ``varlen``: packed sequences, q / out
     [total_q, Hq, D], k / v [total_k, Hkv, D], lse [Hq, total_q]. ``window``: (left, right), -1 for
     no bound on a side. ``config`` forces the Triton kernel with those tiles; ``variant`` as in the
-    module docstring. Packed sequences and windows run on the Triton kernel; score variants
+    module docstring. Packed sequences run on the Triton kernel; windows and score variants
     (``scores``) on either."""
     _check_backend(q, "forward")
     max_q, max_k = (varlen.max_seqlen_q, varlen.max_seqlen_k) if varlen is not None else (q.shape[1], k.shape[1])
@@ -203,16 +223,17 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float, 
             out.zero_()                   # no key at all: every row is empty by definition
             scores.fill_empty_lse(lse)
         return out, lse
-    if config is None and window is None:
+    if config is None:
         variant = variant or _forced_variant("forward") or (
             forward_variant(head_dim=head_dim, dtype=q.dtype, device=q.device, causal=causal, seqlen_q=seqlen_q,
-                            seqlen_k=seqlen_k) if gluon_takes(scores, GLUON_FORWARD_SCORES, head_dim) else TRITON)
+                            seqlen_k=seqlen_k, window=window)
+            if gluon_takes(scores, GLUON_FORWARD_SCORES, head_dim) else TRITON)
         if variant != TRITON and configs.gluon_hopper_applies(head_dim=head_dim, dtype=q.dtype, device=q.device):
             from . import forward_hopper, sm90_common
 
             if sm90_common.tma_supported(q, k, v, out):
                 return forward_hopper.forward_hopper(q, k, v, sm_scale, causal, out=out, variant=variant,
-                                                     scores=scores)
+                                                     scores=scores, window=window)
     if config is None:
         config = configs.forward_config(head_dim=head_dim, dtype=q.dtype, causal=causal,
                                         batch_heads=batch * heads_q, seqlen_q=seqlen_q, device=q.device)
@@ -283,8 +304,9 @@ def backward(dout, q, k, v, out, lse, sm_scale: float, causal: bool, *, dlse=Non
     choice take ``"atomic"`` where ``ATOMIC_BY_DEFAULT`` says it pays (nowhere yet; a forced variant
     wins). ``varlen``: packed
     sequences (q / out / dout [total_q, Hq, D], k / v [total_k, Hkv, D], lse / dlse [Hq, total_q]);
-    ``window`` as the forward's. Both run on the Triton kernels, as do score variants (``scores``,
-    the forward's) outside ``GLUON_BACKWARD_SCORES`` unless a Gluon variant is forced; with sinks,
+    ``window`` as the forward's. Packed sequences run on the Triton kernels, as do windows under
+    the fused variant (``split``) and score variants (``scores``, the forward's) outside
+    ``GLUON_BACKWARD_SCORES`` unless a Gluon variant is forced; with sinks,
     their gradient [Hq] float32 is written into ``dsink`` (allocated by the caller;
     ``backward.preprocess``)."""
     _check_backend(q, "backward")
@@ -324,14 +346,15 @@ def backward(dout, q, k, v, out, lse, sm_scale: float, causal: bool, *, dlse=Non
         return dq, dk, dv
 
     hopper = None
-    if config is None and window is None and (forced not in (None, TRITON, ATOMIC)
-                                              or gluon_takes(scores, GLUON_BACKWARD_SCORES, head_dim)):
+    if config is None and (forced not in (None, TRITON, ATOMIC)
+                           or gluon_takes(scores, GLUON_BACKWARD_SCORES, head_dim)):
         variant = forced or backward_variant(head_dim=head_dim, dtype=q.dtype, device=q.device, causal=causal,
                                              seqlen_q=seqlen_q, seqlen_k=seqlen_k, deterministic=deterministic)
         if variant not in (TRITON, ATOMIC) and configs.gluon_available():
             from . import backward_hopper
 
-            if backward_hopper.supported(q, k, v, dout, variant):
+            if backward_hopper.supported(q, k, v, dout, variant) and (
+                    window is None or not backward_hopper.computes_dq(variant)):
                 hopper = variant
     atomic = hopper is None and portable_atomic
     if config is None:
@@ -353,10 +376,10 @@ def backward(dout, q, k, v, out, lse, sm_scale: float, causal: bool, *, dlse=Non
     if hopper is not None:
         if need_dkdv:
             backward_hopper.backward_hopper(dout, q, k, v, lse2, delta, sm_scale, causal, None, dk, dv,
-                                            variant=hopper, scores=scores)
+                                            variant=hopper, scores=scores, window=window)
         if need_dq and backward_hopper.dq_on_gluon(hopper, head_dim):
             backward_hopper.dq_hopper(dout, q, k, v, lse2, delta, sm_scale, causal, dq, variant=hopper,
-                                      scores=scores)
+                                      scores=scores, window=window)
             need_dq = False
     elif need_dkdv:
         triton_backward.run_dkdv(q, k, v, dout, lse2, delta, dk, dv, sm_scale, causal, dkdv_cfg, rows, window,

@@ -55,6 +55,7 @@ from .sm90_common import (
     Ring,
     ScoreArgs,
     Tiles,
+    Window,
     aggregate,
     constexprs,
     descriptor,
@@ -65,6 +66,7 @@ from .sm90_common import (
     score_launch_args,
     softmax,
     to_operand,
+    window_launch_args,
 )
 
 # --------------------------------------------------------------------------------------------------
@@ -257,17 +259,21 @@ def _load_q(cfg, io, sh, off_b, off_h, start_m, phase):
 
 @gluon.jit
 def _producer(cfg, tiles, io, sh):
-    """One warp: for each tile, TMA loads of the query tiles and of K_j, V_j for j in [0, n_blocks).
+    """One warp: for each tile, TMA loads of the query tiles and of K_j, V_j for j in [first, n_blocks).
     ``kv`` counts K/V tiles over all of this CTA's tiles: it picks the ring slot and its phase."""
     kv = 0
     n_done = 0
     for item in range(gl.program_id(0), tiles.bound(), gl.num_programs(0)):
         for half in range(2 if cfg.ORDER == PAIRED else 1):
-            pid_bh, off_b, off_h, off_hk, start_m, n_blocks, valid = tiles.coords(item, half)
+            pid_bh, off_b, off_h, off_hk, start_m, first, n_blocks, valid = tiles.coords(item, half)
             if valid:
-                if n_blocks == 0:
+                if tiles.window.ON:
+                    no_blocks = n_blocks <= first
+                else:
+                    no_blocks = n_blocks == 0
+                if no_blocks:
                     _load_q(cfg, io, sh, off_b, off_h, start_m, n_done & 1)
-                for j in range(n_blocks):
+                for j in range(first, n_blocks):
                     s = sh.k.index(kv)
                     empty_phase = sh.k.phase(kv) ^ 1
                     start_n = j * cfg.BLOCK_N
@@ -276,7 +282,7 @@ def _producer(cfg, tiles, io, sh):
                     # earlier than they are (released after the previous tile's last S product).
                     sh.k.acquire_at(s, empty_phase)
                     sh.k.fill(io.k_desc, [off_b, start_n, off_hk, 0], s)
-                    if j == 0:
+                    if j == first:
                         _load_q(cfg, io, sh, off_b, off_h, start_m, n_done & 1)
                     sh.v.acquire_at(s, empty_phase)
                     sh.v.fill(io.v_desc, [off_b, start_n, off_hk, 0], s)
@@ -336,7 +342,7 @@ def _pv_finish(cfg, o_tok, l_tok, p, p_l, alpha, v_slot_empty):
 
 @gluon.jit
 def _overlap_step(cfg, sh, WG: gl.constexpr, j, c, t, p, acc, l_acc, m_i, l_i, q_tile, s_zero, col_limit,
-                  cols0, qk_scale, mod, MASK: gl.constexpr):
+                  cols0, qk_scale, mod, MASK: gl.constexpr, col_start=None):
     """One step j > 0 of the split-loop schedule (OVERLAP = 2; K/V tile number c, ping-pong turn t):
     issue S_j = Q K_j^T, then (once V_{j-1} has landed) O += P_{j-1} V_{j-1}; softmax S_j while P V
     runs; wait for it and rescale. Returns (P_j as the wgmma A operand, acc, l_acc, m, l). MASK: S_j
@@ -354,7 +360,7 @@ def _overlap_step(cfg, sh, WG: gl.constexpr, j, c, t, p, acc, l_acc, m_i, l_i, q
     s = _s_wait(cfg, s_tok, sh.k.empty_bar(st))
     cols = j * cfg.BLOCK_N + cols0
     s = mod.apply(s, cols)
-    p_new, m_i, l_i, alpha = softmax(s, m_i, l_i, col_limit, cols, qk_scale, MASK, not cfg.LTC)
+    p_new, m_i, l_i, alpha = softmax(s, m_i, l_i, col_limit, cols, qk_scale, MASK, not cfg.LTC, col_start)
     p_new = to_operand(p_new, cfg.dtype, cfg.p_layout)
     acc, l_acc = _pv_finish(cfg, o_tok, l_tok, p, p_l, alpha, sh.v.empty_bar(pst))
     return p_new, acc, l_acc, m_i, l_i
@@ -407,8 +413,9 @@ def _pass_blocks(cfg, sh, WG: gl.constexpr, kv, turn, n_mine, n_blocks):
 @gluon.jit
 def _consumer(cfg, WG: gl.constexpr, tiles, io, sh):
     """Consumer warpgroup WG: for each of the CTA's tiles, ROWS query rows (from start_m + WG * ROWS)
-    against key blocks [0, n_blocks) (SKIP: computes on the first n_mine of them, the ones its rows
-    see, and only passes the rest on); writes O and the LSE of its rows. ``kv`` (the K/V tile count,
+    against key blocks [first, n_blocks) (first = 0 without a window; SKIP: computes on the first
+    n_mine of them, the ones its rows see, and only passes the rest on); writes O and the LSE of its
+    rows. ``kv`` (the K/V tile count,
     as in the producer) gives ring slots and phases; ``turn`` counts ping-pong turns; ``n_done``
     counts tiles (the query slot's phase). LTC: the row sums come from P @ ones (``sh.ones``)."""
     dtype: gl.constexpr = cfg.dtype
@@ -421,6 +428,8 @@ def _consumer(cfg, WG: gl.constexpr, tiles, io, sh):
     row_layout: gl.constexpr = cfg.row_layout
     gl.static_assert(cfg.OVERLAP > 0 or not LTC, "LTC (row sums on the tensor cores) needs the OVERLAP schedule")
     gl.static_assert(cfg.OVERLAP > 0 or not SKIP, "SKIP passes turns in the OVERLAP schedule's order")
+    WINDOW: gl.constexpr = tiles.window.ON
+    gl.static_assert(not (SKIP and WINDOW), "SKIP walks key blocks from 0: no window")
     cols0 = gl.arange(0, BLOCK_N, layout=cfg.col_layout)                # [BN]
     q_tile = sh.q.tile(WG)
     o_tile = sh.o.index(WG)
@@ -435,14 +444,22 @@ def _consumer(cfg, WG: gl.constexpr, tiles, io, sh):
     n_done = 0
     for item in range(gl.program_id(0), tiles.bound(), gl.num_programs(0)):
         for half in range(2 if cfg.ORDER == PAIRED else 1):
-            pid_bh, off_b, off_h, off_hk, start_m, n_blocks, valid = tiles.coords(item, half)
+            pid_bh, off_b, off_h, off_hk, start_m, first, n_blocks, valid = tiles.coords(item, half)
             if valid:
                 row0 = start_m + WG * ROWS
                 rows = row0 + gl.arange(0, ROWS, layout=row_layout)             # [ROWS] query positions
                 mod = io.scores.tile(off_b, off_h, rows, causal_offset)         # score variants (else a no-op)
-                # Key blocks [0, n_full) are seen in full by every row of this warpgroup: no mask.
-                n_full, col_limit = row_limits(row0, rows, causal_offset, seqlen_k, ROWS, BLOCK_N, cfg.IS_CAUSAL,
-                                                row_layout)
+                # Key blocks [full_lo, n_full) are seen in full by every row of this warpgroup: no
+                # mask (full_lo = 0 without a window); row i sees keys [col_start[i], col_limit[i]).
+                col_start = None
+                if WINDOW:
+                    full_lo, n_full, col_limit = tiles.window.row_limits(row0, rows, causal_offset, seqlen_k,
+                                                                         ROWS, BLOCK_N)
+                    if tiles.window.HAS_LEFT:
+                        col_start = tiles.window.col_start(rows, causal_offset)
+                else:
+                    n_full, col_limit = row_limits(row0, rows, causal_offset, seqlen_k, ROWS, BLOCK_N,
+                                                    cfg.IS_CAUSAL, row_layout)
                 # Key blocks [0, n_mine) hold every key this warpgroup's rows see (SKIP; else all of
                 # the tile's n_blocks, which reach the causal diagonal of the tile's last row).
                 n_mine = n_blocks
@@ -451,7 +468,7 @@ def _consumer(cfg, WG: gl.constexpr, tiles, io, sh):
 
                 mbarrier.wait(q_bar, n_done & 1)   # always: the query's TMA must land before the tile is done
 
-                if n_mine > 0:
+                if n_mine > first:
                     s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, cfg.s_layout)
                     acc = gl.zeros([ROWS, cfg.HEAD_DIM], gl.float32, o_layout)
                     m_i = gl.full([ROWS], float("-inf"), gl.float32, row_layout)
@@ -467,32 +484,48 @@ def _consumer(cfg, WG: gl.constexpr, tiles, io, sh):
                         sh.turns.end(WG)
                         s = warpgroup_mma_wait(0, deps=(s_tok,))
                         sh.k.release(st, SYNC)
-                        s = mod.apply(s, cols0)
-                        if n_full > 0:
-                            p, m_i, l_i, alpha = softmax(s, m_i, l_i, col_limit, cols0, qk_scale, False,
+                        if WINDOW:
+                            cols_first = first * BLOCK_N + cols0
+                        else:
+                            cols_first = cols0
+                        s = mod.apply(s, cols_first)
+                        if WINDOW:
+                            first_full = (full_lo <= first) & (first < n_full)     # step 0 needs no mask
+                        else:
+                            first_full = n_full > 0
+                        if first_full:
+                            p, m_i, l_i, alpha = softmax(s, m_i, l_i, col_limit, cols_first, qk_scale, False,
                                                           not LTC)
                         else:
-                            p, m_i, l_i, alpha = softmax(s, m_i, l_i, col_limit, cols0, qk_scale, True,
-                                                          not LTC)
+                            p, m_i, l_i, alpha = softmax(s, m_i, l_i, col_limit, cols_first, qk_scale, True,
+                                                          not LTC, col_start)
                         p = gl.convert_layout(p.to(dtype), cfg.p_layout)
-                        # -- steps 1 .. n-1: issue S_j and P_{j-1} V_{j-1}; softmax S_j under PV --
+                        # -- steps first+1 .. n-1: issue S_j and P_{j-1} V_{j-1}; softmax S_j under PV --
                         if cfg.OVERLAP >= 2:
-                            # Two loops, unmasked steps [1, n_lo) then masked ones [n_lo, n_mine):
-                            # no branch inside a step (static_range unrolls the pair).
-                            n_lo = gl.maximum(gl.minimum(n_full, n_mine), 1)
-                            for masked in gl.static_range(2):
-                                for j in range(1 + (n_lo - 1) * masked, n_lo + (n_mine - n_lo) * masked):
+                            # Unmasked steps [lo, n_lo) then masked ones [n_lo, n_mine) in two loops
+                            # (with a window, masked ones [first + 1, lo) before them): no branch
+                            # inside a step (static_range unrolls the pair).
+                            n_lo = gl.maximum(gl.minimum(n_full, n_mine), first + 1)
+                            lo = first + 1
+                            if WINDOW:
+                                lo = gl.minimum(gl.maximum(full_lo, first + 1), n_lo)
+                                for j in range(first + 1, lo):
                                     p, acc, l_acc, m_i, l_i = _overlap_step(
-                                        cfg, sh, WG, j, kv + j, turn + j, p, acc, l_acc, m_i, l_i, q_tile, s_zero,
-                                        col_limit, cols0, qk_scale, mod, masked == 1)
+                                        cfg, sh, WG, j, kv + j - first, turn + j - first, p, acc, l_acc, m_i, l_i,
+                                        q_tile, s_zero, col_limit, cols0, qk_scale, mod, True, col_start)
+                            for masked in gl.static_range(2):
+                                for j in range(lo + (n_lo - lo) * masked, n_lo + (n_mine - n_lo) * masked):
+                                    p, acc, l_acc, m_i, l_i = _overlap_step(
+                                        cfg, sh, WG, j, kv + j - first, turn + j - first, p, acc, l_acc, m_i, l_i,
+                                        q_tile, s_zero, col_limit, cols0, qk_scale, mod, masked == 1, col_start)
                         else:
-                            for j in range(1, n_mine):
-                                c = kv + j
+                            for j in range(first + 1, n_mine):
+                                c = kv + j - first
                                 st = sh.k.index(c)
                                 pst = sh.v.index(c - 1)
                                 sh.k.wait(c)
                                 sh.v.wait(c - 1)
-                                sh.turns.begin(turn + j, WG)
+                                sh.turns.begin(turn + j - first, WG)
                                 s_tok = warpgroup_mma(q_tile, sh.k.tile(st).permute((1, 0)), s_zero,
                                                       use_acc=False, is_async=True)
                                 o_tok, l_tok, p_l = _pv_issue(cfg, sh, p, sh.v.tile(pst), acc, l_acc)
@@ -500,22 +533,26 @@ def _consumer(cfg, WG: gl.constexpr, tiles, io, sh):
                                 s = _s_wait(cfg, s_tok, sh.k.empty_bar(st))
                                 cols = j * BLOCK_N + cols0
                                 s = mod.apply(s, cols)
-                                if j < n_full:
+                                if WINDOW:
+                                    unmasked = (j < n_full) & (j >= full_lo)
+                                else:
+                                    unmasked = j < n_full
+                                if unmasked:
                                     p_new, m_i, l_i, alpha = softmax(s, m_i, l_i, col_limit, cols, qk_scale,
                                                                       False, not LTC)
                                 else:
                                     p_new, m_i, l_i, alpha = softmax(s, m_i, l_i, col_limit, cols, qk_scale,
-                                                                      True, not LTC)
+                                                                      True, not LTC, col_start)
                                 p_new = gl.convert_layout(p_new.to(dtype), cfg.p_layout)
                                 acc, l_acc = _pv_finish(cfg, o_tok, l_tok, p, p_l, alpha, sh.v.empty_bar(pst))
                                 p = p_new
                         # Every S product of the tile is done: the query tile may be refilled.
                         sh.q.release(WG, SYNC)
                         # -- step n: the last P V --
-                        lc = kv + n_mine - 1
+                        lc = kv + n_mine - 1 - first
                         lst = sh.v.index(lc)
                         sh.v.wait(lc)
-                        sh.turns.begin(turn + n_mine, WG)
+                        sh.turns.begin(turn + n_mine - first, WG)
                         o_tok, l_tok, p_l = _pv_issue(cfg, sh, p, sh.v.tile(lst), acc, l_acc)
                         sh.turns.end(WG)
                         acc, l_acc = _pv_wait(o_tok, l_tok, p, p_l, LTC)
@@ -523,15 +560,15 @@ def _consumer(cfg, WG: gl.constexpr, tiles, io, sh):
                             l_i = gl.convert_layout(gl.max(l_acc, 1), row_layout)
                         sh.v.release(lst, SYNC)
                         if not SKIP:             # (SKIP: the counters advance below, by the whole tile)
-                            turn += n_blocks + 1
+                            turn += n_blocks - first + 1
                     else:
                         # No intra-warpgroup overlap: S_j, softmax, P_j V_j, one after the other.
-                        for j in range(0, n_mine):
-                            c = kv + j
+                        for j in range(first, n_mine):
+                            c = kv + j - first
                             st = sh.k.index(c)
                             ph = sh.k.phase(c)
                             sh.k.wait_at(st, ph)
-                            sh.turns.begin(turn + 2 * j, WG)
+                            sh.turns.begin(turn + 2 * (j - first), WG)
                             s_tok = warpgroup_mma(q_tile, sh.k.tile(st).permute((1, 0)), s_zero,
                                                   use_acc=False, is_async=True)
                             sh.turns.end(WG)
@@ -539,22 +576,27 @@ def _consumer(cfg, WG: gl.constexpr, tiles, io, sh):
                             sh.k.release(st, SYNC)
                             cols = j * BLOCK_N + cols0
                             s = mod.apply(s, cols)
-                            if j < n_full:
+                            if WINDOW:
+                                unmasked = (j < n_full) & (j >= full_lo)
+                            else:
+                                unmasked = j < n_full
+                            if unmasked:
                                 p, m_i, l_i, alpha = softmax(s, m_i, l_i, col_limit, cols, qk_scale, False)
                             else:
-                                p, m_i, l_i, alpha = softmax(s, m_i, l_i, col_limit, cols, qk_scale, True)
+                                p, m_i, l_i, alpha = softmax(s, m_i, l_i, col_limit, cols, qk_scale, True, True,
+                                                              col_start)
                             acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
                             p = gl.convert_layout(p.to(dtype), cfg.p_layout)
                             sh.v.wait_at(st, ph)
-                            sh.turns.begin(turn + 2 * j + 1, WG)
+                            sh.turns.begin(turn + 2 * (j - first) + 1, WG)
                             o_tok = warpgroup_mma(p, sh.v.tile(st), acc, is_async=True)
                             sh.turns.end(WG)
                             acc, p = warpgroup_mma_wait(0, deps=(o_tok, p))
                             sh.v.release(st, SYNC)
                         sh.q.release(WG, SYNC)
-                        turn += 2 * n_blocks     # (no SKIP without OVERLAP: n_mine is n_blocks here)
+                        turn += 2 * (n_blocks - first)   # (no SKIP without OVERLAP: n_mine is n_blocks)
                     if not SKIP:
-                        kv += n_blocks
+                        kv += n_blocks - first
                 else:
                     # No visible key block at all: every row of this warpgroup is empty (or past
                     # the end of the queries).
@@ -598,17 +640,19 @@ def _consumer(cfg, WG: gl.constexpr, tiles, io, sh):
 # Sequence lengths and head counts are not specialised on (divisibility by 16, value 1): the kernel
 # does not use those facts, and each specialisation would be one more compile.
 @gluon.jit(do_not_specialize=["num_heads_q", "kv_group_size", "seqlen_q", "seqlen_k", "num_m_blocks",
-                              "num_items", "section"])
+                              "num_items", "section", "window_left", "window_right"])
 def _attn_fwd_hopper_kernel(
     q_desc, k_desc, v_desc, o_desc, LSE,
     num_heads_q, kv_group_size, seqlen_q, seqlen_k, num_m_blocks, num_items, section,
     sm_scale, qk_scale,
     score_scale, tanh_scale, softcap, ALIBI_SLOPES, stride_ab, stride_ah, SINKS,   # score variants, else None
+    window_left, window_right,                                                     # a window, else None
     HEAD_DIM: gl.constexpr, ROWS: gl.constexpr, NUM_WG: gl.constexpr, BLOCK_N: gl.constexpr,
     STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr,
     ORDER: gl.constexpr, PRODUCER_REGS_: gl.constexpr, CONSUMER_REGS_: gl.constexpr,
     LTC: gl.constexpr, SKIP: gl.constexpr,
     SOFTCAP: gl.constexpr = False, ALIBI: gl.constexpr = False, HAS_SINKS: gl.constexpr = False,
+    HAS_LEFT: gl.constexpr = False, HAS_RIGHT: gl.constexpr = False,
 ):
     """A program takes work items pid, pid + grid, ... of num_items; an item is one tile (BLOCK_M =
     ROWS * NUM_WG query rows of one (batch, query head)) or, ORDER == PAIRED, two (``tile_coords``). With
@@ -616,7 +660,7 @@ def _attn_fwd_hopper_kernel(
     dtype: gl.constexpr = q_desc.dtype
     cfg = FwdConfig(HEAD_DIM, ROWS, NUM_WG, BLOCK_N, STAGES, IS_CAUSAL, OVERLAP, PINGPONG, ORDER, LTC, SKIP, dtype)
     tiles = Tiles(num_items, section, num_m_blocks, num_heads_q, kv_group_size, seqlen_q, seqlen_k,
-                  ROWS * NUM_WG, BLOCK_N, IS_CAUSAL, ORDER)
+                  Window(window_left, window_right, HAS_LEFT, HAS_RIGHT), ROWS * NUM_WG, BLOCK_N, IS_CAUSAL, ORDER)
     scores = ScoreArgs(score_scale, tanh_scale, softcap, ALIBI_SLOPES, stride_ab, stride_ah, SINKS, SOFTCAP, ALIBI,
                        HAS_SINKS)
     io = FwdIO(q_desc, k_desc, v_desc, o_desc, LSE, sm_scale, qk_scale, scores)
@@ -758,7 +802,8 @@ def snake_section(num_bh: int, num_m_blocks: int, block_m: int, block_n: int, se
 @on_input_device
 def forward_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float, causal: bool,
                    out: torch.Tensor | None = None, *, variant: str, order: str | None = None,
-                   section: int | None = None, scores: ScoreVariant = NO_SCORES):
+                   section: int | None = None, scores: ScoreVariant = NO_SCORES,
+                   window: tuple[int, int] | None = None):
     """``forward()``'s contract on the Hopper kernel: q [B, Sq, Hq, D], k/v [B, Sk, Hkv, D];
     returns (out [B, Sq, Hq, D] in q's dtype, lse [B, Hq, Sq] float32, natural log). ``out`` may be a
     preallocated strided view. ``variant``: a key of VARIANTS (the forward takes the one
@@ -767,7 +812,9 @@ def forward_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: 
     None lets ``tile_order`` pick. ``section``: (batch, head) pairs per section of ``tile_by_cost`` for
     the causal plain and snake orders (the paired order and non-causal launches do not use it);
     None: 1 for plain, ``snake_section``'s pick for snake. ``scores``: softcap, ALiBi and sinks
-    ([Note: score variants] in common.py), validated."""
+    ([Note: score variants] in common.py), validated. ``window``: (left, right) as
+    ``block_ranges.window_bounds`` returns it (causal folded in), or None; windowed launches walk the
+    tiles in the plain order (their tiles cost about the same) and do not skip per warpgroup."""
     if order is not None and (not isinstance(order, str) or order not in ORDERS):
         raise ValueError(f"order must be one of {sorted(ORDERS)} or None; got order={order!r}")
     if section is not None and (not isinstance(section, int) or isinstance(section, bool) or section < 1):
@@ -796,7 +843,7 @@ def forward_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: 
     # Persistent: one program per SM (132 when compiling on a machine without a GPU).
     sms = sm_count(q.device) if q.is_cuda else 132
     if order is None:
-        order = tile_order(causal, cfg["persistent"], cfg["block_m"])
+        order = "plain" if window is not None else tile_order(causal, cfg["persistent"], cfg["block_m"])
     num_items = batch * heads_q * ((num_m_blocks + 1) // 2) if order == "paired" else num_tiles
     grid = min(num_items, sms) if cfg["persistent"] else num_items
     if section is None:
@@ -815,7 +862,8 @@ def forward_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: 
         sm_scale=1.0 if scores.transforms else sm_scale, **score_launch_args(scores, sm_scale, sinks=True),
         HEAD_DIM=head_dim, ROWS=cfg["rows"], NUM_WG=cfg["num_wg"], BLOCK_N=cfg["block_n"],
         STAGES=cfg["stages"], IS_CAUSAL=causal, OVERLAP=cfg["overlap"], PINGPONG=cfg["pingpong"],
-        ORDER=ORDERS[order], LTC=cfg["ltc"], SKIP=cfg["skip"] and causal,
+        ORDER=ORDERS[order], LTC=cfg["ltc"], SKIP=cfg["skip"] and causal and window is None,
+        **window_launch_args(window),
         PRODUCER_REGS_=PRODUCER_REGS, CONSUMER_REGS_=cfg["consumer_regs"],
         num_warps=cfg["num_warps"], maxnreg=cfg["maxnreg"],
     )

@@ -18,7 +18,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTen
 from triton.language.core import _aggregate as aggregate
 from triton.language.core import base_value  # Triton 3.5/3.6's name (later gluon.aggregate)
 
-from .block_ranges import causal_col_limit, causal_key_range, full_key_blocks
+from .block_ranges import causal_col_limit, causal_key_range, full_key_blocks, window_key_range, window_query_range
 from .common import LOG2E
 from .launch import tma_compatible
 
@@ -134,6 +134,76 @@ def release(bar, SYNC: gl.constexpr = False):
 
 
 @aggregate
+class Window:
+    """A launch's local window (``block_ranges.window_key_range``'s rule: query i sees key j when
+    i + off - left <= j (HAS_LEFT) and j <= i + off + right (HAS_RIGHT), off = seqlen_k - seqlen_q;
+    causal folded in as right = 0). ON: either bound is set. Without a window (ON False) the bounds
+    are None: nothing is compiled in, and the kernels take their causal / full paths."""
+    left: SCALAR
+    right: SCALAR
+    HAS_LEFT: gl.constexpr
+    HAS_RIGHT: gl.constexpr
+    ON: gl.constexpr
+
+    @gluon.constexpr_function
+    def __init__(self, left, right, HAS_LEFT, HAS_RIGHT):
+        constexprs(self, left=left, right=right, HAS_LEFT=HAS_LEFT, HAS_RIGHT=HAS_RIGHT,
+                   ON=bool(HAS_LEFT) or bool(HAS_RIGHT))
+
+    @gluon.jit
+    def key_blocks(self, start_m, seqlen_q, seqlen_k, ROWS: gl.constexpr, BLOCK_N: gl.constexpr):
+        """The query rows [start_m, start_m + ROWS)'s key blocks: (first, full_lo, full_hi, end).
+        Blocks [first, end) hold every key a row sees (none outside is loaded); [full_lo, full_hi)
+        are seen in full by every row (no mask), the others need the element mask."""
+        lo, mid_lo, mid_hi, hi = window_key_range(start_m, seqlen_q, seqlen_k, self.left, self.right, ROWS,
+                                                  BLOCK_N, self.HAS_LEFT, self.HAS_RIGHT)
+        return lo // BLOCK_N, mid_lo // BLOCK_N, mid_hi // BLOCK_N, gl.cdiv(hi, BLOCK_N)
+
+    @gluon.jit
+    def query_rows(self, start_n, seqlen_q, seqlen_k, BLOCK_M: gl.constexpr, KEYS: gl.constexpr):
+        """The transpose, for the keys [start_n, start_n + KEYS) (the backward's walk over query
+        blocks): (lo, full_lo, full_hi, hi) query rows, ``block_ranges.window_query_range``."""
+        return window_query_range(start_n, seqlen_q, seqlen_k, self.left, self.right, BLOCK_M, KEYS,
+                                  self.HAS_LEFT, self.HAS_RIGHT)
+
+    @gluon.jit
+    def first_query(self, keys, causal_offset, seqlen_k):
+        """For key positions ``keys`` (the backward's transposed tiles): the first query that sees each,
+        the window's rule turned round (query i sees key j when j - off - right <= i <= j - off + left).
+        A key past seqlen_k is seen by no query (first query past any). int32 per key row, so the
+        element mask is 32-bit compares (``block_ranges.window_visible`` compares in int64)."""
+        if self.HAS_RIGHT:
+            q_first = keys - (causal_offset + self.right)
+        else:
+            q_first = gl.full_like(keys, 0)
+        return gl.where(keys < seqlen_k, q_first, 2**31 - 1)
+
+    @gluon.jit
+    def last_query(self, keys, causal_offset):
+        """The last query that sees each key of ``keys`` (HAS_LEFT only: without a left bound every
+        query from ``first_query`` on sees the key)."""
+        return keys + (self.left - causal_offset)
+
+    @gluon.jit
+    def row_limits(self, row0, rows, causal_offset, seqlen_k, ROWS: gl.constexpr, BLOCK_N: gl.constexpr):
+        """``sm90_common.row_limits`` under the window: (full_lo, full_hi, col_limit). Key blocks
+        [full_lo, full_hi) are seen in full by every row of ``rows`` (first row row0); row i sees the
+        keys before col_limit[i] and (HAS_LEFT) from ``col_start`` on. (Gluon functions cannot return
+        None inside a tuple: the left edge has its own method, called under HAS_LEFT.)"""
+        _, full_lo, full_hi, _ = self.key_blocks(row0, seqlen_k - causal_offset, seqlen_k, ROWS, BLOCK_N)
+        if self.HAS_RIGHT:
+            col_limit = gl.minimum(rows + (causal_offset + self.right + 1), seqlen_k)
+        else:
+            col_limit = gl.full_like(rows, 0) + seqlen_k
+        return full_lo, full_hi, col_limit
+
+    @gluon.jit
+    def col_start(self, rows, causal_offset):
+        """The first key each row of ``rows`` sees (HAS_LEFT only)."""
+        return rows + (causal_offset - self.left)
+
+
+@aggregate
 class Tiles:
     """The persistent tile walk (``tile_coords``): a program takes work items pid, pid + grid, ...
     below ``bound()``, each one tile or (PAIRED) two. Every partition walks it with the same fields."""
@@ -144,14 +214,16 @@ class Tiles:
     kv_group_size: SCALAR
     seqlen_q: SCALAR
     seqlen_k: SCALAR
+    window: Window
     BLOCK_M: gl.constexpr
     BLOCK_N: gl.constexpr
     IS_CAUSAL: gl.constexpr
     ORDER: gl.constexpr
 
     @gluon.constexpr_function
-    def __init__(self, num_items, section, num_m_blocks, num_heads_q, kv_group_size, seqlen_q, seqlen_k,
+    def __init__(self, num_items, section, num_m_blocks, num_heads_q, kv_group_size, seqlen_q, seqlen_k, window,
                  BLOCK_M, BLOCK_N, IS_CAUSAL, ORDER):
+        self.window = window
         constexprs(self, num_items=num_items, section=section, num_m_blocks=num_m_blocks, num_heads_q=num_heads_q,
                    kv_group_size=kv_group_size, seqlen_q=seqlen_q, seqlen_k=seqlen_k, BLOCK_M=BLOCK_M,
                    BLOCK_N=BLOCK_N, IS_CAUSAL=IS_CAUSAL, ORDER=ORDER)
@@ -168,10 +240,10 @@ class Tiles:
 
     @gluon.jit
     def coords(self, item, half):
-        """``tile_coords`` of (item, half): (pid_bh, batch, query head, kv head, first query row, key
-        blocks to visit, valid)."""
+        """``tile_coords`` of (item, half): (pid_bh, batch, query head, kv head, first query row, first
+        and end key block to visit, valid)."""
         return tile_coords(item, half, self.num_m_blocks, self.num_heads_q, self.kv_group_size, self.seqlen_q,
-                           self.seqlen_k, self.num_items, self.section, self.BLOCK_M, self.BLOCK_N,
+                           self.seqlen_k, self.num_items, self.section, self.window, self.BLOCK_M, self.BLOCK_N,
                            self.IS_CAUSAL, self.ORDER)
 
 
@@ -190,11 +262,12 @@ def tile_by_cost(tile, num_m_blocks, num_bh, section):
 
 @gluon.jit
 def tile_coords(item, half, num_m_blocks, num_heads_q, kv_group_size, seqlen_q, seqlen_k, num_items,
-                 section, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, IS_CAUSAL: gl.constexpr,
+                 section, window, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, IS_CAUSAL: gl.constexpr,
                  ORDER: gl.constexpr):
-    """Work item (and half of it) -> (pid_bh, batch, query head, kv head, first query row, key blocks
-    to visit, valid). The key blocks are [0, n_blocks): none above the last row's causal diagonal
-    (``block_ranges.causal_key_range``).
+    """Work item (and half of it) -> (pid_bh, batch, query head, kv head, first query row, first key
+    block, end key block, valid). The key blocks are [first, end): without a window first = 0 (a
+    constant) and none above the last row's causal diagonal (``block_ranges.causal_key_range``); with
+    one (``Window``) those of the rows' windows.
     Every partition calls this with the same arguments, so they all walk the same blocks.
 
     ORDER (host side: ``tile_order``), num_items tiles or items:
@@ -238,9 +311,13 @@ def tile_coords(item, half, num_m_blocks, num_heads_q, kv_group_size, seqlen_q, 
     off_h = pid_bh % num_heads_q
     off_hk = off_h // kv_group_size
     start_m = pid_m * BLOCK_M
-    _, hi = causal_key_range(start_m, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, IS_CAUSAL)
-    n_blocks = gl.cdiv(hi, BLOCK_N)
-    return pid_bh, off_b, off_h, off_hk, start_m, n_blocks, valid
+    if window.ON:
+        first, _, _, n_blocks = window.key_blocks(start_m, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N)
+    else:
+        first = 0
+        _, hi = causal_key_range(start_m, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, IS_CAUSAL)
+        n_blocks = gl.cdiv(hi, BLOCK_N)
+    return pid_bh, off_b, off_h, off_hk, start_m, first, n_blocks, valid
 
 
 @gluon.jit
@@ -260,13 +337,19 @@ def row_limits(row0, rows, causal_offset, seqlen_k, ROWS: gl.constexpr, BLOCK_N:
 
 
 @gluon.jit
-def softmax(s, m_i, l_i, col_limit, cols, qk_scale, MASK: gl.constexpr, SUM: gl.constexpr = True):
+def softmax(s, m_i, l_i, col_limit, cols, qk_scale, MASK: gl.constexpr, SUM: gl.constexpr = True,
+            col_start=None):
     """Fold one tile of raw scores s [ROWS, BN] into the running (m, l). Returns (p fp32, m_new,
-    l_new, alpha). MASK: scores at columns >= col_limit (a per-row bound: the end of the keys or the
-    causal diagonal) become -inf. Rows that have seen no key keep m = -inf, l = 0 and give p = 0,
-    alpha = 1 (never NaN)."""
+    l_new, alpha). MASK: scores at columns >= col_limit (a per-row bound: the end of the keys, the
+    causal diagonal or a window's right edge) become -inf, and with ``col_start`` (a window's left
+    edge) those below it. Rows that have seen no key keep m = -inf, l = 0 and give p = 0, alpha = 1
+    (never NaN)."""
     if MASK:
-        s = gl.where(cols[None, :] < col_limit[:, None], s, float("-inf"))
+        if col_start is None:
+            s = gl.where(cols[None, :] < col_limit[:, None], s, float("-inf"))
+        else:
+            seen = (cols[None, :] < col_limit[:, None]) & (cols[None, :] >= col_start[:, None])
+            s = gl.where(seen, s, float("-inf"))
     m_new = gl.maximum(m_i, gl.max(s, 1))
     m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
     # One FMA per score: s * qk_scale - m * qk_scale, then the hardware exp2.
@@ -411,6 +494,16 @@ def to_operand(p, dtype: gl.constexpr, p_layout: gl.constexpr):
         h = gl.inline_asm_elementwise("cvt.rn.bf16x2.f32 $0, $2, $1;", "=r,f,f", [p], dtype=gl.bfloat16,
                                       is_pure=True, pack=2)
     return gl.convert_layout(h, p_layout)
+
+
+def window_launch_args(window) -> dict:
+    """A Gluon launch's ``Window`` arguments for ``block_ranges.window_bounds``' window: the bounds and
+    their flags, None / False without one (the plain kernels get no window parameter)."""
+    if window is None:
+        return dict(window_left=None, window_right=None, HAS_LEFT=False, HAS_RIGHT=False)
+    left, right = window
+    return dict(window_left=left if left >= 0 else None, window_right=right if right >= 0 else None,
+                HAS_LEFT=left >= 0, HAS_RIGHT=right >= 0)
 
 
 def score_launch_args(scores, sm_scale: float, sinks: bool) -> dict:
