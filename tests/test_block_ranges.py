@@ -668,9 +668,11 @@ def test_window_bounds_keeps_the_mask(max_q, max_k):
             wl, wr = flags["window_left"], flags["window_right"]
             if out_window is not None:
                 assert flags["HAS_LEFT"] or flags["HAS_RIGHT"], f"{window}: a window with no bound"
+                assert (wl is not None, wr is not None) == (flags["HAS_LEFT"], flags["HAS_RIGHT"]), flags
                 got = _all_masks(max_q, max_k, False, (wl if flags["HAS_LEFT"] else -1,
                                                        wr if flags["HAS_RIGHT"] else -1))
-                if wl >= max_k or wr >= max(max_q - 1, 1):      # causal's right bound 0 stays
+                if (wl is not None and wl >= max_k) or (wr is not None and wr >= max(max_q - 1, 1)):
+                    # (causal's right bound 0 stays)
                     bad.append(f"window={window} causal={causal}: bound {out_window} reaches the kernels")
             else:
                 got = _all_masks(max_q, max_k, out_causal, None)
@@ -695,10 +697,11 @@ def test_window_bounds_named_cases():
     assert window_bounds((5, -1), True, 100, 100) == (True, (5, 0))
     def args(left, right, has_left, has_right):
         return dict(window_left=left, window_right=right, HAS_LEFT=has_left, HAS_RIGHT=has_right)
-    assert window_kernel_args(None) == args(0, 0, False, False)
+    # An unbounded side passes None (no runtime argument), the plain kernels none at all.
+    assert window_kernel_args(None) == args(None, None, False, False)
     assert window_kernel_args((5, 0)) == args(5, 0, True, True)
-    assert window_kernel_args((-1, 3)) == args(-1, 3, False, True)
-    assert window_kernel_args((4, -1)) == args(4, -1, True, False)
+    assert window_kernel_args((-1, 3)) == args(None, 3, False, True)
+    assert window_kernel_args((4, -1)) == args(4, None, True, False)
 
 
 # --------------------------------------------------------------------------------------------------

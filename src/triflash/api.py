@@ -147,7 +147,8 @@ def flash_attn_func(q, k, v, *options, softmax_scale=None, causal=False, return_
             key j when i + off - left <= j <= i + off + right, off = seqlen_k - seqlen_q; -1 leaves
             that side unbounded. With ``causal`` the right bound is 0 (a right of -1 or 0 is
             accepted). On H100/H200 at head dims 64 and 128 windows run on the Hopper kernels
-            (the forward at 64 from windows of 2048 keys), elsewhere on the portable Triton kernels.
+            (the forward at 64 where a query sees at least 2048 keys, or a side is unbounded),
+            elsewhere on the portable Triton kernels.
         dropout_p: accepted for drop-in use with FlashAttention's keyword; only 0.0 (anything else
             raises: triflash has no dropout).
         softcap: logit soft-capping (Gemma 2, Grok): when > 0 the scaled scores s = softmax_scale * q.k

@@ -39,7 +39,13 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTensorDescriptor
 
 from . import launch
-from .block_ranges import causal_key_end, causal_mask, causal_query_range, first_full_query_block
+from .block_ranges import (
+    causal_key_end,
+    causal_mask,
+    causal_query_range,
+    first_full_query_block,
+    window_kernel_args,
+)
 from .common import PLAIN as NO_SCORES
 from .common import ScoreVariant, on_input_device
 from .configs import cdiv, gluon_hopper_applies, sm_count
@@ -56,10 +62,10 @@ from .sm90_common import (
     descriptor,
     row_limits,
     score_launch_args,
+    seen_cols,
     shared_layout,
     tile_coords,
     tma_supported,
-    window_launch_args,
 )
 
 BLOCK_N = 128              # keys per CTA: 64 per consumer partition
@@ -854,10 +860,7 @@ def _dq_step(cfg, sh, j, c, dq, q_tile, do_tile, zero_s, lse2, delta, cols0, col
     p = gl.exp2(s_ij * qk_scale - lse2[:, None])
     if MASK:
         cols = j * cfg.BLOCK_N + cols0
-        if col_start is None:
-            p = gl.where(cols[None, :] < col_limit[:, None], p, 0.0)
-        else:
-            p = gl.where((cols[None, :] < col_limit[:, None]) & (cols[None, :] >= col_start[:, None]), p, 0.0)
+        p = gl.where(seen_cols(cols, col_limit, col_start), p, 0.0)
     dp = warpgroup_mma_wait(0, deps=(dp_tok,))
     if mod.SOFTCAP:
         ds = gl.convert_layout((p * (dp - delta[:, None]) * g).to(dtype), a_layout)
@@ -1050,7 +1053,7 @@ def backward_hopper(dout, q, k, v, lse2, delta, sm_scale: float, causal: bool, d
         num_n_blocks=num_n_blocks, num_heads_q=heads_q, num_heads_k=heads_k, kv_group_size=heads_q // heads_k,
         seqlen_q=seqlen_q, seqlen_k=seqlen_k, num_m_blocks=num_m_blocks, batch=batch,
         heads_per_group=heads_per_group, stats_rows=lse2.shape[-1], sm_scale=sm_scale,
-        **score_launch_args(scores, sm_scale, sinks=False), **window_launch_args(window),
+        **score_launch_args(scores, sm_scale, sinks=False), **window_kernel_args(window),
         HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=BLOCK_N, STAGES=cfg["stages"], DQ_BUFS=cfg["dq_bufs"],
         IS_CAUSAL=causal, NUM_WG=NUM_WG,
         WRITER_REGS_=cfg["writer_regs"], PRODUCER_REGS_=PRODUCER_REGS, CONSUMER_REGS_=cfg["consumer_regs"],
@@ -1094,7 +1097,7 @@ def dq_hopper(dout, q, k, v, lse2, delta, sm_scale: float, causal: bool, dq, *, 
         stride_dqb=dq.stride(0), stride_dqs=dq.stride(1), stride_dqh=dq.stride(2),
         num_heads_q=heads_q, kv_group_size=heads_q // heads_k, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
         num_m_blocks=num_m_blocks, stats_rows=lse2.shape[-1], sm_scale=sm_scale,
-        **score_launch_args(scores, sm_scale, sinks=False), **window_launch_args(window),
+        **score_launch_args(scores, sm_scale, sinks=False), **window_kernel_args(window),
         HEAD_DIM=head_dim, ROWS=rows, NUM_WG=DQ_WG, BLOCK_N=block_n, STAGES=stages, IS_CAUSAL=causal,
         PRODUCER_REGS_=PRODUCER_REGS, CONSUMER_REGS_=CONSUMER_REGS_3WG,
         num_warps=4, maxnreg=MAXNREG_3WG,

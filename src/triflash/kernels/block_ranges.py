@@ -137,11 +137,12 @@ def window_bounds(window, causal: bool, max_q: int, max_k: int) -> tuple[bool, t
     return causal, (left, right)
 
 def window_kernel_args(window: tuple[int, int] | None) -> dict:
-    """The keyword arguments a kernel launch takes for ``window_bounds``' window: window_left,
-    window_right (placeholders without a window) and the HAS_LEFT / HAS_RIGHT flags."""
-    left, right = window if window is not None else (0, 0)
-    return dict(window_left=left, window_right=right, HAS_LEFT=window is not None and left >= 0,
-                HAS_RIGHT=window is not None and right >= 0)
+    """The keyword arguments a kernel launch (Triton or Gluon) takes for ``window_bounds``' window:
+    window_left, window_right (None for an unbounded side, so a launch without a window passes no
+    runtime argument for it) and the HAS_LEFT / HAS_RIGHT flags."""
+    left, right = window if window is not None else (-1, -1)
+    return dict(window_left=left if left >= 0 else None, window_right=right if right >= 0 else None,
+                HAS_LEFT=left >= 0, HAS_RIGHT=right >= 0)
 
 @triton.jit
 def window_key_range(start_m, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M: tl.constexpr,

@@ -41,7 +41,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from . import launch
-from .block_ranges import causal_key_range
+from .block_ranges import causal_key_range, window_kernel_args
 from .common import PLAIN as NO_SCORES
 from .common import ScoreVariant, on_input_device
 from .configs import cdiv, sm_count
@@ -66,7 +66,6 @@ from .sm90_common import (
     score_launch_args,
     softmax,
     to_operand,
-    window_launch_args,
 )
 
 # --------------------------------------------------------------------------------------------------
@@ -267,7 +266,7 @@ def _producer(cfg, tiles, io, sh):
         for half in range(2 if cfg.ORDER == PAIRED else 1):
             pid_bh, off_b, off_h, off_hk, start_m, first, n_blocks, valid = tiles.coords(item, half)
             if valid:
-                if tiles.window.ON:
+                if tiles.window.ON:                # (a compile-time choice: see _consumer's WINDOW)
                     no_blocks = n_blocks <= first
                 else:
                     no_blocks = n_blocks == 0
@@ -428,6 +427,8 @@ def _consumer(cfg, WG: gl.constexpr, tiles, io, sh):
     row_layout: gl.constexpr = cfg.row_layout
     gl.static_assert(cfg.OVERLAP > 0 or not LTC, "LTC (row sums on the tensor cores) needs the OVERLAP schedule")
     gl.static_assert(cfg.OVERLAP > 0 or not SKIP, "SKIP passes turns in the OVERLAP schedule's order")
+    # WINDOW picks the windowed form of each bound below at compile time: written with first = 0 and
+    # full_lo = 0 the plain kernels' code changes (ptxas does not fold them away).
     WINDOW: gl.constexpr = tiles.window.ON
     gl.static_assert(not (SKIP and WINDOW), "SKIP walks key blocks from 0: no window")
     cols0 = gl.arange(0, BLOCK_N, layout=cfg.col_layout)                # [BN]
@@ -863,7 +864,7 @@ def forward_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: 
         HEAD_DIM=head_dim, ROWS=cfg["rows"], NUM_WG=cfg["num_wg"], BLOCK_N=cfg["block_n"],
         STAGES=cfg["stages"], IS_CAUSAL=causal, OVERLAP=cfg["overlap"], PINGPONG=cfg["pingpong"],
         ORDER=ORDERS[order], LTC=cfg["ltc"], SKIP=cfg["skip"] and causal and window is None,
-        **window_launch_args(window),
+        **window_kernel_args(window),
         PRODUCER_REGS_=PRODUCER_REGS, CONSUMER_REGS_=cfg["consumer_regs"],
         num_warps=cfg["num_warps"], maxnreg=cfg["maxnreg"],
     )

@@ -18,7 +18,13 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTen
 from triton.language.core import _aggregate as aggregate
 from triton.language.core import base_value  # Triton 3.5/3.6's name (later gluon.aggregate)
 
-from .block_ranges import causal_col_limit, causal_key_range, full_key_blocks, window_key_range, window_query_range
+from .block_ranges import (
+    causal_col_limit,
+    causal_key_range,
+    full_key_blocks,
+    window_key_range,
+    window_query_range,
+)
 from .common import LOG2E
 from .launch import tma_compatible
 
@@ -337,6 +343,16 @@ def row_limits(row0, rows, causal_offset, seqlen_k, ROWS: gl.constexpr, BLOCK_N:
 
 
 @gluon.jit
+def seen_cols(cols, col_limit, col_start=None):
+    """The [ROWS, BN] mask of the key columns ``cols`` each row sees: those below its col_limit and,
+    with ``col_start`` (a window's left edge), from col_start on."""
+    seen = cols[None, :] < col_limit[:, None]
+    if col_start is not None:
+        seen = seen & (cols[None, :] >= col_start[:, None])
+    return seen
+
+
+@gluon.jit
 def softmax(s, m_i, l_i, col_limit, cols, qk_scale, MASK: gl.constexpr, SUM: gl.constexpr = True,
             col_start=None):
     """Fold one tile of raw scores s [ROWS, BN] into the running (m, l). Returns (p fp32, m_new,
@@ -345,11 +361,10 @@ def softmax(s, m_i, l_i, col_limit, cols, qk_scale, MASK: gl.constexpr, SUM: gl.
     edge) those below it. Rows that have seen no key keep m = -inf, l = 0 and give p = 0, alpha = 1
     (never NaN)."""
     if MASK:
-        if col_start is None:
+        if col_start is None:      # (written out: through seen_cols ptxas schedules the plain kernels differently)
             s = gl.where(cols[None, :] < col_limit[:, None], s, float("-inf"))
         else:
-            seen = (cols[None, :] < col_limit[:, None]) & (cols[None, :] >= col_start[:, None])
-            s = gl.where(seen, s, float("-inf"))
+            s = gl.where(seen_cols(cols, col_limit, col_start), s, float("-inf"))
     m_new = gl.maximum(m_i, gl.max(s, 1))
     m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
     # One FMA per score: s * qk_scale - m * qk_scale, then the hardware exp2.
@@ -494,16 +509,6 @@ def to_operand(p, dtype: gl.constexpr, p_layout: gl.constexpr):
         h = gl.inline_asm_elementwise("cvt.rn.bf16x2.f32 $0, $2, $1;", "=r,f,f", [p], dtype=gl.bfloat16,
                                       is_pure=True, pack=2)
     return gl.convert_layout(h, p_layout)
-
-
-def window_launch_args(window) -> dict:
-    """A Gluon launch's ``Window`` arguments for ``block_ranges.window_bounds``' window: the bounds and
-    their flags, None / False without one (the plain kernels get no window parameter)."""
-    if window is None:
-        return dict(window_left=None, window_right=None, HAS_LEFT=False, HAS_RIGHT=False)
-    left, right = window
-    return dict(window_left=left if left >= 0 else None, window_right=right if right >= 0 else None,
-                HAS_LEFT=left >= 0, HAS_RIGHT=right >= 0)
 
 
 def score_launch_args(scores, sm_scale: float, sinks: bool) -> dict:
