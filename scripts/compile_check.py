@@ -137,8 +137,8 @@ def signature(fn, args, kwargs):
     values = dict(zip(fn.arg_names, args))
     values.update({k: v for k, v in kwargs.items() if k in fn.arg_names})
     for index, name in enumerate(fn.arg_names):
-        v = values[name]
         param = fn.params[index]
+        v = values[name] if name in values else param.default      # a parameter left at its default
         if param.is_constexpr or v is None:
             sig[name] = "constexpr"
             const[name] = v
@@ -332,6 +332,9 @@ def varlen_cases(quick=False):
                      (dispatch.forward(q, k, v, 0.1, causal, config=cfg, varlen=vl),
                       dispatch.backward(torch.randn_like(q), q, k, v, torch.randn_like(q), lse, 0.1, causal,
                                  config=bcfg, varlen=vl)))
+                yield f"varlen single {TYPES[dtype]} D{d} {'causal' if causal else 'full'}", \
+                    (lambda q=q, k=k, v=v, lse=lse, causal=causal:
+                     _single(q, k, v, torch.randn_like(q), lse, causal, varlen=vl))
 
 
 def window_cases(quick=False):
@@ -448,6 +451,19 @@ def backward_cases(quick=False):
                 yield f"bwd {TYPES[dtype]} D{d} {'causal' if causal else 'full'}", \
                     (lambda q=q, k=k, v=v, out=out, lse=lse, causal=causal, cfg=cfg:
                      dispatch.backward(torch.randn_like(q), q, k, v, out, lse, 0.1, causal, config=cfg))
+                # The single-launch backward (the chooser takes it at short sequences on a GPU).
+                yield f"bwd single {TYPES[dtype]} D{d} {'causal' if causal else 'full'}", \
+                    (lambda q=q, k=k, v=v, out=out, lse=lse, causal=causal: _single(q, k, v, out, lse, causal))
+    # ... and with a window, softcap, ALiBi and a gradient on the LSE.
+    q, k, v = qkv(2, 300, 300, 4, 2, 128, torch.float16)
+    yield "bwd single fp16 D128 window softcap alibi dlse", \
+        (lambda: _single(q, k, v, torch.randn_like(q), torch.randn(2, 4, 300), False, window=(64, 16),
+                         scores=ScoreVariant(30.0, torch.rand(4), None), dlse=torch.randn(2, 4, 300)))
+
+
+def _single(q, k, v, out, lse, causal, **kwargs):
+    with dispatch.force(backward=dispatch.SINGLE):
+        dispatch.backward(torch.randn_like(q), q, k, v, out, lse, 0.1, causal, **kwargs)
 
 
 def decode_cases(quick=False):

@@ -6,8 +6,8 @@
 #                                            # and (one test at a time) the 4 GiB offset tests
 #   bash scripts/gpu_checks.sh bwd   # the backward suite
 #   bash scripts/gpu_checks.sh rest  # decode, merge, SDPA routing, compile, validation, layouts
-#   bash scripts/gpu_checks.sh variants  # score variants (the Hopper kernels' too), atomic dQ,
-#                                        # deterministic=, call plans
+#   bash scripts/gpu_checks.sh variants  # score variants (the Hopper kernels' too), atomic dQ, the
+#                                        # single-launch backward, deterministic=, call plans
 #
 # Logs go to $OUT (the device tool's folder that comes back), a short summary to stdout. The hang
 # guard (tests/conftest.py) ends a test that runs past TRIFLASH_TEST_TIMEOUT seconds.
@@ -47,8 +47,8 @@ rest)
         tests/test_layouts.py tests/test_devices.py tests/test_readme.py
     ;;
 variants)
-    run variants -n 16 tests/test_variants.py tests/test_backward_atomic.py tests/test_deterministic.py \
-        tests/test_launch.py
+    run variants -n 16 tests/test_variants.py tests/test_backward_atomic.py tests/test_backward_single.py \
+        tests/test_deterministic.py tests/test_launch.py
     ;;
 *)
     echo "unknown part $part (fwd, bwd, rest or variants)" >&2

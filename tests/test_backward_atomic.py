@@ -44,8 +44,10 @@ SHIPPED_ATOMIC_BY_DEFAULT = dispatch.ATOMIC_BY_DEFAULT
 def atomic_by_default(monkeypatch):
     """``deterministic=False`` takes the atomic kernels here (dispatch.ATOMIC_BY_DEFAULT on): the switch
     the choosers would flip once the atomic kernels are the faster ones; the shipped value is checked
-    in test_chooser_takes_atomic_only_when_asked."""
+    in test_chooser_takes_atomic_only_when_asked. The single-launch backward, which short GPU problems
+    take before these rules are asked (test_backward_single.py), is off here."""
     monkeypatch.setattr(dispatch, "ATOMIC_BY_DEFAULT", True)
+    monkeypatch.setattr(dispatch, "SINGLE_MAX_WORK", -1)
 
 
 @pytest.fixture

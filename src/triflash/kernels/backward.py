@@ -36,6 +36,15 @@ same arithmetic, which ptxas may contract differently in the larger kernel, as i
 where all three gradients are wanted: dQ alone comes from the dQ kernel (less work than the fused loop,
 and deterministic), dK/dV alone from the plain dK/dV kernel.
 
+[Note: single-launch backward] At short sequences a backward's host time (three launches, the
+stats buffer) is longer than its kernels take on the GPU. ``run_single`` launches the dK/dV kernel
+with SINGLE over the dK/dV programs and, after them, the dQ kernel's programs (``_dq_program``), and
+every program makes the delta and lse2 (base 2; natural for fp32) of the query rows it reads from
+O, dO and the LSE itself (``_row_delta`` / ``_row_lse2``, the preprocess' arithmetic): one launch, three allocations
+(the gradients). The dK/dV programs redo that per key block (one more [BM, D] tile read per step), so
+it pays only at short sequences (``dispatch.single_launch_suits``). Deterministic; dense or packed
+sequences (``run_varlen(single=True)``); no sinks (their gradient sums over every row).
+
 On sm_90, where ``dispatch.backward_variant`` picks it (fp16/bf16 at head_dim 64 and 128), step 2
 runs on a Gluon kernel instead (backward_hopper.py, its dK/dV-only form), and at head_dim 128 (at 64
 from 4k keys) step 3 too; LSE2/Delta rows are then padded to whole 128-row tiles, and both Triton
@@ -108,15 +117,12 @@ def _bwd_preprocess_kernel(
         + offs_m[:, None] * stride_os + offs_d[None, :]
     do_ptrs = DO + off_b.to(tl.int64) * stride_dob + off_h.to(tl.int64) * stride_doh \
         + offs_m[:, None] * stride_dos + offs_d[None, :]
-    o = tl.load(o_ptrs, mask=mask, other=0.0).to(tl.float32)
-    do = tl.load(do_ptrs, mask=mask, other=0.0).to(tl.float32)
+    o = tl.load(o_ptrs, mask=mask, other=0.0)
+    do = tl.load(do_ptrs, mask=mask, other=0.0)
     out_ok = offs_m < rows_out
     row = pid_bh.to(tl.int64) * rows_out + offs_m              # [BM] index into [B, H, rows_out]
     lse_row = pid_bh.to(tl.int64) * seqlen_q + offs_m          # [BM] index into [B, H, Sq]
-    delta = tl.sum(o * do, axis=1)
-    if HAS_DLSE:
-        # d lse / d s = p, so a gradient on the LSE folds into delta: dS = P * (dP - (delta - dlse)).
-        delta -= tl.load(DLSE + lse_row, mask=m_ok, other=0.0)
+    delta = _row_delta(o, do, DLSE + lse_row if HAS_DLSE else None, m_ok, HAS_DLSE)
     tl.store(Delta + row, delta, mask=out_ok)
     lse = tl.load(LSE + lse_row, mask=m_ok, other=float("-inf"))
     if HAS_SINKS:
@@ -128,13 +134,30 @@ def _bwd_preprocess_kernel(
             p_sink = tl.where(lse == float("-inf"), 0.0, tl.math.exp2((sink - lse) * LOG2E_K))
             tl.store(SINK_PART + (off_h * batch + off_b).to(tl.int64) * q_blocks + pid_m,
                      tl.sum(p_sink * delta, axis=0))
-    if not PRECISE_P:
-        lse = lse * LOG2E_K                                   # to base 2 for one-FMA recomputation
-    lse2 = tl.where(lse == float("-inf"), float("inf"), lse)
-    tl.store(LSE2 + row, lse2, mask=out_ok)
+    tl.store(LSE2 + row, _row_lse2(lse, PRECISE_P), mask=out_ok)
     if ZERO_DQ:
         tl.store(DQ_ACC + row[:, None] * HEAD_DIM + offs_d[None, :], tl.zeros([BLOCK_M, BLOCK_D], tl.float32),
                  mask=out_ok[:, None] & (offs_d[None, :] < HEAD_DIM))
+
+
+@triton.jit
+def _row_delta(o, do, DLSE, m_ok, HAS_DLSE: tl.constexpr):
+    """delta = rowsum(dO * O) of a block of rows ([BM, BD] tiles, zeros past the rows), minus the
+    LSE's own gradient (DLSE: this block's [BM] rows, read where m_ok) with HAS_DLSE."""
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
+    if HAS_DLSE:
+        # d lse / d s = p, so a gradient on the LSE folds into delta: dS = P * (dP - (delta - dlse)).
+        delta -= tl.load(DLSE, mask=m_ok, other=0.0)
+    return delta
+
+
+@triton.jit
+def _row_lse2(lse, PRECISE_P: tl.constexpr):
+    """The LSE as the backward's kernels read it: base 2 for one-FMA recomputation (natural for fp32,
+    see _recompute_p), and +inf for rows that saw no key (lse = -inf), whose every p is then 0."""
+    if not PRECISE_P:
+        lse = lse * LOG2E_K
+    return tl.where(lse == float("-inf"), float("inf"), lse)
 
 
 @triton.jit
@@ -166,8 +189,12 @@ def _dkdv_inner(
     window_left=0, window_right=0, HAS_LEFT: tl.constexpr = False, HAS_RIGHT: tl.constexpr = False,
     tanh_scale=None, softcap=None, slope=None, SOFTCAP: tl.constexpr = False, ALIBI: tl.constexpr = False,
     DQ=None, stride_dqs=None, ATOMIC_DQ: tl.constexpr = False,
+    O=None, stride_os=None, INLINE_STATS: tl.constexpr = False, HAS_DLSE: tl.constexpr = False,
 ):
-    """Fold query blocks [lo, hi) into this key block's dK, dV. MASKED: the causal mask, or with
+    """Fold query blocks [lo, hi) into this key block's dK, dV. INLINE_STATS (the single-launch
+    backward): LSE2 and Delta point at the forward's LSE and the LSE's gradient (None without
+    HAS_DLSE) instead, and each query block's delta comes from its O tile (O: this (batch, query
+    head), pointer loads), as the preprocess would have made them. MASKED: the causal mask, or with
     HAS_LEFT / HAS_RIGHT a local window's. SOFTCAP / ALIBI: P recomputed from the transformed scores,
     and SOFTCAP's chain rule on dS ([Note: score variants] in common.py). ATOMIC_DQ: also add each
     query block's dQ share, dS K (unscaled, as the dQ kernel's sum), into the float32 workspace DQ
@@ -186,9 +213,15 @@ def _dkdv_inner(
                         mask=m_ok[:, None] & d_ok[None, :], other=0.0)      # [BM, BD]
             do = tl.load(DO + offs_m[:, None] * stride_dos + offs_d[None, :],
                          mask=m_ok[:, None] & d_ok[None, :], other=0.0)     # [BM, BD]
-        # Rows past seqlen_q read lse2 = +inf, so their p is 0.
-        lse2 = tl.load(LSE2 + offs_m, mask=m_ok, other=float("inf"))      # [BM]
-        delta = tl.load(Delta + offs_m, mask=m_ok, other=0.0)             # [BM]
+        if INLINE_STATS:
+            o = tl.load(O + offs_m[:, None] * stride_os + offs_d[None, :],
+                        mask=m_ok[:, None] & d_ok[None, :], other=0.0)      # [BM, BD]
+            delta = _row_delta(o, do, Delta + offs_m if HAS_DLSE else None, m_ok, HAS_DLSE)   # [BM]
+            lse2 = _row_lse2(tl.load(LSE2 + offs_m, mask=m_ok, other=float("-inf")), PRECISE_P)   # [BM]
+        else:
+            # Rows past seqlen_q read lse2 = +inf, so their p is 0.
+            lse2 = tl.load(LSE2 + offs_m, mask=m_ok, other=float("inf"))      # [BM]
+            delta = tl.load(Delta + offs_m, mask=m_ok, other=0.0)             # [BM]
         s_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)       # [BN, BM] = (Q K^T)^T
         if SOFTCAP or ALIBI:
             s_t, t_t = score_mod(s_t, offs_m[None, :], offs_n[:, None], causal_offset, sm_scale, tanh_scale,
@@ -226,7 +259,8 @@ def _dkdv_inner(
     return dk, dv
 
 
-@triton.jit(do_not_specialize=["seqlen_q", "seqlen_k", "num_n_blocks", "stats_rows"])
+@triton.jit(do_not_specialize=["seqlen_q", "seqlen_k", "num_n_blocks", "stats_rows", "num_kv_programs",
+                               "num_m_blocks"])
 def _bwd_dkdv_kernel(
     Q, K, V, DO, LSE2, Delta, DK, DV, DQ_ACC,
     stride_qb, stride_qs, stride_qh,
@@ -243,6 +277,11 @@ def _bwd_dkdv_kernel(
     VARLEN: tl.constexpr = False, LONG: tl.constexpr = False,
     HAS_LEFT: tl.constexpr = False, HAS_RIGHT: tl.constexpr = False,
     SOFTCAP: tl.constexpr = False, ALIBI: tl.constexpr = False, ATOMIC_DQ: tl.constexpr = False,
+    # The single-launch backward (SINGLE; else all None):
+    O=None, LSE=None, DLSE=None, DQ=None, stride_ob=None, stride_os=None, stride_oh=None,
+    stride_dqb=None, stride_dqs=None, stride_dqh=None, num_kv_programs=None, num_m_blocks=None,
+    SINGLE: tl.constexpr = False, HAS_DLSE: tl.constexpr = False,
+    DQ_BLOCK_M: tl.constexpr = 0, DQ_BLOCK_N: tl.constexpr = 0,
 ):
     """TMA: Q and DO are host-built 4-D tensor descriptors instead of pointers. HAS_LEFT / HAS_RIGHT:
     a local window, as in the forward kernel (``window_query_range``). LSE2 and Delta are
@@ -251,12 +290,34 @@ def _bwd_dkdv_kernel(
     [Hq, stats_rows = total_q]. ATOMIC_DQ: dQ too, added with atomics into DQ_ACC, a float32
     workspace with the stats' rows ([B, Hq, stats_rows, HEAD_DIM], varlen [Hq, total_q, HEAD_DIM])
     that the preprocess zeroed; ``_bwd_dq_convert_kernel`` scales it into dq ([Note: atomic dQ]).
-    Else DQ_ACC is None and the kernel is the deterministic dK/dV-only one."""
+    Else DQ_ACC is None and the kernel is the deterministic dK/dV-only one.
+
+    SINGLE ([Note: single-launch backward]): the whole backward in this one launch, no preprocess.
+    The first ``num_kv_programs`` programs are this kernel's dK/dV programs, the rest the dQ
+    kernel's (``_dq_program`` with DQ_BLOCK_M x DQ_BLOCK_N tiles, ``num_m_blocks`` per head); each
+    program makes its rows' delta and lse2 from O, dO, LSE and DLSE (float32 with the stats' rows:
+    [B, Hq, stats_rows = Sq], packed [Hq, total_q]) itself. LSE2 and Delta are then None."""
     tl.static_assert(not (VARLEN and TMA), "packed sequences take pointer loads")
+    tl.static_assert(not (SINGLE and (TMA or ATOMIC_DQ)), "the single launch takes pointer loads, no atomics")
+    pid = tl.program_id(0)
+    if SINGLE:
+        if pid >= num_kv_programs:
+            _dq_program(pid - num_kv_programs, Q, K, V, DO, None, None, DQ,
+                        stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
+                        stride_vb, stride_vs, stride_vh, stride_dob, stride_dos, stride_doh,
+                        stride_dqb, stride_dqs, stride_dqh,
+                        num_heads_q, kv_group_size, seqlen_q, seqlen_k, num_m_blocks, stats_rows,
+                        sm_scale, qk_scale, CU_Q, CU_K, window_left, window_right,
+                        tanh_scale, softcap, ALIBI_SLOPES, stride_ab, stride_ah,
+                        HEAD_DIM, BLOCK_D, DQ_BLOCK_M, DQ_BLOCK_N, IS_CAUSAL, DOT_PRECISION, PRECISE_P, False,
+                        VARLEN, LONG, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI,
+                        O, stride_ob, stride_os, stride_oh, LSE, DLSE, True, HAS_DLSE)
+            return
     stride_qs, stride_ks, stride_vs = wide(stride_qs, LONG), wide(stride_ks, LONG), wide(stride_vs, LONG)
     stride_dos, stride_dks, stride_dvs = wide(stride_dos, LONG), wide(stride_dks, LONG), wide(stride_dvs, LONG)
     stride_acc = wide(HEAD_DIM, LONG) if ATOMIC_DQ else None                # DQ_ACC's row stride
-    pid = tl.program_id(0)
+    if SINGLE:
+        stride_os = wide(stride_os, LONG)
     pid_n = pid % num_n_blocks
     pid_bh = pid // num_n_blocks
     off_b = pid_bh // num_heads_k
@@ -273,6 +334,8 @@ def _bwd_dkdv_kernel(
         DV += k_start * stride_dvs
         Q += q_start * stride_qs
         DO += q_start * stride_dos
+        if SINGLE:
+            O += q_start * stride_os
     offs_n = start_n + tl.arange(0, BLOCK_N)                               # [BN] key positions
     offs_d = tl.arange(0, BLOCK_D)
     kv_mask = (offs_n[:, None] < seqlen_k) & (offs_d[None, :] < HEAD_DIM)
@@ -308,42 +371,57 @@ def _bwd_dkdv_kernel(
         else:
             q_src = Q + off_b.to(tl.int64) * stride_qb + off_h.to(tl.int64) * stride_qh
             do_src = DO + off_b.to(tl.int64) * stride_dob + off_h.to(tl.int64) * stride_doh
+        o_src = None
+        if SINGLE:
+            # The row stats from the forward's outputs (see _dkdv_inner's INLINE_STATS); the LSE's
+            # rows are the stats' rows (stats_rows = seqlen_q, packed: total_q).
+            lse_src = LSE + row0
+            delta_src = DLSE + row0 if HAS_DLSE else None
+            o_src = O + off_b.to(tl.int64) * stride_ob + off_h.to(tl.int64) * stride_oh
+        else:
+            lse_src = LSE2 + row0
+            delta_src = Delta + row0
         dq_src = None
         if ATOMIC_DQ:
             dq_src = DQ_ACC + row0 * HEAD_DIM                   # this (batch, query head)'s rows
         if HAS_LEFT or HAS_RIGHT:
             # A local window: masked rows at its edges, whole blocks between.
-            dk, dv = _dkdv_inner(dk, dv, k, v, q_src, do_src, LSE2 + row0, Delta + row0,
+            dk, dv = _dkdv_inner(dk, dv, k, v, q_src, do_src, lse_src, delta_src,
                                  stride_qs, stride_dos, off_b, off_h, offs_n, offs_d, lo, mid_lo, seqlen_q,
                                  causal_offset, sm_scale, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_M, True,
                                  DOT_PRECISION, PRECISE_P, TMA, window_left, window_right, HAS_LEFT, HAS_RIGHT,
                                  tanh_scale=tanh_scale, softcap=softcap, slope=slope, SOFTCAP=SOFTCAP,
-                                 ALIBI=ALIBI, DQ=dq_src, stride_dqs=stride_acc, ATOMIC_DQ=ATOMIC_DQ)
-            dk, dv = _dkdv_inner(dk, dv, k, v, q_src, do_src, LSE2 + row0, Delta + row0,
+                                 ALIBI=ALIBI, DQ=dq_src, stride_dqs=stride_acc, ATOMIC_DQ=ATOMIC_DQ,
+                                 O=o_src, stride_os=stride_os, INLINE_STATS=SINGLE, HAS_DLSE=HAS_DLSE)
+            dk, dv = _dkdv_inner(dk, dv, k, v, q_src, do_src, lse_src, delta_src,
                                  stride_qs, stride_dos, off_b, off_h, offs_n, offs_d, mid_lo, mid_hi, seqlen_q,
                                  causal_offset, sm_scale, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_M, False,
                                  DOT_PRECISION, PRECISE_P, TMA,
                                  tanh_scale=tanh_scale, softcap=softcap, slope=slope, SOFTCAP=SOFTCAP,
-                                 ALIBI=ALIBI, DQ=dq_src, stride_dqs=stride_acc, ATOMIC_DQ=ATOMIC_DQ)
-            dk, dv = _dkdv_inner(dk, dv, k, v, q_src, do_src, LSE2 + row0, Delta + row0,
+                                 ALIBI=ALIBI, DQ=dq_src, stride_dqs=stride_acc, ATOMIC_DQ=ATOMIC_DQ,
+                                 O=o_src, stride_os=stride_os, INLINE_STATS=SINGLE, HAS_DLSE=HAS_DLSE)
+            dk, dv = _dkdv_inner(dk, dv, k, v, q_src, do_src, lse_src, delta_src,
                                  stride_qs, stride_dos, off_b, off_h, offs_n, offs_d, mid_hi, hi, seqlen_q,
                                  causal_offset, sm_scale, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_M, True,
                                  DOT_PRECISION, PRECISE_P, TMA, window_left, window_right, HAS_LEFT, HAS_RIGHT,
                                  tanh_scale=tanh_scale, softcap=softcap, slope=slope, SOFTCAP=SOFTCAP,
-                                 ALIBI=ALIBI, DQ=dq_src, stride_dqs=stride_acc, ATOMIC_DQ=ATOMIC_DQ)
+                                 ALIBI=ALIBI, DQ=dq_src, stride_dqs=stride_acc, ATOMIC_DQ=ATOMIC_DQ,
+                                 O=o_src, stride_os=stride_os, INLINE_STATS=SINGLE, HAS_DLSE=HAS_DLSE)
         else:
-            dk, dv = _dkdv_inner(dk, dv, k, v, q_src, do_src, LSE2 + row0, Delta + row0,
+            dk, dv = _dkdv_inner(dk, dv, k, v, q_src, do_src, lse_src, delta_src,
                                  stride_qs, stride_dos, off_b, off_h, offs_n, offs_d, lo, full_from, seqlen_q,
                                  causal_offset, sm_scale, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_M, IS_CAUSAL,
                                  DOT_PRECISION, PRECISE_P, TMA,
                                  tanh_scale=tanh_scale, softcap=softcap, slope=slope, SOFTCAP=SOFTCAP,
-                                 ALIBI=ALIBI, DQ=dq_src, stride_dqs=stride_acc, ATOMIC_DQ=ATOMIC_DQ)
-            dk, dv = _dkdv_inner(dk, dv, k, v, q_src, do_src, LSE2 + row0, Delta + row0,
+                                 ALIBI=ALIBI, DQ=dq_src, stride_dqs=stride_acc, ATOMIC_DQ=ATOMIC_DQ,
+                                 O=o_src, stride_os=stride_os, INLINE_STATS=SINGLE, HAS_DLSE=HAS_DLSE)
+            dk, dv = _dkdv_inner(dk, dv, k, v, q_src, do_src, lse_src, delta_src,
                                  stride_qs, stride_dos, off_b, off_h, offs_n, offs_d, full_from, q_blocks_end,
                                  seqlen_q, causal_offset, sm_scale, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_M, False,
                                  DOT_PRECISION, PRECISE_P, TMA,
                                  tanh_scale=tanh_scale, softcap=softcap, slope=slope, SOFTCAP=SOFTCAP,
-                                 ALIBI=ALIBI, DQ=dq_src, stride_dqs=stride_acc, ATOMIC_DQ=ATOMIC_DQ)
+                                 ALIBI=ALIBI, DQ=dq_src, stride_dqs=stride_acc, ATOMIC_DQ=ATOMIC_DQ,
+                                 O=o_src, stride_os=stride_os, INLINE_STATS=SINGLE, HAS_DLSE=HAS_DLSE)
 
     dk *= sm_scale
     tl.store(DK + off_b.to(tl.int64) * stride_dkb + off_hk.to(tl.int64) * stride_dkh
@@ -421,14 +499,46 @@ def _bwd_dq_kernel(
     HAS_LEFT: tl.constexpr = False, HAS_RIGHT: tl.constexpr = False,
     SOFTCAP: tl.constexpr = False, ALIBI: tl.constexpr = False,
 ):
-    """TMA: K and V are host-built 4-D tensor descriptors instead of pointers. HAS_LEFT / HAS_RIGHT:
-    a local window, with the forward's key ranges. LSE2 and Delta are
-    [B, Hq, stats_rows] (stats_rows >= seqlen_q: padded when the Hopper dK/dV kernel reads them).
-    VARLEN: packed sequences, as in the dK/dV kernel."""
+    """One program per (batch, query head, query block): ``_dq_program``."""
+    _dq_program(tl.program_id(0), Q, K, V, DO, LSE2, Delta, DQ,
+                stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
+                stride_vb, stride_vs, stride_vh, stride_dob, stride_dos, stride_doh,
+                stride_dqb, stride_dqs, stride_dqh,
+                num_heads_q, kv_group_size, seqlen_q, seqlen_k, num_m_blocks, stats_rows,
+                sm_scale, qk_scale, CU_Q, CU_K, window_left, window_right,
+                tanh_scale, softcap, ALIBI_SLOPES, stride_ab, stride_ah,
+                HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, IS_CAUSAL, DOT_PRECISION, PRECISE_P, TMA,
+                VARLEN, LONG, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI,
+                None, None, None, None, None, None, False, False)
+
+
+@triton.jit
+def _dq_program(
+    pid, Q, K, V, DO, LSE2, Delta, DQ,
+    stride_qb, stride_qs, stride_qh,
+    stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh,
+    stride_dob, stride_dos, stride_doh,
+    stride_dqb, stride_dqs, stride_dqh,
+    num_heads_q, kv_group_size, seqlen_q, seqlen_k, num_m_blocks, stats_rows,
+    sm_scale, qk_scale, CU_Q, CU_K, window_left, window_right,
+    tanh_scale, softcap, ALIBI_SLOPES, stride_ab, stride_ah,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr, PRECISE_P: tl.constexpr, TMA: tl.constexpr,
+    VARLEN: tl.constexpr, LONG: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+    SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
+    O, stride_ob, stride_os, stride_oh, LSE, DLSE, INLINE_STATS: tl.constexpr, HAS_DLSE: tl.constexpr,
+):
+    """dQ of query block ``pid`` (of every (batch, query head)'s ``num_m_blocks``). TMA: K and V are
+    host-built 4-D tensor descriptors instead of pointers. HAS_LEFT / HAS_RIGHT: a local window, with
+    the forward's key ranges. LSE2 and Delta are [B, Hq, stats_rows] (stats_rows >= seqlen_q: padded
+    when the Hopper dK/dV kernel reads them). VARLEN: packed sequences, as in the dK/dV kernel.
+    INLINE_STATS (the single-launch backward): no LSE2 / Delta; the block's delta and lse2 come from O
+    (its (batch, seq, head) strides given), LSE and DLSE (with HAS_DLSE), which have the stats' rows
+    ([B, Hq, stats_rows = Sq], packed [Hq, total_q])."""
     tl.static_assert(not (VARLEN and TMA), "packed sequences take pointer loads")
     stride_qs, stride_ks, stride_vs = wide(stride_qs, LONG), wide(stride_ks, LONG), wide(stride_vs, LONG)
     stride_dos, stride_dqs = wide(stride_dos, LONG), wide(stride_dqs, LONG)
-    pid = tl.program_id(0)
     pid_m = pid % num_m_blocks
     if IS_CAUSAL:
         pid_m = num_m_blocks - 1 - pid_m          # heaviest query blocks first
@@ -448,6 +558,8 @@ def _bwd_dq_kernel(
         DQ += q_start * stride_dqs
         K += k_start * stride_ks
         V += k_start * stride_vs
+        if INLINE_STATS:
+            O += q_start * wide(stride_os, LONG)
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     m_ok = offs_m < seqlen_q
@@ -461,8 +573,15 @@ def _bwd_dq_kernel(
         row = row0 + offs_m
     else:
         row = pid_bh.to(tl.int64) * stats_rows + offs_m
-    lse2 = tl.load(LSE2 + row, mask=m_ok, other=float("inf"))
-    delta = tl.load(Delta + row, mask=m_ok, other=0.0)
+    if INLINE_STATS:
+        # The LSE's rows are the stats' rows (stats_rows = seqlen_q, packed: total_q).
+        o = tl.load(O + off_b.to(tl.int64) * stride_ob + off_h.to(tl.int64) * stride_oh
+                    + offs_m[:, None] * wide(stride_os, LONG) + offs_d[None, :], mask=mask, other=0.0)
+        delta = _row_delta(o, do, DLSE + row if HAS_DLSE else None, m_ok, HAS_DLSE)
+        lse2 = _row_lse2(tl.load(LSE + row, mask=m_ok, other=float("-inf")), PRECISE_P)
+    else:
+        lse2 = tl.load(LSE2 + row, mask=m_ok, other=float("inf"))
+        delta = tl.load(Delta + row, mask=m_ok, other=0.0)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     slope = None
     if ALIBI:
@@ -649,18 +768,53 @@ def run_dq(q, k, v, dout, lse2, delta, dq, sm_scale: float, causal: bool, config
                sm_scale, causal, config, q.dtype, tma, window=window, scores=scores)
 
 
+def run_single(dout, q, k, v, out, lse, dlse, dq, dk, dv, sm_scale: float, causal: bool,
+               config: tuple[BwdConfig, BwdConfig], window=None, scores: ScoreVariant = PLAIN):
+    """The single-launch backward ([Note: single-launch backward]) on [B, S, H, D] views (last stride
+    1): dq, dk and dv from one launch of ``_bwd_dkdv_kernel`` with SINGLE, no preprocess and no
+    stats buffers. ``config``: (dK/dV, dQ) tiles as ``configs.backward_config`` gives them (their TMA
+    flags are not used). No sinks (their gradient is a sum over every row: the preprocess' job)."""
+    batch, seqlen_q, heads_q, head_dim = q.shape
+    _, seqlen_k, heads_k, _ = k.shape
+    dkdv_cfg, dq_cfg = config
+    _launch_dkdv(q, k, v, dout, None, None, dk, dv, [_s(t) for t in (q, k, v, dout, dk, dv)],
+                 batch, heads_q, heads_k, head_dim, seqlen_q, seqlen_k, seqlen_k, seqlen_q,
+                 sm_scale, causal, dkdv_cfg, q.dtype, False, window=window, scores=scores,
+                 single=_single_args(out, lse, dlse, dq, dq_cfg, batch, heads_q, seqlen_q, [_s(out), _s(dq)]))
+
+
+def _single_args(out, lse, dlse, dq, dq_cfg: BwdConfig, batch: int, heads_q: int, max_seqlen_q: int, strides):
+    """``_launch_dkdv``'s ``single``: SINGLE's keyword arguments (O, the LSE and its gradient, dq, the
+    dQ programs' tiles), its dQ programs over (batch, query head, query block of the longest
+    sequence), and whether O or dq need 64-bit rows. ``strides``: (batch, seq, head) of out, dq."""
+    m_blocks = configs.cdiv(max_seqlen_q, dq_cfg.block_m)
+    if dlse is not None:
+        dlse = dlse.contiguous().float()
+    kwargs = dict(
+        O=out, LSE=lse.contiguous(), DLSE=dlse, DQ=dq, **_stride_args(("o", "dq"), strides),
+        num_m_blocks=m_blocks, SINGLE=True, HAS_DLSE=dlse is not None,
+        DQ_BLOCK_M=dq_cfg.block_m, DQ_BLOCK_N=dq_cfg.block_n)
+    return kwargs, m_blocks * batch * heads_q, needs_int64_rows(out, dq)
+
+
 def _launch_dkdv(Q, K, V, DO, lse2, delta, dk, dv, strides, batch, heads_q, heads_k, head_dim,
                  seqlen_q, seqlen_k, max_seqlen_k, stats_rows, sm_scale, causal, cfg, dtype, tma,
-                 varlen=None, window=None, scores: ScoreVariant = PLAIN, dq_accum=None):
+                 varlen=None, window=None, scores: ScoreVariant = PLAIN, dq_accum=None, single=None):
     """``_bwd_dkdv_kernel`` over (batch, KV head, key block of the longest sequence); ``strides``:
-    the (batch, seq, head) strides of q, k, v, dout, dk, dv. ``dq_accum``: ATOMIC_DQ's workspace."""
+    the (batch, seq, head) strides of q, k, v, dout, dk, dv. ``dq_accum``: ATOMIC_DQ's workspace.
+    ``single``: (SINGLE's keyword arguments, its dQ programs, whether O or dq need 64-bit rows)."""
     n_blocks = configs.cdiv(max_seqlen_k, cfg.block_n)
     cu_q, cu_k = _cu(varlen)
     # The workspace's rows are head_dim apart: 64-bit offsets where those pass 2^31 elements too.
     long = needs_int64_rows(Q, K, V, DO, dk, dv) or (
         dq_accum is not None and rows_past_int32(dq_accum.shape[2], head_dim, head_dim))
+    extra, dq_programs = {}, 0
+    if single is not None:
+        extra, dq_programs, single_long = single
+        extra = dict(extra, num_kv_programs=n_blocks * batch * heads_k)
+        long = long or single_long
     launch.run(
-        _bwd_dkdv_kernel, (n_blocks * batch * heads_k,),
+        _bwd_dkdv_kernel, (n_blocks * batch * heads_k + dq_programs,), **extra,
         Q=Q, K=K, V=V, DO=DO, LSE2=lse2, Delta=delta, DK=dk, DV=dv, DQ_ACC=dq_accum,
         **_stride_args(("q", "k", "v", "do", "dk", "dv"), strides),
         num_heads_q=heads_q, num_heads_k=heads_k, kv_group_size=heads_q // heads_k, seqlen_q=seqlen_q,
@@ -706,12 +860,13 @@ def _precision(dtype):
 
 def run_varlen(dout, q, k, v, out, lse, sm_scale, causal, dlse, dq, dk, dv,
                config: tuple[BwdConfig, BwdConfig], varlen: Varlen, window=None, scores: ScoreVariant = PLAIN,
-               dsink=None, atomic: bool = False):
+               dsink=None, atomic: bool = False, single: bool = False):
     """The Triton backward on packed sequences (see ``Varlen``): q / out / dout / dq [total_q, Hq, D],
     k / v / dk / dv [total_k, Hkv, D], lse / dlse [Hq, total_q]; the same per-block work as the
     padded case. dq / dk / dv are those to compute, or None; ``dsink`` ([Hq] float32) is written
     when ``scores`` has sinks. ``atomic`` (all three computed): dQ is added by the dK/dV kernel with
-    atomics ([Note: atomic dQ]) instead of computed by the dQ kernel."""
+    atomics ([Note: atomic dQ]) instead of computed by the dQ kernel. ``single`` (all three computed, no
+    sinks): the single launch ([Note: single-launch backward])."""
     total_q, heads_q, head_dim = q.shape
     total_k, heads_k, _ = k.shape
     grads = [t for t in (dq, dk, dv) if t is not None]
@@ -724,15 +879,22 @@ def run_varlen(dout, q, k, v, out, lse, sm_scale, causal, dlse, dq, dk, dv,
             dsink.zero_()
             return
     dkdv_cfg, dq_cfg = config
+
+    def strides(*ts):
+        return [(0, *t.stride()[:2]) for t in ts]
+    if single:
+        _launch_dkdv(q, k, v, dout, None, None, dk, dv, strides(q, k, v, dout, dk, dv),
+                     varlen.batch, heads_q, heads_k, head_dim, total_q, total_k, varlen.max_seqlen_k,
+                     total_q, sm_scale, causal, dkdv_cfg, q.dtype, False, varlen, window, scores,
+                     single=_single_args(out, lse, dlse, dq, dq_cfg, varlen.batch, heads_q, varlen.max_seqlen_q,
+                                         strides(out, dq)))
+        return
     # The packed rows are one batch entry of total_q rows: delta, lse2 and the workspace are per row.
     dq_accum = dq_accumulator(q[None], total_q) if atomic and total_k else None
     delta, lse2 = preprocess(dout[None], out[None], lse[None], dlse[None] if dlse is not None else None,
                              total_q, q.dtype == torch.float32, dq_accum, scores.sinks, dsink)
     if total_k == 0:
         return
-
-    def strides(*ts):
-        return [(0, *t.stride()[:2]) for t in ts]
     if dk is not None:
         _launch_dkdv(q, k, v, dout, lse2, delta, dk, dv, strides(q, k, v, dout, dk, dv),
                      varlen.batch, heads_q, heads_k, head_dim, total_q, total_k, varlen.max_seqlen_k,

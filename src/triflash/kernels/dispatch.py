@@ -12,7 +12,8 @@ Kernel families:
   Triton kernel (``forward``) with ``configs.forward_config``'s tiles;
 * backward: ``preprocess`` (delta, lse2), then dK/dV and dQ from the Gluon kernels
   (``backward_variant``; with a window the dK/dV-only variants) or the Triton ones
-  (``configs.backward_config``);
+  (``configs.backward_config``); short problems on a GPU (``single_launch_suits``) take the
+  single-launch backward instead (the Triton kernels' programs in one launch, no preprocess);
 * decode: the Gluon decode kernel or the Triton one (``configs.decode_config`` chooses both the
   kernel and the split count), then ``merge`` of the split partials;
 * merge (``merge_attn_states``): one kernel, ``merge``.
@@ -20,7 +21,8 @@ Kernel families:
 ``variant`` arguments force a family: ``"triton"`` the portable kernels, a Gluon variant name that
 variant (where its inputs allow it), None the rules below. The backward also takes ``"atomic"``: the
 portable kernels with dQ accumulated by atomics (not deterministic), on every input the portable
-kernels take.
+kernels take; and ``"single"``: the single-launch backward, on inputs without sinks where all three
+gradients are wanted (elsewhere the rules below).
 
 Score variants (``scores``: softcap, ALiBi, attention sinks; [Note: score variants] in common.py) run on
 the Gluon forward and backward where those apply and ``GLUON_FORWARD_SCORES`` /
@@ -51,6 +53,8 @@ TRITON = "triton"
 # The portable Triton backward with dQ added by the dK/dV kernel through atomics (backward.py's
 # [Note: atomic dQ]): a backward variant, not deterministic.
 ATOMIC = "atomic"
+# The single-launch backward (backward.py's [Note: single-launch backward]): a backward variant.
+SINGLE = "single"
 
 # --------------------------------------------------------------------------------------------------
 # Forced choices (tests, benchmarks)
@@ -63,7 +67,7 @@ _force_lock = threading.Lock()
 @contextlib.contextmanager
 def force(*, forward: str | None = None, backward: str | None = None):
     """Within the block, every call takes the given forward / backward variant (``"triton"``, a Gluon
-    variant name, or for the backward ``"atomic"``) wherever the choosers would have been asked.
+    variant name, or for the backward ``"atomic"`` or ``"single"``) wherever the choosers would have been asked.
     Process-wide, not per thread: autograd runs a GPU backward on its own thread. Call plans are off
     inside (a plan recorded under one choice must not replay under another)."""
     with _force_lock:
@@ -81,12 +85,12 @@ def force(*, forward: str | None = None, backward: str | None = None):
 def variant_names() -> tuple[tuple[str, ...], tuple[str, ...]]:
     """(forward, backward) variant names ``force`` takes besides ``"triton"``: the Gluon variants this
     Triton can run (none without Gluon's Hopper API) and, for the backward, ``"atomic"`` (the portable
-    kernels with atomic dQ, everywhere)."""
+    kernels with atomic dQ, everywhere) and ``"single"`` (the single-launch backward)."""
     if not configs.gluon_available():
-        return (), (ATOMIC,)
+        return (), (ATOMIC, SINGLE)
     from . import backward_hopper, forward_hopper
 
-    return tuple(forward_hopper.VARIANTS), (*backward_hopper.VARIANTS, ATOMIC)
+    return tuple(forward_hopper.VARIANTS), (*backward_hopper.VARIANTS, ATOMIC, SINGLE)
 
 
 def _forced_variant(kind: str) -> str | None:
@@ -256,6 +260,26 @@ GLUON_DQ_MIN_KEYS_D64 = 4096
 ATOMIC_BY_DEFAULT = False
 
 
+# The single-launch backward takes a GPU problem of at most this much work: batch x query heads x
+# query rows x keys x head dim, counting only the keys a row sees under a causal mask (about half).
+# It pays where the backward's host time (three launches and their buffers against one) is longer
+# than what the three kernels save on the GPU. 0 (only when forced) until scripts/single_launch.py
+# has measured that on a GPU (docs/performance.md#one-launch-for-a-short-backward).
+SINGLE_MAX_WORK = 0
+
+
+def single_launch_suits(*, batch: int, heads_q: int, seqlen_q: int, seqlen_k: int, head_dim: int,
+                        causal: bool, device) -> bool:
+    """Whether an unforced backward on ``device`` takes the single-launch backward, before any other
+    rule (``backward_variant``, atomics): never on the CPU interpreter (the CPU suite tests it forced,
+    the three launches by default). Packed sequences ask with batch 1, every row against the longest
+    key sequence."""
+    if device.type != "cuda":
+        return False
+    work = batch * heads_q * seqlen_q * seqlen_k * head_dim
+    return (work // 2 if causal else work) <= SINGLE_MAX_WORK
+
+
 def backward_candidates(head_dim: int) -> tuple[str, ...]:
     """Every variant ``backward_variant`` can take at this head dim (the GPU tests force each)."""
     return HOPPER_BACKWARD_VARIANTS.get(head_dim, ())
@@ -263,7 +287,8 @@ def backward_candidates(head_dim: int) -> tuple[str, ...]:
 
 def backward_variant(*, head_dim: int, dtype, device, causal: bool, seqlen_q: int, seqlen_k: int,
                      deterministic: bool = True) -> str:
-    """The backward's kernels: a Gluon variant, ``"triton"`` or ``"atomic"``. ``dkdv`` (dK and dV on the
+    """The backward's kernels above the single launch's sizes (``single_launch_suits``, asked first):
+    a Gluon variant, ``"triton"`` or ``"atomic"``. ``dkdv`` (dK and dV on the
     Gluon kernel; dQ on the Gluon dQ kernel at head dim 128, on the Triton one at 64) at head dims 64
     and 128; at 64 from ``GLUON_DQ_MIN_KEYS_D64`` keys ``dkdv_long`` (dQ on the Gluon kernel too).
     Elsewhere the Triton kernels (``_portable_backward``). Measurements: docs/performance.md."""
@@ -283,7 +308,7 @@ def _portable_backward(variant: str | None, deterministic: bool) -> str:
     ``"atomic"`` or ``"triton"`` as given, else ``"triton"``, or ``"atomic"`` where ``deterministic``
     is False and ``ATOMIC_BY_DEFAULT`` (the Gluon variants are deterministic: one forced that cannot
     run falls back to ``"triton"``)."""
-    if variant is None:
+    if variant is None or variant == SINGLE:       # a forced "single" that does not apply: the rules
         return ATOMIC if ATOMIC_BY_DEFAULT and not deterministic else TRITON
     return ATOMIC if variant == ATOMIC else TRITON
 
@@ -302,7 +327,8 @@ def backward(dout, q, k, v, out, lse, sm_scale: float, causal: bool, *, dlse=Non
     ``backward_hopper.dq_on_gluon`` says so, else from the Triton one; ``"atomic"`` the Triton
     kernels with dQ added by the dK/dV kernel through atomics). ``deterministic=False`` lets the
     choice take ``"atomic"`` where ``ATOMIC_BY_DEFAULT`` says it pays (nowhere yet; a forced variant
-    wins). ``varlen``: packed
+    wins; a problem the single launch takes, ``single_launch_suits``, is deterministic either way).
+    ``varlen``: packed
     sequences (q / out / dout [total_q, Hq, D], k / v [total_k, Hkv, D], lse / dlse [Hq, total_q]);
     ``window`` as the forward's. Packed sequences run on the Triton kernels, as do windows under
     the fused variant (``split``) and score variants (``scores``, the forward's) outside
@@ -327,13 +353,21 @@ def backward(dout, q, k, v, out, lse, sm_scale: float, causal: bool, *, dlse=Non
     # dQ by atomics only where all three gradients are wanted (dQ alone: the dQ kernel does less work).
     portable_atomic = need_dq and need_dkdv and _portable_backward(forced, deterministic) == ATOMIC
     if varlen is not None:
+        # Sizes for the single launch's rule: every row as if it saw the longest key sequence.
+        batch, seqlen_q, heads_q, seqlen_k = 1, q.shape[0], q.shape[1], varlen.max_seqlen_k
+    else:
+        batch, seqlen_q, heads_q, _ = q.shape
+        seqlen_k = k.shape[1]
+    single = (config is None and need_dq and need_dkdv and scores.sinks is None
+              and (forced == SINGLE or forced is None and single_launch_suits(
+                  batch=batch, heads_q=heads_q, seqlen_q=seqlen_q, seqlen_k=seqlen_k, head_dim=head_dim,
+                  causal=causal, device=q.device)))
+    if varlen is not None:
         if config is None:
             config = configs.backward_config(head_dim=head_dim, dtype=q.dtype, device=q.device)
         triton_backward.run_varlen(dout, q, k, v, out, lse, sm_scale, causal, dlse, dq, dk, dv, config, varlen,
-                                   window, scores, dsink, atomic=portable_atomic)
+                                   window, scores, dsink, atomic=portable_atomic and not single, single=single)
         return dq, dk, dv
-    batch, seqlen_q, heads_q, _ = q.shape
-    seqlen_k = k.shape[1]
     if seqlen_q == 0 or seqlen_k == 0 or batch == 0 or heads_q == 0:
         for t in (dq, dk, dv):            # no score exists, so every gradient is zero
             if t is not None:
@@ -344,6 +378,14 @@ def backward(dout, q, k, v, out, lse, sm_scale: float, causal: bool, *, dlse=Non
             else:
                 triton_backward.preprocess(dout, out, lse, dlse, seqlen_q, False, sinks=scores.sinks, dsink=dsink)
         return dq, dk, dv
+
+    if single:
+        triton_backward.run_single(dout, q, k, v, out, lse, dlse, dq, dk, dv, sm_scale, causal,
+                                   configs.backward_config(head_dim=head_dim, dtype=q.dtype, device=q.device),
+                                   window, scores)
+        return dq, dk, dv
+    if forced == SINGLE:
+        forced = None                     # it does not apply here: the rules below
 
     hopper = None
     if config is None and (forced not in (None, TRITON, ATOMIC)

@@ -1,0 +1,325 @@
+"""The single-launch backward (kernels/backward.py's [Note: single-launch backward]): one launch of the
+dK/dV kernel with SINGLE runs the dK/dV programs and the dQ programs side by side, each making its rows'
+delta and base-2 LSE from O, dO and the LSE itself, so no preprocess and no stats buffer.
+
+Its gradients meet the backward's 3x rule against float64 (test_backward.py's docstring) on the
+semantics of the three-launch path: GQA/MQA, causal (bottom-right), Sq != Sk with rows that see no key,
+windows, softcap and ALiBi, a gradient on the LSE, strided and transposed dO, fp16 / bf16 / fp32. Against
+the three-launch path: bit for bit in the interpreter (the same arithmetic in the same order); on the GPU
+within the 3x rule's bound (ptxas may order the delta's sum differently). The tests of gradients check
+which kernels ran, so a silent fallback fails. The chooser takes it for short GPU problems only
+(``dispatch.single_launch_suits``), dense or packed; calls it cannot take (sinks, one gradient only, an
+explicit config) keep the three launches, even when forced.
+"""
+
+import math
+
+import pytest
+import torch
+from conftest import ON_GPU
+from helpers import (
+    FLOOR,
+    assert_grads_3x,
+    assert_no_nan,
+    make_qkv,
+    max_err,
+    packed_sequences,
+    ref_grads,
+    relative,
+    score_variant,
+    sequence_slices,
+)
+
+import triflash
+from triflash.kernels import backward as B
+from triflash.kernels import dispatch, launch
+from triflash.kernels.configs import BwdConfig
+
+SINGLE_RUN = ["_bwd_dkdv_kernel+single"]
+THREE_RUN = ["_bwd_preprocess_kernel", "_bwd_dkdv_kernel", "_bwd_dq_kernel"]
+
+
+@pytest.fixture
+def launched(monkeypatch):
+    """The Triton kernels launched from here on, in order (+single: the dK/dV kernel with SINGLE)."""
+    names = []
+    real = launch.run
+
+    def spy(kernel, grid, *args, **kwargs):
+        names.append(getattr(kernel, "fn", kernel).__name__ + ("+single" if kwargs.get("SINGLE") else ""))
+        return real(kernel, grid, *args, **kwargs)
+
+    monkeypatch.setattr(launch, "run", spy)
+    return names
+
+
+def _dout(kind, shape, dtype, device):
+    batch, seqlen, heads, dim = shape
+    if kind == "transposed":
+        return torch.randn(batch, heads, seqlen, dim, dtype=dtype, device=device).transpose(1, 2)
+    if kind == "strided":
+        return torch.randn(batch, 2 * seqlen, heads, dim, dtype=dtype, device=device)[:, ::2]
+    return torch.randn(shape, dtype=dtype, device=device)
+
+
+def _bounds(q, k, v, dout, causal, dlse=None, **kwargs):
+    """3x PyTorch's same-dtype error against float64 plus the floor, for (dq, dk, dv)."""
+    ref = ref_grads(q, k, v, dout, causal, torch.float64, dlse, **kwargs)
+    same = ref_grads(q, k, v, dout, causal, None, dlse, **kwargs)
+    floor = relative(FLOOR[q.dtype], torch.cat([r.flatten() for r in ref]))
+    return tuple(3 * max_err(same[i], ref[i]) + floor for i in range(3))
+
+
+def _assert_same_as_three_launches(single, three, bounds):
+    for name, a, b, bound in zip(("dq", "dk", "dv"), single, three, bounds):
+        assert_no_nan(name, a)
+        if ON_GPU:
+            assert max_err(a, b) <= bound, f"{name}: single - three launches {max_err(a, b):.3e} > {bound:.3e}"
+        else:
+            assert torch.equal(a, b), name
+
+
+# (batch, Sq, Sk, (Hq, Hkv), head dim, causal, dtype, dO layout, with a gradient on the LSE)
+CASES = [
+    pytest.param(2, 70, 101, (4, 2), 40, True, torch.float16, "transposed", True,
+                 id="B2-Sq70-Sk101-D40-causal-fp16-gqa2-dOT-dlse"),
+    pytest.param(2, 101, 70, (4, 1), 32, True, torch.float32, "strided", True,
+                 id="B2-Sq101-Sk70-D32-causal-fp32-mqa-dOstrided-emptyrows-dlse"),
+    pytest.param(1, 77, 130, (2, 2), 64, False, torch.float16, "contiguous", True,
+                 id="B1-Sq77-Sk130-D64-full-fp16-mha-dlse"),
+    pytest.param(2, 64, 64, (4, 2), 64, True, torch.bfloat16, "contiguous", False,
+                 id="B2-S64-D64-causal-bf16-gqa2"),
+    pytest.param(1, 150, 150, (2, 1), 128, False, torch.float16, "contiguous", False,
+                 id="B1-S150-D128-full-fp16-mqa"),
+]
+
+
+@pytest.mark.parametrize("batch,seqlen_q,seqlen_k,heads,head_dim,causal,dtype,dout_kind,with_dlse", CASES)
+def test_single_matches_reference(device, force_kernels, launched, batch, seqlen_q, seqlen_k, heads, head_dim,
+                                  causal, dtype, dout_kind, with_dlse):
+    q, k, v = make_qkv(batch, seqlen_q, seqlen_k, heads[0], heads[1], head_dim, dtype, device, requires_grad=True)
+    out, lse = triflash.flash_attn_func(q, k, v, causal=causal, return_lse=True)
+    dout = _dout(dout_kind, tuple(out.shape), dtype, device)
+    assert dout.is_contiguous() == (dout_kind == "contiguous")
+    dlse = torch.randn_like(lse) if with_dlse else None
+    outputs, grads_in = ((out, lse), (dout, dlse)) if with_dlse else ((out,), (dout,))
+    force_kernels(backward=dispatch.SINGLE)
+    launched.clear()
+    grads = torch.autograd.grad(outputs, (q, k, v), grads_in, retain_graph=True)
+    assert launched == SINGLE_RUN
+    assert_grads_3x(grads, q, k, v, dout, causal, dtype, dlse=dlse)
+    if causal and seqlen_q > seqlen_k:                   # the first Sq - Sk rows see no key
+        empty = grads[0][:, :seqlen_q - seqlen_k]
+        assert torch.equal(empty, torch.zeros_like(empty))
+    force_kernels(backward=dispatch.TRITON)
+    launched.clear()
+    three = torch.autograd.grad(outputs, (q, k, v), grads_in)
+    assert launched == THREE_RUN
+    _assert_same_as_three_launches(grads, three, _bounds(q, k, v, dout, causal, dlse))
+
+
+@pytest.mark.parametrize("window,causal,variant", [((20, 5), False, "softcap"), ((16, 0), True, "alibi2"),
+                                                   ((-1, 8), False, "alibi")],
+                         ids=["w20_5-full-softcap", "w16_0-causal-alibiBH", "w-1_8-full-alibi"])
+def test_single_windows_and_score_variants(device, force_kernels, launched, window, causal, variant):
+    q, k, v = make_qkv(2, 64, 96, 4, 2, 32, torch.float16, device, requires_grad=True)
+    kwargs = score_variant(variant, device, 2, 4)
+    out, lse = triflash.flash_attn_func(q, k, v, causal=causal, window_size=window, return_lse=True, **kwargs)
+    dout, dlse = torch.randn_like(out), torch.randn_like(lse)
+    force_kernels(backward=dispatch.SINGLE)
+    launched.clear()
+    grads = torch.autograd.grad((out, lse), (q, k, v), (dout, dlse))
+    assert launched == SINGLE_RUN
+    assert_grads_3x(grads, q, k, v, dout, causal, torch.float16, dlse, window_size=window, **kwargs)
+
+
+@pytest.mark.parametrize("window", [(-1, -1), (12, 0)], ids=["causal", "window12-causal"])
+def test_single_packed_sequences_with_empty_ones(device, force_kernels, launched, window):
+    """Packed sequences (one without queries, one without keys, Sq > Sk and Sq < Sk), GQA, causal, a
+    loss on out and lse: each sequence against its own reference, zeros where a sequence has no
+    scores, and the three-launch path's gradients."""
+    lengths = [(17, 17), (0, 9), (70, 45), (5, 0), (40, 71)]
+    q, k, v, cu_q, cu_k, max_q, max_k = packed_sequences(lengths, (4, 2), 32, torch.float16, device, requires_grad=True)
+    out, lse = triflash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, causal=True, return_lse=True,
+                                               window_size=window)
+    dout, dlse = torch.randn_like(out), torch.randn_like(lse)
+    force_kernels(backward=dispatch.SINGLE)
+    launched.clear()
+    dq, dk, dv = torch.autograd.grad((out, lse), (q, k, v), (dout, dlse), retain_graph=True)
+    assert launched == SINGLE_RUN
+    for rows, keys in sequence_slices(cu_q, cu_k):
+        if rows.stop == rows.start or keys.stop == keys.start:
+            for name, g in (("dq", dq[rows]), ("dk", dk[keys]), ("dv", dv[keys])):
+                assert torch.equal(g, torch.zeros_like(g)), f"{name} of a sequence without scores"
+            continue
+        assert_grads_3x((dq[rows][None], dk[keys][None], dv[keys][None]), q[rows][None], k[keys][None],
+                        v[keys][None], dout[rows][None], True, torch.float16, dlse=dlse[:, rows][None],
+                        window_size=window)
+    force_kernels(backward=dispatch.TRITON)
+    launched.clear()
+    three = torch.autograd.grad((out, lse), (q, k, v), (dout, dlse))
+    assert launched == THREE_RUN
+    if not ON_GPU:
+        for name, a, b in zip(("dq", "dk", "dv"), (dq, dk, dv), three):
+            assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("dtype,variant", [(torch.float32, "softcap"), (torch.bfloat16, "alibi2")],
+                         ids=["fp32-softcap", "bf16-alibiBH"])
+def test_single_packed_sequences_without_mask(device, force_kernels, launched, dtype, variant):
+    """Packed sequences without a causal mask, with a score variant and a gradient on the LSE."""
+    lengths = [(33, 20), (0, 7), (50, 64), (9, 9)]
+    q, k, v, cu_q, cu_k, max_q, max_k = packed_sequences(lengths, (4, 2), 32, dtype, device, requires_grad=True)
+    kwargs = score_variant(variant, device, len(lengths), 4)
+    out, lse = triflash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, return_lse=True, **kwargs)
+    dout, dlse = torch.randn_like(out), torch.randn_like(lse)
+    force_kernels(backward=dispatch.SINGLE)
+    launched.clear()
+    dq, dk, dv = torch.autograd.grad((out, lse), (q, k, v), (dout, dlse))
+    assert launched == SINGLE_RUN
+    for b, (rows, keys) in enumerate(sequence_slices(cu_q, cu_k)):
+        if rows.stop == rows.start:
+            assert torch.equal(dk[keys], torch.zeros_like(dk[keys]))
+            continue
+        slopes = {k: (v[b:b + 1] if v.dim() == 2 else v) for k, v in kwargs.items() if k == "alibi_slopes"}
+        rest = {k: v for k, v in kwargs.items() if k != "alibi_slopes"}
+        assert_grads_3x((dq[rows][None], dk[keys][None], dv[keys][None]), q[rows][None], k[keys][None],
+                        v[keys][None], dout[rows][None], False, dtype, dlse=dlse[:, rows][None], **slopes, **rest)
+
+
+def test_single_takes_a_strided_out(device, launched):
+    """O is read by the single launch itself (for delta): a non-contiguous out (a view into a wider
+    buffer) gives the contiguous out's gradients."""
+    q, k, v = make_qkv(2, 70, 90, 4, 2, 32, torch.float16, device)
+    dout = torch.randn_like(q)
+    out, lse = dispatch.forward(q, k, v, 0.125, True)
+    wide = torch.zeros(2, 70, 4, 3, 32, dtype=out.dtype, device=device)[:, :, :, 1]
+    wide.copy_(out)
+    assert not wide.is_contiguous()
+    launched.clear()
+    a = dispatch.backward(dout, q, k, v, wide, lse, 0.125, True, variant=dispatch.SINGLE)
+    b = dispatch.backward(dout, q, k, v, out, lse, 0.125, True, variant=dispatch.SINGLE)
+    assert launched == SINGLE_RUN * 2
+    for name, x, y in zip(("dq", "dk", "dv"), a, b):
+        assert torch.equal(x, y), name
+
+
+def test_single_not_taken_where_it_cannot_run(device, force_kernels, launched):
+    """Forced, but with sinks (their gradient sums over every row: the preprocess' job) or with one
+    gradient wanted: the three-launch path, correct."""
+    q, k, v = make_qkv(2, 40, 50, 4, 2, 32, torch.float16, device, requires_grad=True)
+    sinks = score_variant("sinks", device, 2, 4)["sinks"].requires_grad_()
+    out = triflash.flash_attn_func(q, k, v, causal=True, sinks=sinks)
+    dout = torch.randn_like(out)
+    force_kernels(backward=dispatch.SINGLE)
+    launched.clear()
+    grads = torch.autograd.grad(out, (q, k, v, sinks), dout, retain_graph=True)
+    assert launched == ["_bwd_preprocess_kernel", "_sink_grad_kernel"] + THREE_RUN[1:]
+    assert_grads_3x(grads, q, k, v, dout, True, torch.float16, sinks=sinks)
+    plain = triflash.flash_attn_func(q, k.detach(), v.detach(), causal=True)     # dQ alone
+    launched.clear()
+    (dq,) = torch.autograd.grad(plain, (q,), dout)
+    assert launched == ["_bwd_preprocess_kernel", "_bwd_dq_kernel"]
+    assert_no_nan("dq", dq)
+    # An explicit config asks for the three kernels with those tiles.
+    qd, kd, vd = q.detach(), k.detach(), v.detach()
+    o, lse = dispatch.forward(qd, kd, vd, 0.125, True)
+    launched.clear()
+    dispatch.backward(dout, qd, kd, vd, o, lse, 0.125, True, variant=dispatch.SINGLE,
+                      config=(BwdConfig(16, 32, 4, 1), BwdConfig(32, 16, 4, 1)))
+    assert launched == THREE_RUN
+
+
+@pytest.mark.parametrize("limit", [1 << 30, 1 << 24])
+def test_chooser_takes_single_for_short_gpu_problems(monkeypatch, limit):
+    """The rule: a GPU problem of at most SINGLE_MAX_WORK (causal counted as half), never the CPU (at
+    two limits: the shipped one is 0, the single launch only when forced, until measured)."""
+    monkeypatch.setattr(dispatch, "SINGLE_MAX_WORK", limit)
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+
+    def suits(batch, seqlen, heads, dim, causal, device=cuda):
+        return dispatch.single_launch_suits(batch=batch, heads_q=heads, seqlen_q=seqlen, seqlen_k=seqlen,
+                                            head_dim=dim, causal=causal, device=device)
+    assert suits(1, 128, 8, 64, True) and suits(1, 128, 8, 64, False)
+    assert not suits(1, 128, 8, 64, True, cpu)
+    assert not suits(8, 1024, 16, 128, False) and not suits(8, 1024, 16, 128, True)
+    full = math.isqrt(limit // 64)          # the longest one-head sequence taken at D64 without a mask
+    assert suits(1, full, 1, 64, False) and not suits(1, full + 1, 1, 64, False)
+    causal = math.isqrt(limit // 32)        # with one: half the work
+    assert suits(1, causal, 1, 64, True) and not suits(1, causal + 1, 1, 64, True)
+
+
+def test_unforced_backward_takes_single_where_the_rule_says(device, monkeypatch, launched):
+    """dispatch.backward asks single_launch_suits with the call's sizes and takes the single launch
+    when it says so (the rule itself never says so on the CPU: see the test above)."""
+    asked = []
+
+    def rule(**sizes):
+        asked.append(sizes)
+        return True
+    monkeypatch.setattr(dispatch, "single_launch_suits", rule)
+    q, k, v = make_qkv(2, 70, 90, 4, 2, 32, torch.float16, device)
+    dout = torch.randn_like(q)
+    out, lse = dispatch.forward(q, k, v, 0.125, True)
+    launched.clear()
+    single = dispatch.backward(dout, q, k, v, out, lse, 0.125, True)
+    assert launched == SINGLE_RUN
+    assert asked == [dict(batch=2, heads_q=4, seqlen_q=70, seqlen_k=90, head_dim=32, causal=True, device=q.device)]
+    launched.clear()
+    three = dispatch.backward(dout, q, k, v, out, lse, 0.125, True, variant=dispatch.TRITON)
+    assert launched == THREE_RUN
+    _assert_same_as_three_launches(single, three, _bounds(q, k, v, dout, True))
+
+
+def test_single_runs_are_bit_identical(device):
+    """Deterministic: no atomics, a fixed order in every sum (a GPU matter: the interpreter runs the
+    programs one after another)."""
+    q, k, v = make_qkv(2, 100, 100, 4, 2, 64, torch.float16, device)
+    dout = torch.randn_like(q)
+    out, lse = dispatch.forward(q, k, v, 0.125, True)
+    first = dispatch.backward(dout, q, k, v, out, lse, 0.125, True, variant=dispatch.SINGLE)
+    for _ in range(20 if ON_GPU else 3):
+        again = dispatch.backward(dout, q, k, v, out, lse, 0.125, True, variant=dispatch.SINGLE)
+        for a, b in zip(first, again):
+            assert torch.equal(a, b)
+
+
+def test_single_with_64_bit_offsets(device, monkeypatch, launched):
+    """The LONG form (64-bit row offsets, forced on small inputs): the same gradients, bit for bit."""
+    q, k, v = make_qkv(2, 70, 90, 4, 2, 32, torch.float16, device)
+    dout = torch.randn_like(q)
+    out, lse = dispatch.forward(q, k, v, 0.125, False)
+    plain = dispatch.backward(dout, q, k, v, out, lse, 0.125, False, variant=dispatch.SINGLE)
+    seen = []
+    real = launch.run
+
+    def long_flags(kernel, grid, *args, **kwargs):
+        seen.append(kwargs.get("LONG"))
+        return real(kernel, grid, *args, **kwargs)
+
+    monkeypatch.setattr(launch, "run", long_flags)
+    # Only O asks for them: the single launch's own tensors must reach the LONG flag.
+    monkeypatch.setattr(B, "needs_int64_rows", lambda *tensors: any(t is out for t in tensors))
+    wide = dispatch.backward(dout, q, k, v, out, lse, 0.125, False, variant=dispatch.SINGLE)
+    assert seen == [True]
+    for a, b in zip(wide, plain):
+        assert torch.equal(a, b)
+
+
+def test_single_call_plan_replays(device):
+    """A recorded call plan (kernels/launch.py) of the single launch: three allocations and one
+    launch, replayed on new dO with the direct call's gradients, bit for bit."""
+    q, k, v = make_qkv(1, 50, 70, 4, 2, 32, torch.float16, device)
+    out, lse = dispatch.forward(q, k, v, 0.125, True)
+
+    def call(dout, q, k, v, out, lse):
+        return dispatch.backward(dout, q, k, v, out, lse, 0.125, True, variant=dispatch.SINGLE)
+
+    _, plan = launch.record(call, (torch.randn_like(q), q, k, v, out, lse), ())
+    assert plan, launch.LAST_FAILURE
+    assert len(plan.allocs) == 3 and sum(type(s) is not tuple for s in plan.steps) == 1
+    dout = torch.randn_like(q)
+    replayed = plan.replay((dout, q, k, v, out, lse))
+    direct = call(dout, q, k, v, out, lse)
+    for a, b in zip(replayed, direct):
+        assert torch.equal(a, b)
