@@ -12,8 +12,9 @@ Kernel families:
   Triton kernel (``forward``) with ``configs.forward_config``'s tiles;
 * backward: ``preprocess`` (delta, lse2), then dK/dV and dQ from the Gluon kernels
   (``backward_variant``; with a window the dK/dV-only variants) or the Triton ones
-  (``configs.backward_config``); short problems on a GPU (``single_launch_suits``) take the
-  single-launch backward instead (the Triton kernels' programs in one launch, no preprocess);
+  (``configs.backward_config``); short problems on a GPU take the single-launch backward where
+  ``single_launch_suits`` says so (the Triton kernels' programs in one launch, no preprocess; off
+  until measured, ``SINGLE_MAX_WORK``);
 * decode: the Gluon decode kernel or the Triton one (``configs.decode_config`` chooses both the
   kernel and the split count), then ``merge`` of the split partials;
 * merge (``merge_attn_states``): one kernel, ``merge``.
