@@ -90,7 +90,8 @@ def host_table():
                              do_bench(tf_step, warmup=25, rep=200) * 1e3))
             dispatch.SINGLE_MAX_WORK = LIMIT
             launch.clear_plans()
-            for name, backend in (("SDPA flash", SDPBackend.FLASH_ATTENTION), ("SDPA cuDNN", SDPBackend.CUDNN_ATTENTION)):
+            sdpa = (("SDPA flash", SDPBackend.FLASH_ATTENTION), ("SDPA cuDNN", SDPBackend.CUDNN_ATTENTION))
+            for name, backend in sdpa:
                 with sdpa_kernel(backend):
                     rows.append((name, host_us(sdpa_fwd, 100, 9)[0], host_us(sdpa_step, 100, 9)[0],
                                  do_bench(sdpa_step, warmup=25, rep=200) * 1e3))
