@@ -109,3 +109,23 @@ def force_kernels():
 
     with contextlib.ExitStack() as stack:
         yield lambda **choice: stack.enter_context(dispatch.force(**choice))
+
+
+@pytest.fixture
+def launched(monkeypatch):
+    """The Triton kernels launched from here on, in order: each kernel's name, with +zero_dq when the
+    backward's preprocess zeroes the atomic dQ workspace, +atomic_dq when the dK/dV kernel adds dQ
+    with atomics, +single for the single-launch backward (monkeypatch also switches plans off, so
+    every call launches)."""
+    from triflash.kernels import launch
+
+    names = []
+    real = launch.run
+    flags = (("ZERO_DQ", "+zero_dq"), ("ATOMIC_DQ", "+atomic_dq"), ("SINGLE", "+single"))
+
+    def spy(kernel, grid, *args, **kwargs):
+        names.append(kernel.fn.__name__ + "".join(tag for flag, tag in flags if kwargs.get(flag)))
+        return real(kernel, grid, *args, **kwargs)
+
+    monkeypatch.setattr(launch, "run", spy)
+    return names

@@ -149,6 +149,46 @@ def assert_grads_3x(grads, q, k, v, dout, causal, dtype, dlse=None, scale=None, 
             f"{name}: max error {err:.3e} > 3 x PyTorch same-dtype error {base:.3e} + floor {floor:.1e}")
 
 
+def grad_bounds(q, k, v, dout, causal, dlse=None, **kwargs) -> tuple[float, float, float]:
+    """The 3x rule's bounds for (dq, dk, dv) as plain numbers: 3x PyTorch's own same-dtype error
+    against float64, plus the floor (for comparing two of triflash's backward paths with each other)."""
+    ref = ref_grads(q, k, v, dout, causal, torch.float64, dlse, **kwargs)
+    same = ref_grads(q, k, v, dout, causal, None, dlse, **kwargs)
+    floor = relative(FLOOR[q.dtype], torch.cat([r.flatten() for r in ref]))
+    return tuple(3 * max_err(same[i], ref[i]) + floor for i in range(3))
+
+
+def dout_of_kind(kind, shape, dtype, device):
+    """A random dO of ``shape`` [B, S, H, D]: "contiguous", "transposed" (a [B, H, S, D] tensor's
+    transpose) or "strided" (every other row of a tensor twice as long)."""
+    batch, seqlen, heads, dim = shape
+    if kind == "transposed":
+        dout = torch.randn(batch, heads, seqlen, dim, dtype=dtype, device=device).transpose(1, 2)
+    elif kind == "strided":
+        dout = torch.randn(batch, 2 * seqlen, heads, dim, dtype=dtype, device=device)[:, ::2]
+    else:
+        dout = torch.randn(shape, dtype=dtype, device=device)
+    assert dout.shape == tuple(shape) and dout.is_contiguous() == (kind == "contiguous")
+    return dout
+
+
+def assert_packed_grads_3x(grads, q, k, v, dout, cu_q, cu_k, causal, dtype, dlse=None, alibi_slopes=None,
+                           **kwargs):
+    """Gradients (dq, dk, dv) of packed sequences: each sequence's against its own reference by the 3x
+    rule (``kwargs``: window_size, softcap), and zeros for a sequence without queries or keys. [B, H]
+    ALiBi slopes give each sequence its row."""
+    dq, dk, dv = grads
+    for b, (rows, keys) in enumerate(sequence_slices(cu_q, cu_k)):
+        if rows.stop == rows.start or keys.stop == keys.start:
+            for name, g in (("dq", dq[rows]), ("dk", dk[keys]), ("dv", dv[keys])):
+                assert torch.equal(g, torch.zeros_like(g)), f"{name} of a sequence without scores"
+            continue
+        slopes = alibi_slopes[b:b + 1] if alibi_slopes is not None and alibi_slopes.dim() == 2 else alibi_slopes
+        assert_grads_3x((dq[rows][None], dk[keys][None], dv[keys][None]), q[rows][None], k[keys][None],
+                        v[keys][None], dout[rows][None], causal, dtype,
+                        dlse=None if dlse is None else dlse[:, rows][None], alibi_slopes=slopes, **kwargs)
+
+
 def assert_20_backward_passes_equal(out, leaves):
     """No atomics: 20 backward passes through ``out`` give bit-identical gradients of ``leaves``."""
     dout = torch.randn_like(out)

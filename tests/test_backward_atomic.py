@@ -16,16 +16,15 @@ import pytest
 import torch
 from conftest import ON_GPU
 from helpers import (
-    FLOOR,
     assert_grads_3x,
     assert_no_nan,
+    assert_packed_grads_3x,
+    dout_of_kind,
+    grad_bounds,
     make_qkv,
     max_err,
     packed_sequences,
-    ref_grads,
-    relative,
     score_variant,
-    sequence_slices,
 )
 
 import triflash
@@ -50,34 +49,9 @@ def atomic_by_default(monkeypatch):
     monkeypatch.setattr(dispatch, "SINGLE_MAX_WORK", -1)
 
 
-@pytest.fixture
-def launched(monkeypatch):
-    """The kernels launched from here on, in order: name, +zero_dq / +atomic_dq when the
-    preprocess zeroes the workspace / the dK/dV kernel adds dQ (monkeypatch also switches plans off,
-    so every call launches)."""
-    names = []
-    real = launch.run
-
-    def spy(kernel, grid, *args, **kwargs):
-        names.append(kernel.fn.__name__ + ("+zero_dq" if kwargs.get("ZERO_DQ") else "")
-                     + ("+atomic_dq" if kwargs.get("ATOMIC_DQ") else ""))
-        return real(kernel, grid, *args, **kwargs)
-
-    monkeypatch.setattr(launch, "run", spy)
-    return names
-
-
-def _bounds(q, k, v, dout, causal, dlse=None, window_size=(-1, -1)) -> tuple[float, float, float]:
-    """The documented bounds on |d_atomic - d_deterministic| for (dq, dk, dv): 3x PyTorch's own
-    same-dtype error against float64, plus the 3x rule's floor."""
-    ref = ref_grads(q, k, v, dout, causal, torch.float64, dlse, window_size=window_size)
-    same = ref_grads(q, k, v, dout, causal, None, dlse, window_size=window_size)
-    floor = relative(FLOOR[q.dtype], torch.cat([r.flatten() for r in ref]))
-    return tuple(3 * max_err(same[i], ref[i]) + floor for i in range(3))
-
-
 def _dq_bound(q, k, v, dout, causal, dlse=None, window_size=(-1, -1)) -> float:
-    return _bounds(q, k, v, dout, causal, dlse, window_size)[0]
+    """The documented bound on |dq_atomic - dq_deterministic|: the 3x rule's (helpers.grad_bounds)."""
+    return grad_bounds(q, k, v, dout, causal, dlse, window_size=window_size)[0]
 
 
 def _assert_within(name, atomic, det, bound):
@@ -106,14 +80,7 @@ def test_atomic_matches_reference(device, force_kernels, launched, batch, seqlen
                                   causal, dtype, dout_kind, with_dlse):
     q, k, v = make_qkv(batch, seqlen_q, seqlen_k, heads[0], heads[1], head_dim, dtype, device, requires_grad=True)
     out, lse = triflash.flash_attn_func(q, k, v, causal=causal, return_lse=True)
-    shape = (batch, seqlen_q, heads[0], head_dim)
-    if dout_kind == "transposed":
-        dout = torch.randn(batch, heads[0], seqlen_q, head_dim, dtype=dtype, device=device).transpose(1, 2)
-    elif dout_kind == "strided":
-        dout = torch.randn(batch, 2 * seqlen_q, heads[0], head_dim, dtype=dtype, device=device)[:, ::2]
-    else:
-        dout = torch.randn(shape, dtype=dtype, device=device)
-    assert dout.shape == shape and dout.is_contiguous() == (dout_kind == "contiguous")
+    dout = dout_of_kind(dout_kind, out.shape, dtype, device)
     dlse = torch.randn_like(lse) if with_dlse else None
     force_kernels(backward="atomic")
     launched.clear()
@@ -144,7 +111,7 @@ def test_not_deterministic_takes_atomic_and_matches_deterministic(device, launch
     launched.clear()
     fast = dispatch.backward(dout, q, k, v, out, lse, scale, True, config=cfg, deterministic=False)
     assert launched == ATOMIC_RUN
-    for name, a, b, bound in zip(("dq", "dk", "dv"), fast, det, _bounds(q, k, v, dout, True)):
+    for name, a, b, bound in zip(("dq", "dk", "dv"), fast, det, grad_bounds(q, k, v, dout, True)):
         _assert_within(name, a, b, bound)
         if not ON_GPU and name != "dq":
             assert torch.equal(a, b), name
@@ -174,13 +141,7 @@ def test_atomic_varlen_with_empty_sequences(device, force_kernels, launched):
     launched.clear()
     dq, dk, dv = torch.autograd.grad((out, lse), (q, k, v), (dout, dlse))
     assert launched == ATOMIC_RUN
-    for rows, keys in sequence_slices(cu_q, cu_k):
-        if rows.stop == rows.start or keys.stop == keys.start:
-            for name, g in (("dq", dq[rows]), ("dk", dk[keys]), ("dv", dv[keys])):
-                assert torch.equal(g, torch.zeros_like(g)), f"{name} of a sequence without scores"
-            continue
-        assert_grads_3x((dq[rows][None], dk[keys][None], dv[keys][None]), q[rows][None], k[keys][None],
-                        v[keys][None], dout[rows][None], True, torch.float16, dlse=dlse[:, rows][None])
+    assert_packed_grads_3x((dq, dk, dv), q, k, v, dout, cu_q, cu_k, True, torch.float16, dlse)
 
 
 def test_atomic_score_variants(device, force_kernels, launched):

@@ -1,6 +1,6 @@
 """The single-launch backward (kernels/backward.py's [Note: single-launch backward]): one launch of the
 dK/dV kernel with SINGLE runs the dK/dV programs and the dQ programs side by side, each making its rows'
-delta and base-2 LSE from O, dO and the LSE itself, so no preprocess and no stats buffer.
+delta and lse2 from O, dO and the LSE itself, so no preprocess and no stats buffer.
 
 Its gradients meet the backward's 3x rule against float64 (test_backward.py's docstring) on the
 semantics of the three-launch path: GQA/MQA, causal (bottom-right), Sq != Sk with rows that see no key,
@@ -18,16 +18,16 @@ import pytest
 import torch
 from conftest import ON_GPU
 from helpers import (
-    FLOOR,
+    assert_20_backward_passes_equal,
     assert_grads_3x,
     assert_no_nan,
+    assert_packed_grads_3x,
+    dout_of_kind,
+    grad_bounds,
     make_qkv,
     max_err,
     packed_sequences,
-    ref_grads,
-    relative,
     score_variant,
-    sequence_slices,
 )
 
 import triflash
@@ -37,37 +37,6 @@ from triflash.kernels.configs import BwdConfig
 
 SINGLE_RUN = ["_bwd_dkdv_kernel+single"]
 THREE_RUN = ["_bwd_preprocess_kernel", "_bwd_dkdv_kernel", "_bwd_dq_kernel"]
-
-
-@pytest.fixture
-def launched(monkeypatch):
-    """The Triton kernels launched from here on, in order (+single: the dK/dV kernel with SINGLE)."""
-    names = []
-    real = launch.run
-
-    def spy(kernel, grid, *args, **kwargs):
-        names.append(getattr(kernel, "fn", kernel).__name__ + ("+single" if kwargs.get("SINGLE") else ""))
-        return real(kernel, grid, *args, **kwargs)
-
-    monkeypatch.setattr(launch, "run", spy)
-    return names
-
-
-def _dout(kind, shape, dtype, device):
-    batch, seqlen, heads, dim = shape
-    if kind == "transposed":
-        return torch.randn(batch, heads, seqlen, dim, dtype=dtype, device=device).transpose(1, 2)
-    if kind == "strided":
-        return torch.randn(batch, 2 * seqlen, heads, dim, dtype=dtype, device=device)[:, ::2]
-    return torch.randn(shape, dtype=dtype, device=device)
-
-
-def _bounds(q, k, v, dout, causal, dlse=None, **kwargs):
-    """3x PyTorch's same-dtype error against float64 plus the floor, for (dq, dk, dv)."""
-    ref = ref_grads(q, k, v, dout, causal, torch.float64, dlse, **kwargs)
-    same = ref_grads(q, k, v, dout, causal, None, dlse, **kwargs)
-    floor = relative(FLOOR[q.dtype], torch.cat([r.flatten() for r in ref]))
-    return tuple(3 * max_err(same[i], ref[i]) + floor for i in range(3))
 
 
 def _assert_same_as_three_launches(single, three, bounds):
@@ -99,8 +68,7 @@ def test_single_matches_reference(device, force_kernels, launched, batch, seqlen
                                   causal, dtype, dout_kind, with_dlse):
     q, k, v = make_qkv(batch, seqlen_q, seqlen_k, heads[0], heads[1], head_dim, dtype, device, requires_grad=True)
     out, lse = triflash.flash_attn_func(q, k, v, causal=causal, return_lse=True)
-    dout = _dout(dout_kind, tuple(out.shape), dtype, device)
-    assert dout.is_contiguous() == (dout_kind == "contiguous")
+    dout = dout_of_kind(dout_kind, out.shape, dtype, device)
     dlse = torch.randn_like(lse) if with_dlse else None
     outputs, grads_in = ((out, lse), (dout, dlse)) if with_dlse else ((out,), (dout,))
     force_kernels(backward=dispatch.SINGLE)
@@ -115,7 +83,7 @@ def test_single_matches_reference(device, force_kernels, launched, batch, seqlen
     launched.clear()
     three = torch.autograd.grad(outputs, (q, k, v), grads_in)
     assert launched == THREE_RUN
-    _assert_same_as_three_launches(grads, three, _bounds(q, k, v, dout, causal, dlse))
+    _assert_same_as_three_launches(grads, three, grad_bounds(q, k, v, dout, causal, dlse))
 
 
 @pytest.mark.parametrize("window,causal,variant", [((20, 5), False, "softcap"), ((16, 0), True, "alibi2"),
@@ -133,58 +101,32 @@ def test_single_windows_and_score_variants(device, force_kernels, launched, wind
     assert_grads_3x(grads, q, k, v, dout, causal, torch.float16, dlse, window_size=window, **kwargs)
 
 
-@pytest.mark.parametrize("window", [(-1, -1), (12, 0)], ids=["causal", "window12-causal"])
-def test_single_packed_sequences_with_empty_ones(device, force_kernels, launched, window):
-    """Packed sequences (one without queries, one without keys, Sq > Sk and Sq < Sk), GQA, causal, a
-    loss on out and lse: each sequence against its own reference, zeros where a sequence has no
-    scores, and the three-launch path's gradients."""
+@pytest.mark.parametrize("causal,window,dtype,variant", [
+    (True, (-1, -1), torch.float16, None), (True, (12, 0), torch.float16, None),
+    (False, (-1, -1), torch.float32, "softcap"), (False, (20, 3), torch.bfloat16, "alibi2")],
+    ids=["causal-fp16", "window12-causal-fp16", "full-fp32-softcap", "window20_3-bf16-alibiBH"])
+def test_single_packed_sequences_with_empty_ones(device, force_kernels, launched, causal, window, dtype, variant):
+    """Packed sequences (one without queries, one without keys, Sq > Sk and Sq < Sk), GQA, a loss on
+    out and lse: each sequence against its own reference, zeros where a sequence has no scores, and
+    the three-launch path's gradients."""
     lengths = [(17, 17), (0, 9), (70, 45), (5, 0), (40, 71)]
-    q, k, v, cu_q, cu_k, max_q, max_k = packed_sequences(lengths, (4, 2), 32, torch.float16, device, requires_grad=True)
-    out, lse = triflash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, causal=True, return_lse=True,
-                                               window_size=window)
+    q, k, v, cu_q, cu_k, max_q, max_k = packed_sequences(lengths, (4, 2), 32, dtype, device, requires_grad=True)
+    kwargs = score_variant(variant, device, len(lengths), 4) if variant else {}
+    out, lse = triflash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, causal=causal, return_lse=True,
+                                               window_size=window, **kwargs)
     dout, dlse = torch.randn_like(out), torch.randn_like(lse)
     force_kernels(backward=dispatch.SINGLE)
     launched.clear()
-    dq, dk, dv = torch.autograd.grad((out, lse), (q, k, v), (dout, dlse), retain_graph=True)
+    grads = torch.autograd.grad((out, lse), (q, k, v), (dout, dlse), retain_graph=True)
     assert launched == SINGLE_RUN
-    for rows, keys in sequence_slices(cu_q, cu_k):
-        if rows.stop == rows.start or keys.stop == keys.start:
-            for name, g in (("dq", dq[rows]), ("dk", dk[keys]), ("dv", dv[keys])):
-                assert torch.equal(g, torch.zeros_like(g)), f"{name} of a sequence without scores"
-            continue
-        assert_grads_3x((dq[rows][None], dk[keys][None], dv[keys][None]), q[rows][None], k[keys][None],
-                        v[keys][None], dout[rows][None], True, torch.float16, dlse=dlse[:, rows][None],
-                        window_size=window)
+    assert_packed_grads_3x(grads, q, k, v, dout, cu_q, cu_k, causal, dtype, dlse, window_size=window, **kwargs)
     force_kernels(backward=dispatch.TRITON)
     launched.clear()
     three = torch.autograd.grad((out, lse), (q, k, v), (dout, dlse))
     assert launched == THREE_RUN
     if not ON_GPU:
-        for name, a, b in zip(("dq", "dk", "dv"), (dq, dk, dv), three):
+        for name, a, b in zip(("dq", "dk", "dv"), grads, three):
             assert torch.equal(a, b), name
-
-
-@pytest.mark.parametrize("dtype,variant", [(torch.float32, "softcap"), (torch.bfloat16, "alibi2")],
-                         ids=["fp32-softcap", "bf16-alibiBH"])
-def test_single_packed_sequences_without_mask(device, force_kernels, launched, dtype, variant):
-    """Packed sequences without a causal mask, with a score variant and a gradient on the LSE."""
-    lengths = [(33, 20), (0, 7), (50, 64), (9, 9)]
-    q, k, v, cu_q, cu_k, max_q, max_k = packed_sequences(lengths, (4, 2), 32, dtype, device, requires_grad=True)
-    kwargs = score_variant(variant, device, len(lengths), 4)
-    out, lse = triflash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, return_lse=True, **kwargs)
-    dout, dlse = torch.randn_like(out), torch.randn_like(lse)
-    force_kernels(backward=dispatch.SINGLE)
-    launched.clear()
-    dq, dk, dv = torch.autograd.grad((out, lse), (q, k, v), (dout, dlse))
-    assert launched == SINGLE_RUN
-    for b, (rows, keys) in enumerate(sequence_slices(cu_q, cu_k)):
-        if rows.stop == rows.start:
-            assert torch.equal(dk[keys], torch.zeros_like(dk[keys]))
-            continue
-        slopes = {k: (v[b:b + 1] if v.dim() == 2 else v) for k, v in kwargs.items() if k == "alibi_slopes"}
-        rest = {k: v for k, v in kwargs.items() if k != "alibi_slopes"}
-        assert_grads_3x((dq[rows][None], dk[keys][None], dv[keys][None]), q[rows][None], k[keys][None],
-                        v[keys][None], dout[rows][None], False, dtype, dlse=dlse[:, rows][None], **slopes, **rest)
 
 
 def test_single_takes_a_strided_out(device, launched):
@@ -268,20 +210,18 @@ def test_unforced_backward_takes_single_where_the_rule_says(device, monkeypatch,
     launched.clear()
     three = dispatch.backward(dout, q, k, v, out, lse, 0.125, True, variant=dispatch.TRITON)
     assert launched == THREE_RUN
-    _assert_same_as_three_launches(single, three, _bounds(q, k, v, dout, True))
+    _assert_same_as_three_launches(single, three, grad_bounds(q, k, v, dout, True))
 
 
-def test_single_runs_are_bit_identical(device):
+def test_single_runs_are_bit_identical(device, force_kernels, launched):
     """Deterministic: no atomics, a fixed order in every sum (a GPU matter: the interpreter runs the
     programs one after another)."""
-    q, k, v = make_qkv(2, 100, 100, 4, 2, 64, torch.float16, device)
-    dout = torch.randn_like(q)
-    out, lse = dispatch.forward(q, k, v, 0.125, True)
-    first = dispatch.backward(dout, q, k, v, out, lse, 0.125, True, variant=dispatch.SINGLE)
-    for _ in range(20 if ON_GPU else 3):
-        again = dispatch.backward(dout, q, k, v, out, lse, 0.125, True, variant=dispatch.SINGLE)
-        for a, b in zip(first, again):
-            assert torch.equal(a, b)
+    q, k, v = make_qkv(2, 100, 100, 4, 2, 64, torch.float16, device, requires_grad=True)
+    force_kernels(backward=dispatch.SINGLE)
+    out = triflash.flash_attn_func(q, k, v, causal=True)
+    launched.clear()
+    assert_20_backward_passes_equal(out, (q, k, v))
+    assert launched == SINGLE_RUN * 20
 
 
 def test_single_with_64_bit_offsets(device, monkeypatch, launched):

@@ -37,53 +37,40 @@ def test_compiled_model_matches_eager_without_graph_breaks(device, dtype):
     compiled = torch.compile(model, backend=BACKEND, fullgraph=True)   # fullgraph: a break would raise
     out_c, grads_c = _loss_step(compiled, model, x)
     out_e, grads_e = _loss_step(model, model, x)
-    if not ON_GPU:
-        # aot_eager runs the same eager kernels in the same order: bit-identical.
-        assert torch.equal(out_c, out_e)
-        assert all(torch.equal(gc, ge) for gc, ge in zip(grads_c, grads_e))
-    else:
-        _assert_inductor_close(out_c, grads_c, out_e, grads_e)
+    _assert_compiled_like_eager(out_c, grads_c, out_e, grads_e)
 
 
 # The backward's paths, forced, each with the kernels it must launch (the custom op's backward under
 # AOTAutograd takes the same dispatch as eager autograd).
 BACKWARD_PATHS = {
     "triton": ["_bwd_preprocess_kernel", "_bwd_dkdv_kernel", "_bwd_dq_kernel"],
-    "atomic": ["_bwd_preprocess_kernel", "_bwd_dkdv_kernel", "_bwd_dq_convert_kernel"],
-    "single": ["_bwd_dkdv_kernel"],
+    "atomic": ["_bwd_preprocess_kernel+zero_dq", "_bwd_dkdv_kernel+atomic_dq", "_bwd_dq_convert_kernel"],
+    "single": ["_bwd_dkdv_kernel+single"],
 }
 
 
 @pytest.mark.parametrize("path", list(BACKWARD_PATHS))
-def test_compiled_model_on_each_backward_path(device, monkeypatch, path):
+def test_compiled_model_on_each_backward_path(device, launched, path):
     """fullgraph compile with the deterministic Triton backward, the atomic-dQ one and the single
     launch: the compiled step's gradients are the eager step's (bit for bit on the CPU; on the GPU
     within Inductor's summation tolerance, atomic dQ's order included)."""
-    from triflash.kernels import dispatch, launch
+    from triflash.kernels import dispatch
 
     torch._dynamo.reset()
     model = TinyAttention(64, 4, 2).to(device=device, dtype=torch.float32)
     x = torch.randn(2, 40, 64, device=device, dtype=torch.float32, requires_grad=True)
-    names = []
-    real = launch.run
 
-    def spy(kernel, grid, *args, **kwargs):
-        if "bwd" in kernel.fn.__name__:
-            names.append(kernel.fn.__name__)
-        return real(kernel, grid, *args, **kwargs)
-    monkeypatch.setattr(launch, "run", spy)
+    def backward_kernels():
+        names = [n for n in launched if "bwd" in n]
+        launched.clear()
+        return names
     with dispatch.force(backward=path):
         compiled = torch.compile(model, backend=BACKEND, fullgraph=True)
         out_c, grads_c = _loss_step(compiled, model, x)
-        assert names == BACKWARD_PATHS[path]
-        names.clear()
+        assert backward_kernels() == BACKWARD_PATHS[path]
         out_e, grads_e = _loss_step(model, model, x)
-        assert names == BACKWARD_PATHS[path]
-    if not ON_GPU:
-        assert torch.equal(out_c, out_e)
-        assert all(torch.equal(gc, ge) for gc, ge in zip(grads_c, grads_e))
-    else:
-        _assert_inductor_close(out_c, grads_c, out_e, grads_e)
+        assert backward_kernels() == BACKWARD_PATHS[path]
+    _assert_compiled_like_eager(out_c, grads_c, out_e, grads_e)
 
 
 def _loss_step(fn, model, x):
@@ -95,6 +82,16 @@ def _loss_step(fn, model, x):
     model.zero_grad()
     x.grad = None
     return out, grads
+
+
+def _assert_compiled_like_eager(out_c, grads_c, out_e, grads_e):
+    """On the CPU aot_eager runs the same eager kernels in the same order: bit-identical; on the GPU
+    Inductor's own kernels around triflash's op: ``_assert_inductor_close``."""
+    if not ON_GPU:
+        assert torch.equal(out_c, out_e)
+        assert all(torch.equal(gc, ge) for gc, ge in zip(grads_c, grads_e))
+    else:
+        _assert_inductor_close(out_c, grads_c, out_e, grads_e)
 
 
 def _assert_inductor_close(out_c, grads_c, out_e, grads_e):

@@ -309,7 +309,7 @@ def _portable_backward(variant: str | None, deterministic: bool) -> str:
     ``"atomic"`` or ``"triton"`` as given, else ``"triton"``, or ``"atomic"`` where ``deterministic``
     is False and ``ATOMIC_BY_DEFAULT`` (the Gluon variants are deterministic: one forced that cannot
     run falls back to ``"triton"``)."""
-    if variant is None or variant == SINGLE:       # a forced "single" that does not apply: the rules
+    if variant is None:
         return ATOMIC if ATOMIC_BY_DEFAULT and not deterministic else TRITON
     return ATOMIC if variant == ATOMIC else TRITON
 
@@ -351,6 +351,10 @@ def backward(dout, q, k, v, out, lse, sm_scale: float, causal: bool, *, dlse=Non
         dk = dv = None
     head_dim = q.shape[-1]
     forced = variant or _forced_variant("backward")
+    # A forced "single" is taken where it can run (below); elsewhere the rules decide, as unforced.
+    forced_single = forced == SINGLE
+    if forced_single:
+        forced = None
     # dQ by atomics only where all three gradients are wanted (dQ alone: the dQ kernel does less work).
     portable_atomic = need_dq and need_dkdv and _portable_backward(forced, deterministic) == ATOMIC
     if varlen is not None:
@@ -360,7 +364,7 @@ def backward(dout, q, k, v, out, lse, sm_scale: float, causal: bool, *, dlse=Non
         batch, seqlen_q, heads_q, _ = q.shape
         seqlen_k = k.shape[1]
     single = (config is None and need_dq and need_dkdv and scores.sinks is None
-              and (forced == SINGLE or forced is None and single_launch_suits(
+              and (forced_single or forced is None and single_launch_suits(
                   batch=batch, heads_q=heads_q, seqlen_q=seqlen_q, seqlen_k=seqlen_k, head_dim=head_dim,
                   causal=causal, device=q.device)))
     if varlen is not None:
@@ -385,8 +389,6 @@ def backward(dout, q, k, v, out, lse, sm_scale: float, causal: bool, *, dlse=Non
                                    configs.backward_config(head_dim=head_dim, dtype=q.dtype, device=q.device),
                                    window, scores)
         return dq, dk, dv
-    if forced == SINGLE:
-        forced = None                     # it does not apply here: the rules below
 
     hopper = None
     if config is None and (forced not in (None, TRITON, ATOMIC)
