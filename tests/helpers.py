@@ -7,6 +7,7 @@ epsilon for fp16/bf16 (below one rounding of an output near 1), and 2^-20 for fp
 exp2 (ex2.approx) alone is good to about 2^-22 relative.
 """
 
+import pytest
 import torch
 
 # The issue's grid, shared by the forward and backward suites.
@@ -79,8 +80,6 @@ def assert_matches_reference(out, lse, q, k, v, causal=False, softmax_scale=None
 def assert_raises_naming(exc, words, fn, *args, **kwargs):
     """fn(*args, **kwargs) raises ``exc``, and its message mentions every one of ``words`` (the
     argument's name, what was expected, what was received)."""
-    import pytest
-
     with pytest.raises(exc) as info:
         fn(*args, **kwargs)
     msg = str(info.value)
@@ -170,6 +169,31 @@ def dout_of_kind(kind, shape, dtype, device):
         dout = torch.randn(shape, dtype=dtype, device=device)
     assert dout.shape == tuple(shape) and dout.is_contiguous() == (kind == "contiguous")
     return dout
+
+
+# Backward paths against the reference (test_backward_atomic, test_backward_single): (batch, Sq, Sk,
+# (Hq, Hkv), head dim, causal, dtype, dO layout, with a gradient on the LSE).
+BACKWARD_PATH_CASES = [
+    pytest.param(2, 70, 101, (4, 2), 40, True, torch.float16, "transposed", True,
+                 id="B2-Sq70-Sk101-D40-causal-fp16-gqa2-dOT-dlse"),
+    pytest.param(2, 101, 70, (4, 1), 32, True, torch.float32, "strided", True,
+                 id="B2-Sq101-Sk70-D32-causal-fp32-mqa-dOstrided-emptyrows-dlse"),
+    pytest.param(1, 77, 130, (2, 2), 64, False, torch.float16, "contiguous", True,
+                 id="B1-Sq77-Sk130-D64-full-fp16-mha-dlse"),
+]
+
+
+def backward_path_case(batch, seqlen_q, seqlen_k, heads, head_dim, causal, dtype, dout_kind, with_dlse, device):
+    """One of BACKWARD_PATH_CASES made: q, k, v (requiring grad), the forward's (out, lse) with what a
+    loss sends back through them (outputs, grads_in: dO, and dLSE when ``with_dlse``)."""
+    import triflash
+
+    q, k, v = make_qkv(batch, seqlen_q, seqlen_k, heads[0], heads[1], head_dim, dtype, device, requires_grad=True)
+    out, lse = triflash.flash_attn_func(q, k, v, causal=causal, return_lse=True)
+    dout = dout_of_kind(dout_kind, out.shape, dtype, device)
+    if with_dlse:
+        return q, k, v, (out, lse), (dout, torch.randn_like(lse))
+    return q, k, v, (out,), (dout,)
 
 
 def assert_packed_grads_3x(grads, q, k, v, dout, cu_q, cu_k, causal, dtype, dlse=None, alibi_slopes=None,

@@ -16,10 +16,11 @@ import pytest
 import torch
 from conftest import ON_GPU
 from helpers import (
+    BACKWARD_PATH_CASES,
     assert_grads_3x,
     assert_no_nan,
     assert_packed_grads_3x,
-    dout_of_kind,
+    backward_path_case,
     grad_bounds,
     make_qkv,
     max_err,
@@ -64,30 +65,17 @@ def _assert_dq_within(dq_atomic, dq_det, bound):
     _assert_within("dq", dq_atomic, dq_det, bound)
 
 
-# (batch, Sq, Sk, (Hq, Hkv), head dim, causal, dtype, dO layout, with a gradient on the LSE)
-CASES = [
-    pytest.param(2, 70, 101, (4, 2), 40, True, torch.float16, "transposed", True,
-                 id="B2-Sq70-Sk101-D40-causal-fp16-gqa2-dOT-dlse"),
-    pytest.param(2, 101, 70, (4, 1), 32, True, torch.float32, "strided", False,
-                 id="B2-Sq101-Sk70-D32-causal-fp32-mqa-dOstrided-emptyrows"),
-    pytest.param(1, 77, 130, (2, 2), 64, False, torch.float16, "contiguous", True,
-                 id="B1-Sq77-Sk130-D64-full-fp16-mha-dlse"),
-]
-
-
-@pytest.mark.parametrize("batch,seqlen_q,seqlen_k,heads,head_dim,causal,dtype,dout_kind,with_dlse", CASES)
+@pytest.mark.parametrize("batch,seqlen_q,seqlen_k,heads,head_dim,causal,dtype,dout_kind,with_dlse",
+                         BACKWARD_PATH_CASES)
 def test_atomic_matches_reference(device, force_kernels, launched, batch, seqlen_q, seqlen_k, heads, head_dim,
                                   causal, dtype, dout_kind, with_dlse):
-    q, k, v = make_qkv(batch, seqlen_q, seqlen_k, heads[0], heads[1], head_dim, dtype, device, requires_grad=True)
-    out, lse = triflash.flash_attn_func(q, k, v, causal=causal, return_lse=True)
-    dout = dout_of_kind(dout_kind, out.shape, dtype, device)
-    dlse = torch.randn_like(lse) if with_dlse else None
+    q, k, v, outputs, grads_in = backward_path_case(batch, seqlen_q, seqlen_k, heads, head_dim, causal, dtype,
+                                                    dout_kind, with_dlse, device)
     force_kernels(backward="atomic")
     launched.clear()
-    outputs, grads_in = ((out, lse), (dout, dlse)) if with_dlse else ((out,), (dout,))
     grads = torch.autograd.grad(outputs, (q, k, v), grads_in)
     assert launched == ATOMIC_RUN
-    assert_grads_3x(grads, q, k, v, dout, causal, dtype, dlse=dlse)
+    assert_grads_3x(grads, q, k, v, grads_in[0], causal, dtype, dlse=grads_in[1] if with_dlse else None)
     if causal and seqlen_q > seqlen_k:                   # the first Sq - Sk rows see no key
         empty = grads[0][:, :seqlen_q - seqlen_k]
         assert torch.equal(empty, torch.zeros_like(empty))

@@ -18,11 +18,12 @@ import pytest
 import torch
 from conftest import ON_GPU
 from helpers import (
+    BACKWARD_PATH_CASES,
     assert_20_backward_passes_equal,
     assert_grads_3x,
     assert_no_nan,
     assert_packed_grads_3x,
-    dout_of_kind,
+    backward_path_case,
     grad_bounds,
     make_qkv,
     max_err,
@@ -48,14 +49,8 @@ def _assert_same_as_three_launches(single, three, bounds):
             assert torch.equal(a, b), name
 
 
-# (batch, Sq, Sk, (Hq, Hkv), head dim, causal, dtype, dO layout, with a gradient on the LSE)
-CASES = [
-    pytest.param(2, 70, 101, (4, 2), 40, True, torch.float16, "transposed", True,
-                 id="B2-Sq70-Sk101-D40-causal-fp16-gqa2-dOT-dlse"),
-    pytest.param(2, 101, 70, (4, 1), 32, True, torch.float32, "strided", True,
-                 id="B2-Sq101-Sk70-D32-causal-fp32-mqa-dOstrided-emptyrows-dlse"),
-    pytest.param(1, 77, 130, (2, 2), 64, False, torch.float16, "contiguous", True,
-                 id="B1-Sq77-Sk130-D64-full-fp16-mha-dlse"),
+# helpers.BACKWARD_PATH_CASES, and bf16 and head dim 128.
+CASES = BACKWARD_PATH_CASES + [
     pytest.param(2, 64, 64, (4, 2), 64, True, torch.bfloat16, "contiguous", False,
                  id="B2-S64-D64-causal-bf16-gqa2"),
     pytest.param(1, 150, 150, (2, 1), 128, False, torch.float16, "contiguous", False,
@@ -66,11 +61,9 @@ CASES = [
 @pytest.mark.parametrize("batch,seqlen_q,seqlen_k,heads,head_dim,causal,dtype,dout_kind,with_dlse", CASES)
 def test_single_matches_reference(device, force_kernels, launched, batch, seqlen_q, seqlen_k, heads, head_dim,
                                   causal, dtype, dout_kind, with_dlse):
-    q, k, v = make_qkv(batch, seqlen_q, seqlen_k, heads[0], heads[1], head_dim, dtype, device, requires_grad=True)
-    out, lse = triflash.flash_attn_func(q, k, v, causal=causal, return_lse=True)
-    dout = dout_of_kind(dout_kind, out.shape, dtype, device)
-    dlse = torch.randn_like(lse) if with_dlse else None
-    outputs, grads_in = ((out, lse), (dout, dlse)) if with_dlse else ((out,), (dout,))
+    q, k, v, outputs, grads_in = backward_path_case(batch, seqlen_q, seqlen_k, heads, head_dim, causal, dtype,
+                                                    dout_kind, with_dlse, device)
+    dout, dlse = grads_in[0], grads_in[1] if with_dlse else None
     force_kernels(backward=dispatch.SINGLE)
     launched.clear()
     grads = torch.autograd.grad(outputs, (q, k, v), grads_in, retain_graph=True)
