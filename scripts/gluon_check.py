@@ -32,7 +32,7 @@ from triflash.kernels import backward_hopper as BH  # noqa: E402
 from triflash.kernels import decode_hopper as DH  # noqa: E402
 from triflash.kernels import forward_hopper as FH  # noqa: E402
 from triflash.kernels.common import PLAIN as PLAIN_SCORES  # noqa: E402
-from triflash.kernels.common import ScoreVariant  # noqa: E402
+from triflash.kernels.common import ScoreVariant, Varlen  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)      # (backend, compute capability, warp size)
 TYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.int32: "i32"}
@@ -167,6 +167,17 @@ def cases(variants):
                         label = f"{variant} D{d} {TYPES[dtype]} {'causal' if causal else 'full'} window{window}"
                         yield label, (lambda q=q, k=k, v=v, c=causal, var=variant, w=window:
                                       FH.forward_hopper(q, k, v, 0.1, c, variant=var, window=w))
+                    # Packed sequences (an empty one among them; varlen forwards run only when forced
+                    # until GPU-checked), alone, with a window and with every score variant.
+                    qp, kp, vp = q[0, :917], k[0], v[0]
+                    for name, window, scores in (("packed", None, PLAIN_SCORES),
+                                                 ("packed window", WINDOWS[causal][0], PLAIN_SCORES),
+                                                 ("packed softcap+alibi+sinks", None,
+                                                  ScoreVariant(5.0, torch.rand(4, 8), torch.randn(8)))):
+                        label = f"{variant} D{d} {TYPES[dtype]} {'causal' if causal else 'full'} {name}"
+                        yield label, (lambda q=qp, k=kp, v=vp, c=causal, var=variant, w=window, sc=scores:
+                                      FH.forward_hopper(q, k, v, 0.1, c, variant=var, window=w, scores=sc,
+                                                        varlen=PACKED))
                     # The score variants (flags compiled in only when used): sinks alone (raw units, a
                     # sink folded at the end) and all three ([B, Hq] slopes; natural units), fp16.
                     if dtype == torch.float16:
@@ -194,6 +205,10 @@ def _backward_inputs(variants, want):
                     label = f"{variant} D{d} {TYPES[dtype]} {'causal' if causal else 'full'}"
                     yield label, variant, q, k, v, torch.randn_like(q), stats, causal
 
+
+# Packed sequences of 300, 0, 17 and 600 queries over 500, 0, 100 and 400 keys.
+PACKED = Varlen(torch.tensor([0, 300, 300, 317, 917], dtype=torch.int32),
+                torch.tensor([0, 500, 500, 600, 1000], dtype=torch.int32), 600, 500)
 
 # The windows the forward, dK/dV and dQ cases compile with (non-causal: both edges, a right edge only,
 # a left edge only; causal: a left edge). -1: no bound on that side.

@@ -434,8 +434,8 @@ def test_which_forward_takes_the_variants(device, monkeypatch):
 
     taken = []
 
-    def stub(q, k, v, sm_scale, causal, out=None, *, variant, scores, window):
-        assert window is None
+    def stub(q, k, v, sm_scale, causal, out=None, *, variant, scores, window, varlen):
+        assert window is None and varlen is None
         taken.append((variant, scores))
         return out, torch.zeros(q.shape[0], q.shape[2], q.shape[1], device=q.device)
 

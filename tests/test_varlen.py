@@ -24,6 +24,7 @@ from helpers import (
 
 import triflash
 from triflash import api
+from triflash.kernels.common import Varlen
 
 # (queries, keys) per sequence.
 LENGTHS = [(17, 17), (0, 9), (130, 100), (1, 1), (5, 0), (40, 71), (64, 64)]
@@ -50,16 +51,7 @@ def test_varlen_forward_matches_each_sequence(device, causal, heads, head_dim, d
                                                return_lse=True)
     assert out.shape == q.shape and out.dtype == dtype
     assert lse.shape == (heads[0], q.shape[0]) and lse.dtype == torch.float32
-    for rows, keys in sequence_slices(cu_q, cu_k):
-        if rows.stop == rows.start:
-            continue
-        if keys.stop == keys.start:
-            # No key at all: every row is empty.
-            assert torch.equal(out[rows], torch.zeros_like(out[rows]))
-            assert torch.all(lse[:, rows] == float("-inf"))
-            continue
-        assert_matches_reference(out[rows][None], lse[:, rows][None], q[rows][None], k[keys][None],
-                                 v[keys][None], causal=causal)
+    _assert_each_sequence(out, lse, q, k, v, cu_q, cu_k, causal)
 
 
 @pytest.mark.parametrize("causal,heads,head_dim,dtype", _cases())
@@ -148,6 +140,135 @@ def test_varlen_backward_is_deterministic(device):
                                                 torch.float16, device, requires_grad=True)
     out = triflash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, causal=True)
     assert_20_backward_passes_equal(out, (q, k, v))
+
+
+def _assert_each_sequence(out, lse, q, k, v, cu_q, cu_k, causal, skip=(), window_size=(-1, -1), alibi_slopes=None,
+                          sinks=None):
+    """Every sequence's out and lse against its own float64 reference (2x rule); ``skip``: sequences
+    not checked. A sequence with no keys: zeros, and -inf (or the sink) for the lse."""
+    for b, (rows, keys) in enumerate(sequence_slices(cu_q, cu_k)):
+        if b in skip or rows.stop == rows.start:
+            continue
+        if keys.stop == keys.start:
+            assert torch.equal(out[rows], torch.zeros_like(out[rows]))
+            empty = sinks[:, None].expand(-1, rows.stop - rows.start) if sinks is not None else float("-inf")
+            assert torch.equal(lse[:, rows], torch.zeros_like(lse[:, rows]) + empty)
+            continue
+        variants = dict(alibi_slopes=alibi_slopes[b:b + 1], sinks=sinks) if alibi_slopes is not None else {}
+        assert_matches_reference(out[rows][None], lse[:, rows][None], q[rows][None], k[keys][None], v[keys][None],
+                                 causal=causal, window_size=window_size, **variants)
+
+
+def _poison(t, rows):
+    """NaN in these rows of a packed tensor (a copy)."""
+    t = t.detach().clone()
+    t[rows] = float("nan")
+    return t
+
+
+def test_varlen_nan_stays_in_its_sequence(device):
+    """A NaN in one sequence's queries, keys and values reaches no other sequence: a kernel that reads
+    a neighbour's rows (a tile running past its sequence's end) must mask them, and for V zero them
+    (0 * NaN is NaN)."""
+    lengths = [(130, 100), (40, 71), (64, 64), (3, 129)]
+    q, k, v, cu_q, cu_k, max_q, max_k = packed_sequences(lengths, (4, 2), 64, torch.float16, device)
+    (rq, rk), = sequence_slices(cu_q, cu_k)[1:2]
+    q, k, v = _poison(q, rq), _poison(k, rk), _poison(v, rk)
+    for causal in (False, True):
+        out, lse = triflash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, causal=causal,
+                                                   return_lse=True)
+        _assert_each_sequence(out, lse, q, k, v, cu_q, cu_k, causal, skip=(1,))
+
+
+def test_which_forward_takes_packed_sequences(device, monkeypatch):
+    """The dispatch of packed sequences, with the Hopper kernel stubbed in (any machine): the Triton
+    kernel while dispatch.GLUON_PACKED is off, unless a Gluon variant is forced; with it on, the
+    chooser's pick at the longest lengths (test_forward's chooser test: never an _ltc form); an
+    explicit config keeps Triton."""
+    from triflash.kernels import configs, dispatch, forward_hopper, sm90_common
+    from triflash.kernels.configs import FwdConfig
+
+    taken = []
+
+    def stub(q, k, v, sm_scale, causal, out=None, *, variant, scores, window, varlen):
+        assert q.dim() == 3 and varlen is not None and varlen.max_seqlen_q == max_q
+        taken.append(variant)
+        return out, torch.zeros(q.shape[1], q.shape[0], device=q.device)
+
+    monkeypatch.setattr(configs, "gluon_hopper_applies", lambda *, head_dim, dtype, device: head_dim in (64, 128))
+    monkeypatch.setattr(sm90_common, "tma_supported", lambda *tensors: all(t.dim() == 4 for t in tensors))
+    monkeypatch.setattr(forward_hopper, "forward_hopper", stub)
+    q, k, v, cu_q, cu_k, max_q, max_k = packed_sequences([(20, 20), (35, 35)], (2, 1), 128, torch.float16, device)
+    vl = Varlen(cu_q, cu_k, max_q, max_k)
+    dispatch.forward(q, k, v, 0.125, True, varlen=vl)
+    assert taken == []
+    dispatch.forward(q, k, v, 0.125, True, varlen=vl, variant="pp_persist")
+    assert taken == ["pp_persist"]
+    monkeypatch.setattr(dispatch, "GLUON_PACKED", True)
+    taken.clear()
+    dispatch.forward(q, k, v, 0.125, True, varlen=vl)
+    assert taken == ["pp_persist"]
+    taken.clear()
+    dispatch.forward(q, k, v, 0.125, True, varlen=vl, config=FwdConfig(32, 32, 4, 1))
+    assert taken == []
+
+
+# On sm_90 at head dims 64 and 128 (fp16/bf16) the Gluon forward takes packed sequences when forced
+# (dispatch.GLUON_PACKED): each variant the chooser can take, at lengths that cross the 128- and
+# 192-row query tiles and the 128-key blocks, with an empty sequence, one without keys, Sq != Sk both
+# ways; plain, with a window, with every score variant, and with NaN in one sequence.
+HOPPER = ON_GPU and torch.cuda.get_device_capability() == (9, 0)
+HOPPER_LENGTHS = [(300, 250), (0, 9), (17, 17), (200, 471), (5, 0), (700, 700), (129, 128), (1, 300)]
+
+
+def _hopper_cases():
+    from triflash.kernels import configs, dispatch
+
+    cases = []
+    for head_dim, dtype in ((64, torch.float16), (64, torch.bfloat16), (128, torch.float16), (128, torch.bfloat16)):
+        if not (HOPPER and configs.gluon_hopper_applies(head_dim=head_dim, dtype=dtype, device="cuda")):
+            continue
+        for variant in dispatch.forward_candidates(head_dim, dtype):
+            for causal in (False, True):
+                for extra in ("plain", "gqa", "window", "scores", "nan"):
+                    cases.append(pytest.param(variant, causal, head_dim, dtype, extra,
+                                              id=f"{variant}-{'causal' if causal else 'full'}-D{head_dim}-"
+                                                 f"{DTYPE_ID[dtype]}-{extra}"))
+    return cases
+
+
+HOPPER_CASES = _hopper_cases() or [
+    pytest.param(*[None] * 5, marks=pytest.mark.skip(reason="needs an sm_90 GPU (Gluon kernels)"))]
+
+
+@pytest.mark.parametrize("variant,causal,head_dim,dtype,extra", HOPPER_CASES)
+def test_hopper_forward_on_packed_sequences(device, force_kernels, monkeypatch, variant, causal, head_dim, dtype,
+                                            extra):
+    """Each Gluon forward variant, forced, on packed sequences: every sequence against its own reference
+    (2x rule), and the forced kernel is the one that ran."""
+    from triflash.kernels import forward_hopper
+
+    taken = []
+    real = forward_hopper.forward_hopper
+    monkeypatch.setattr(forward_hopper, "forward_hopper",
+                        lambda *a, **kw: taken.append((kw["variant"], kw.get("varlen") is not None)) or real(*a, **kw))
+    force_kernels(forward=variant)
+    heads = (8, 2) if extra == "gqa" else (4, 4)
+    q, k, v, cu_q, cu_k, max_q, max_k = packed_sequences(HOPPER_LENGTHS, heads, head_dim, dtype, device)
+    skip = ()
+    if extra == "nan":
+        (rq, rk), = sequence_slices(cu_q, cu_k)[3:4]
+        q, k, v, skip = _poison(q, rq), _poison(k, rk), _poison(v, rk), (3,)
+    window = ((64, 0) if causal else (100, 37)) if extra == "window" else (-1, -1)
+    variants = {}
+    if extra == "scores":
+        variants = dict(softcap=5.0, alibi_slopes=torch.rand(len(HOPPER_LENGTHS), heads[0], device=device),
+                        sinks=torch.randn(heads[0], device=device))
+    out, lse = triflash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, causal=causal, window_size=window,
+                                               return_lse=True, **variants)
+    _assert_each_sequence(out, lse, q, k, v, cu_q, cu_k, causal, skip, window,
+                          variants.get("alibi_slopes"), variants.get("sinks"))
+    assert taken == [(variant, True)]
 
 
 # -- bad input ----------------------------------------------------------------------------------------

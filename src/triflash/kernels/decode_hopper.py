@@ -37,7 +37,17 @@ from .block_ranges import causal_col_limit, split_key_range, split_program
 from .common import LOG2E, needs_int64_rows, on_input_device, partial_and_table_strides, rows_past_int32
 from .configs import GLUON_DECODE_ROWS, cdiv, gluon_hopper_applies
 from .launch import tma_compatible
-from .sm90_common import SCALAR, Ring, aggregate, constexprs, descriptor, finish_rows, softmax, to_operand
+from .sm90_common import (
+    SCALAR,
+    Ring,
+    aggregate,
+    constexprs,
+    descriptor,
+    finish_rows,
+    softmax,
+    to_operand,
+    zero_tail,
+)
 
 ROWS = gl.constexpr(GLUON_DECODE_ROWS)   # query rows per program: the wgmma M of one warpgroup
 HALF = gl.constexpr(64)      # head-dim columns per shared-memory tile (128-byte rows at 16 bits)
@@ -204,11 +214,8 @@ def _zero_tail(v_smem, first, start, hi, HALVES: gl.constexpr, BLOCK_N: gl.const
                ld_layout: gl.constexpr):
     """Zero the rows of a landed V block whose keys are at or past ``hi`` (P is 0 there, but the
     bytes may be NaN), and make the writes visible to wgmma's reads."""
-    keys = start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, ld_layout))
     for h in gl.static_range(HALVES):
-        tile = v_smem.index(first + h)
-        v = tile.load(ld_layout)
-        tile.store(gl.where((keys < hi)[:, None], v, gl.zeros_like(v)))
+        zero_tail(v_smem.index(first + h), start, hi, BLOCK_N, BLOCK_N, ld_layout)
     fence_async_shared()
     gl.thread_barrier()
 

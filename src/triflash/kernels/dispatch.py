@@ -8,8 +8,8 @@ Gluon is optional (Triton < 3.5 lacks it: ``configs.gluon_available``).
 Kernel families:
 
 * forward: the Gluon Hopper kernel (``forward_hopper``, sm_90, fp16/bf16, head dim 64/128, local
-  windows too, no packed sequences) in the variant ``forward_variant`` picks; else the portable
-  Triton kernel (``forward``) with ``configs.forward_config``'s tiles;
+  windows too; packed sequences only when forced, ``GLUON_PACKED``) in the variant ``forward_variant``
+  picks; else the portable Triton kernel (``forward``) with ``configs.forward_config``'s tiles;
 * backward: ``preprocess`` (delta, lse2), then dK/dV and dQ from the Gluon kernels
   (``backward_variant``; with a window the dK/dV-only variants) or the Triton ones
   (``configs.backward_config``); short problems on a GPU take the single-launch backward where
@@ -165,7 +165,7 @@ GLUON_WINDOW_PP3_KEYS_D64 = 4096
 
 
 def forward_variant(*, head_dim: int, dtype, device, causal: bool, seqlen_q: int, seqlen_k: int,
-                    window: tuple[int, int] | None = None) -> str:
+                    window: tuple[int, int] | None = None, packed: bool = False) -> str:
     """The forward's kernel: a Gluon variant or ``"triton"``. The rule (measured on H200 and H100,
     docs/performance-notes.md#forward-on-hopper):
 
@@ -176,7 +176,9 @@ def forward_variant(*, head_dim: int, dtype, device, causal: bool, seqlen_q: int
       ``pp_persist``; causal below 2k queries the Triton kernel (faster there). With a window that
       shows each query fewer than ``GLUON_WINDOW_MIN_KEYS_D64`` keys the Triton kernel, fewer than
       ``GLUON_WINDOW_PP3_KEYS_D64`` ``pp_persist``, and never the ``_ltc`` form (its three loops of
-      steps spill there, 88 bytes).
+      steps spill there, 88 bytes);
+    * packed sequences (``packed``; seqlen_q / seqlen_k the longest): the same, never the ``_ltc`` form
+      (it spills 312-440 bytes there, sm_90 compile).
     """
     if not configs.gluon_hopper_applies(head_dim=head_dim, dtype=dtype, device=device):
         return TRITON
@@ -191,10 +193,16 @@ def forward_variant(*, head_dim: int, dtype, device, causal: bool, seqlen_q: int
             return TRITON
         if span is not None and span < GLUON_WINDOW_PP3_KEYS_D64:
             return "pp_persist"
-    ltc = "_ltc" if dtype == torch.float16 and window is None else ""
+    ltc = "_ltc" if dtype == torch.float16 and window is None and not packed else ""
     if not causal:
         return f"pp3_persist{ltc}" if seqlen_q >= 1024 else "pp_persist"
     return f"pp3_persist{ltc}" if seqlen_k >= 2048 else "pp_persist"
+
+
+# Packed sequences (``varlen``) on the Gluon forward: only when forced (``variant`` / ``force``) until
+# the kernel has been checked and timed on a GPU; the rule then is ``forward_variant``'s at the longest
+# sequence's lengths.
+GLUON_PACKED = False
 
 
 @on_input_device
@@ -206,42 +214,43 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float, 
     1 (the [B, H, S, D] API passes a transposed one). ``varlen``: packed sequences, q / out
     [total_q, Hq, D], k / v [total_k, Hkv, D], lse [Hq, total_q]. ``window``: (left, right), -1 for
     no bound on a side. ``config`` forces the Triton kernel with those tiles; ``variant`` as in the
-    module docstring. Packed sequences run on the Triton kernel; windows and score variants
-    (``scores``) on either."""
+    module docstring. Packed sequences run on the Triton kernel unless a Gluon variant is forced
+    (``GLUON_PACKED``); windows and score variants (``scores``) on either."""
     _check_backend(q, "forward")
     max_q, max_k = (varlen.max_seqlen_q, varlen.max_seqlen_k) if varlen is not None else (q.shape[1], k.shape[1])
     causal, window = window_bounds(window, causal, max_q, max_k)
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     head_dim = q.shape[-1]
-    if varlen is not None:
-        if config is None:
-            config = configs.forward_config(head_dim=head_dim, dtype=q.dtype, causal=causal,
-                                            batch_heads=varlen.batch * q.shape[1], seqlen_q=varlen.max_seqlen_q,
-                                            device=q.device)
-        return triton_forward.run_varlen(q, k, v, out, sm_scale, causal, config, varlen, window, scores)
-    batch, seqlen_q, heads_q, _ = q.shape
-    seqlen_k = k.shape[1]
-    if out.numel() == 0 or seqlen_k == 0:
-        lse = torch.empty((batch, heads_q, seqlen_q), dtype=torch.float32, device=q.device)
-        if out.numel():
-            out.zero_()                   # no key at all: every row is empty by definition
-            scores.fill_empty_lse(lse)
-        return out, lse
+    heads_q = q.shape[-2]
+    if varlen is None:
+        batch = q.shape[0]
+        if out.numel() == 0 or max_k == 0:
+            lse = torch.empty((batch, heads_q, max_q), dtype=torch.float32, device=q.device)
+            if out.numel():
+                out.zero_()                   # no key at all: every row is empty by definition
+                scores.fill_empty_lse(lse)
+            return out, lse
+    else:
+        batch = varlen.batch
     if config is None:
-        variant = variant or _forced_variant("forward") or (
-            forward_variant(head_dim=head_dim, dtype=q.dtype, device=q.device, causal=causal, seqlen_q=seqlen_q,
-                            seqlen_k=seqlen_k, window=window)
-            if gluon_takes(scores, GLUON_FORWARD_SCORES, head_dim) else TRITON)
+        variant = variant or _forced_variant("forward")
+        if variant is None:
+            rule = (varlen is None or GLUON_PACKED) and gluon_takes(scores, GLUON_FORWARD_SCORES, head_dim)
+            variant = forward_variant(head_dim=head_dim, dtype=q.dtype, device=q.device, causal=causal,
+                                      seqlen_q=max_q, seqlen_k=max_k, window=window,
+                                      packed=varlen is not None) if rule else TRITON
         if variant != TRITON and configs.gluon_hopper_applies(head_dim=head_dim, dtype=q.dtype, device=q.device):
             from . import forward_hopper, sm90_common
 
-            if sm90_common.tma_supported(q, k, v, out):
+            views = (q, k, v, out) if varlen is None else (q[None], k[None], v[None], out[None])
+            if sm90_common.tma_supported(*views):
                 return forward_hopper.forward_hopper(q, k, v, sm_scale, causal, out=out, variant=variant,
-                                                     scores=scores, window=window)
-    if config is None:
+                                                     scores=scores, window=window, varlen=varlen)
         config = configs.forward_config(head_dim=head_dim, dtype=q.dtype, causal=causal,
-                                        batch_heads=batch * heads_q, seqlen_q=seqlen_q, device=q.device)
+                                        batch_heads=batch * heads_q, seqlen_q=max_q, device=q.device)
+    if varlen is not None:
+        return triton_forward.run_varlen(q, k, v, out, sm_scale, causal, config, varlen, window, scores)
     return triton_forward.run(q, k, v, out, sm_scale, causal, config, window, scores)
 
 

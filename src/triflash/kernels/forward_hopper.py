@@ -43,15 +43,17 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from . import launch
 from .block_ranges import causal_key_range, window_kernel_args
 from .common import PLAIN as NO_SCORES
-from .common import ScoreVariant, on_input_device
+from .common import ScoreVariant, Varlen, on_input_device
 from .configs import cdiv, sm_count
 from .sm90_common import (
     PAIRED,
     PLAIN,
     PRODUCER_REGS,
     REGISTER_FILE,
+    SCALAR,
     SMEM,
     SNAKE,
+    Packed,
     Ring,
     ScoreArgs,
     Tiles,
@@ -66,6 +68,7 @@ from .sm90_common import (
     score_launch_args,
     softmax,
     to_operand,
+    zero_tail,
 )
 
 # --------------------------------------------------------------------------------------------------
@@ -133,7 +136,8 @@ class FwdConfig:
     """The compile-time configuration of a launch (the kernel's constexpr arguments) and the register
     layouts of a consumer warpgroup: wgmma accumulators S [ROWS, BLOCK_N] and O [ROWS, HEAD_DIM] with
     the warps stacked along the rows (every row lives in one warp: row reductions need no shared
-    memory); P as the A operand of P V; LTC's row-sum accumulator [ROWS, 8] and its A operand."""
+    memory); P as the A operand of P V; LTC's row-sum accumulator [ROWS, 8] and its A operand;
+    ``ld_layout``, 16-byte vectors along a row, for packed sequences' reads and writes of shared tiles."""
     HEAD_DIM: gl.constexpr
     ROWS: gl.constexpr
     NUM_WG: gl.constexpr
@@ -155,6 +159,7 @@ class FwdConfig:
     pl_layout: gl.constexpr
     row_layout: gl.constexpr
     col_layout: gl.constexpr
+    ld_layout: gl.constexpr
 
     @gluon.constexpr_function
     def __init__(self, HEAD_DIM, ROWS, NUM_WG, BLOCK_N, STAGES, IS_CAUSAL, OVERLAP, PINGPONG, ORDER, LTC, SKIP,
@@ -171,14 +176,18 @@ class FwdConfig:
         constexprs(self, WARPS=warps, SYNC=warps > 4, s_layout=s, o_layout=o,
                    p_layout=gl.DotOperandLayout(operand_index=0, parent=o, k_width=2), l_layout=l,
                    pl_layout=gl.DotOperandLayout(operand_index=0, parent=l, k_width=2),
-                   row_layout=gl.SliceLayout(1, s), col_layout=gl.SliceLayout(0, s))
+                   row_layout=gl.SliceLayout(1, s), col_layout=gl.SliceLayout(0, s),
+                   ld_layout=gl.BlockedLayout([1, 8], [256 // self.HEAD_DIM.value, self.HEAD_DIM.value // 8],
+                                              [warps, 1], [1, 0]))
 
 
 @aggregate
 class FwdIO:
     """The tensors a launch reads and writes (Q, K, V, O through TMA descriptors, the LSE by pointer),
     the softmax scales (the online softmax's qk_scale and the epilogue's sm_scale: the units of the
-    running max) and the score variants (``scores``)."""
+    running max) and the score variants (``scores``). Packed sequences write O by pointer (``O``, its
+    token and head strides; a TMA store would overwrite the next sequence's rows) and the LSE
+    [Hq, total_q] with head stride ``stride_lh``; dense launches pass None for the four."""
     q_desc: tma.tensor_descriptor
     k_desc: tma.tensor_descriptor
     v_desc: tma.tensor_descriptor
@@ -187,11 +196,17 @@ class FwdIO:
     sm_scale: gl.tensor
     qk_scale: gl.tensor
     scores: ScoreArgs
+    O: SCALAR
+    stride_ot: SCALAR
+    stride_oh: SCALAR
+    stride_lh: SCALAR
 
     @gluon.constexpr_function
-    def __init__(self, q_desc, k_desc, v_desc, o_desc, LSE, sm_scale, qk_scale, scores):
+    def __init__(self, q_desc, k_desc, v_desc, o_desc, LSE, sm_scale, qk_scale, scores, O, stride_ot, stride_oh,
+                 stride_lh):
         self.q_desc, self.k_desc, self.v_desc, self.o_desc = q_desc, k_desc, v_desc, o_desc
         self.LSE, self.sm_scale, self.qk_scale, self.scores = LSE, sm_scale, qk_scale, scores
+        constexprs(self, O=O, stride_ot=stride_ot, stride_oh=stride_oh, stride_lh=stride_lh)
 
 
 @aggregate
@@ -249,7 +264,8 @@ class FwdShared:
 
 @gluon.jit
 def _load_q(cfg, io, sh, off_b, off_h, start_m, phase):
-    """The query tiles of one tile, one per consumer warpgroup, each once its previous one is free."""
+    """The query tiles of one tile, one per consumer warpgroup, each once its previous one is free
+    (``off_b``: the descriptor's batch index; ``start_m``: the tile's first row in the descriptor)."""
     for w in gl.static_range(cfg.NUM_WG):
         sh.q.acquire_at(w, phase ^ 1)                      # a fresh barrier passes parity 1 at once
         sh.q.expect(w, io.q_desc.block_type.nbytes)
@@ -264,7 +280,15 @@ def _producer(cfg, tiles, io, sh):
     n_done = 0
     for item in range(gl.program_id(0), tiles.bound(), gl.num_programs(0)):
         for half in range(2 if cfg.ORDER == PAIRED else 1):
-            pid_bh, off_b, off_h, off_hk, start_m, first, n_blocks, valid = tiles.coords(item, half)
+            if tiles.packed.ON:
+                # Batch index 0 of the [1, total, H, D] views; rows from the sequence's first.
+                pid_bh, off_b, off_h, off_hk, start_m, first, n_blocks, valid, q0, k0, _, _ = \
+                    tiles.packed_coords(item, half)
+                off_b = 0
+                start_m += q0
+            else:
+                pid_bh, off_b, off_h, off_hk, start_m, first, n_blocks, valid = tiles.coords(item, half)
+                k0 = 0
             if valid:
                 if tiles.window.ON:                # (a compile-time choice: see _consumer's WINDOW)
                     no_blocks = n_blocks <= first
@@ -275,7 +299,7 @@ def _producer(cfg, tiles, io, sh):
                 for j in range(first, n_blocks):
                     s = sh.k.index(kv)
                     empty_phase = sh.k.phase(kv) ^ 1
-                    start_n = j * cfg.BLOCK_N
+                    start_n = k0 + j * cfg.BLOCK_N
                     # K first: the consumers need K_j (for S_j) before V_j (for the PV product one
                     # step later). A tile's K_0 goes before its query tiles: its ring slot is free
                     # earlier than they are (released after the previous tile's last S product).
@@ -410,6 +434,31 @@ def _pass_blocks(cfg, sh, WG: gl.constexpr, kv, turn, n_mine, n_blocks):
 
 
 @gluon.jit
+def _zero_keys_past(cfg, v_tile, j, seqlen_k):
+    """Packed sequences: before P V of key block j, zero the rows of its V tile past the sequence's
+    keys (``zero_tail``; a no-op unless the block reaches past seqlen_k), visible to wgmma."""
+    if (j + 1) * cfg.BLOCK_N > seqlen_k:
+        zero_tail(v_tile, j * cfg.BLOCK_N, seqlen_k, cfg.BLOCK_N, 16, cfg.ld_layout)
+        fence_async_shared()
+        gl.thread_barrier()
+
+
+@gluon.jit
+def _store_packed(cfg, io, o_tile, out, row, off_h, n_rows):
+    """Packed sequences: write a warpgroup's output rows, the first at ``row`` of the packed out, the
+    ones from ``n_rows`` on (past the sequence's end: the next sequence's rows) not at all. Through
+    the warpgroup's shared-memory tile, to store whole 16-byte vectors along each row."""
+    gl.thread_barrier()                   # every warp has read the tile's previous rows
+    o_tile.store(out)
+    gl.thread_barrier()
+    vals = o_tile.load(cfg.ld_layout)
+    r = gl.arange(0, cfg.ROWS, layout=gl.SliceLayout(1, cfg.ld_layout))
+    c = gl.arange(0, cfg.HEAD_DIM, layout=gl.SliceLayout(0, cfg.ld_layout))
+    ptrs = io.O + (row + r).to(gl.int64)[:, None] * io.stride_ot + off_h * io.stride_oh + c[None, :]
+    gl.store(ptrs, vals, mask=(r < n_rows)[:, None])
+
+
+@gluon.jit
 def _consumer(cfg, WG: gl.constexpr, tiles, io, sh):
     """Consumer warpgroup WG: for each of the CTA's tiles, ROWS query rows (from start_m + WG * ROWS)
     against key blocks [first, n_blocks) (first = 0 without a window; SKIP: computes on the first
@@ -445,7 +494,13 @@ def _consumer(cfg, WG: gl.constexpr, tiles, io, sh):
     n_done = 0
     for item in range(gl.program_id(0), tiles.bound(), gl.num_programs(0)):
         for half in range(2 if cfg.ORDER == PAIRED else 1):
-            pid_bh, off_b, off_h, off_hk, start_m, first, n_blocks, valid = tiles.coords(item, half)
+            if tiles.packed.ON:
+                # The tile's sequence: rows, key blocks and lengths count from its start (q0, k0).
+                pid_bh, off_b, off_h, off_hk, start_m, first, n_blocks, valid, q0, k0, seqlen_q, seqlen_k = \
+                    tiles.packed_coords(item, half)
+                causal_offset = seqlen_k - seqlen_q
+            else:
+                pid_bh, off_b, off_h, off_hk, start_m, first, n_blocks, valid = tiles.coords(item, half)
             if valid:
                 row0 = start_m + WG * ROWS
                 rows = row0 + gl.arange(0, ROWS, layout=row_layout)             # [ROWS] query positions
@@ -553,6 +608,8 @@ def _consumer(cfg, WG: gl.constexpr, tiles, io, sh):
                         lc = kv + n_mine - 1 - first
                         lst = sh.v.index(lc)
                         sh.v.wait(lc)
+                        if tiles.packed.ON:   # (only the last block can reach past the sequence's keys)
+                            _zero_keys_past(cfg, sh.v.tile(lst), n_mine - 1, seqlen_k)
                         sh.turns.begin(turn + n_mine - first, WG)
                         o_tok, l_tok, p_l = _pv_issue(cfg, sh, p, sh.v.tile(lst), acc, l_acc)
                         sh.turns.end(WG)
@@ -589,6 +646,8 @@ def _consumer(cfg, WG: gl.constexpr, tiles, io, sh):
                             acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
                             p = gl.convert_layout(p.to(dtype), cfg.p_layout)
                             sh.v.wait_at(st, ph)
+                            if tiles.packed.ON:
+                                _zero_keys_past(cfg, sh.v.tile(st), j, seqlen_k)
                             sh.turns.begin(turn + 2 * (j - first) + 1, WG)
                             o_tok = warpgroup_mma(p, sh.v.tile(st), acc, is_async=True)
                             sh.turns.end(WG)
@@ -620,16 +679,20 @@ def _consumer(cfg, WG: gl.constexpr, tiles, io, sh):
                     acc, m_i, l_i = fold_sink(acc, m_i, l_i, io.scores.sink(off_h), io.sm_scale, qk_scale, o_layout)
                 lse, inv_l = finish_rows(m_i, l_i, io.sm_scale, o_layout)
                 out = (acc * inv_l[:, None]).to(dtype)
-                gl.store(io.LSE + pid_bh.to(gl.int64) * seqlen_q + rows, lse, mask=rows < seqlen_q)
-                # O goes out through this warpgroup's own shared-memory tile and one TMA store, which
-                # drops the rows past seqlen_q. The previous tile's store must have finished reading
-                # the tile first (store_wait is per issuing thread, so a barrier follows it); the fence
-                # orders these generic writes before the async proxy's read.
-                tma.store_wait(0)
-                gl.thread_barrier()
-                o_tile.store(out)
-                fence_async_shared()
-                tma.async_copy_shared_to_global(io.o_desc, [off_b, row0, off_h, 0], o_tile)
+                if tiles.packed.ON:
+                    gl.store(io.LSE + off_h.to(gl.int64) * io.stride_lh + q0 + rows, lse, mask=rows < seqlen_q)
+                    _store_packed(cfg, io, o_tile, out, q0 + row0, off_h, seqlen_q - row0)
+                else:
+                    gl.store(io.LSE + pid_bh.to(gl.int64) * seqlen_q + rows, lse, mask=rows < seqlen_q)
+                    # O goes out through this warpgroup's own shared-memory tile and one TMA store,
+                    # which drops the rows past seqlen_q. The previous tile's store must have finished
+                    # reading the tile first (store_wait is per issuing thread, so a barrier follows
+                    # it); the fence orders these generic writes before the async proxy's read.
+                    tma.store_wait(0)
+                    gl.thread_barrier()
+                    o_tile.store(out)
+                    fence_async_shared()
+                    tma.async_copy_shared_to_global(io.o_desc, [off_b, row0, off_h, 0], o_tile)
                 n_done += 1
     tma.store_wait(0)
 
@@ -641,30 +704,33 @@ def _consumer(cfg, WG: gl.constexpr, tiles, io, sh):
 # Sequence lengths and head counts are not specialised on (divisibility by 16, value 1): the kernel
 # does not use those facts, and each specialisation would be one more compile.
 @gluon.jit(do_not_specialize=["num_heads_q", "kv_group_size", "seqlen_q", "seqlen_k", "num_m_blocks",
-                              "num_items", "section", "window_left", "window_right"])
+                              "num_items", "section", "window_left", "window_right", "stride_lh"])
 def _attn_fwd_hopper_kernel(
     q_desc, k_desc, v_desc, o_desc, LSE,
     num_heads_q, kv_group_size, seqlen_q, seqlen_k, num_m_blocks, num_items, section,
     sm_scale, qk_scale,
     score_scale, tanh_scale, softcap, ALIBI_SLOPES, stride_ab, stride_ah, SINKS,   # score variants, else None
     window_left, window_right,                                                     # a window, else None
+    CU_SEQLENS_Q, CU_SEQLENS_K, O, stride_ot, stride_oh, stride_lh,                # packed, else None
     HEAD_DIM: gl.constexpr, ROWS: gl.constexpr, NUM_WG: gl.constexpr, BLOCK_N: gl.constexpr,
     STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr,
     ORDER: gl.constexpr, PRODUCER_REGS_: gl.constexpr, CONSUMER_REGS_: gl.constexpr,
     LTC: gl.constexpr, SKIP: gl.constexpr,
     SOFTCAP: gl.constexpr = False, ALIBI: gl.constexpr = False, HAS_SINKS: gl.constexpr = False,
-    HAS_LEFT: gl.constexpr = False, HAS_RIGHT: gl.constexpr = False,
+    HAS_LEFT: gl.constexpr = False, HAS_RIGHT: gl.constexpr = False, PACKED: gl.constexpr = False,
 ):
     """A program takes work items pid, pid + grid, ... of num_items; an item is one tile (BLOCK_M =
     ROWS * NUM_WG query rows of one (batch, query head)) or, ORDER == PAIRED, two (``tile_coords``). With
-    grid = num_items (not persistent) that is one item per program."""
+    grid = num_items (not persistent) that is one item per program. PACKED: packed sequences
+    (``Packed``), seqlen_q / seqlen_k the longest."""
     dtype: gl.constexpr = q_desc.dtype
     cfg = FwdConfig(HEAD_DIM, ROWS, NUM_WG, BLOCK_N, STAGES, IS_CAUSAL, OVERLAP, PINGPONG, ORDER, LTC, SKIP, dtype)
     tiles = Tiles(num_items, section, num_m_blocks, num_heads_q, kv_group_size, seqlen_q, seqlen_k,
-                  Window(window_left, window_right, HAS_LEFT, HAS_RIGHT), ROWS * NUM_WG, BLOCK_N, IS_CAUSAL, ORDER)
+                  Window(window_left, window_right, HAS_LEFT, HAS_RIGHT), Packed(CU_SEQLENS_Q, CU_SEQLENS_K, PACKED),
+                  ROWS * NUM_WG, BLOCK_N, IS_CAUSAL, ORDER)
     scores = ScoreArgs(score_scale, tanh_scale, softcap, ALIBI_SLOPES, stride_ab, stride_ah, SINKS, SOFTCAP, ALIBI,
                        HAS_SINKS)
-    io = FwdIO(q_desc, k_desc, v_desc, o_desc, LSE, sm_scale, qk_scale, scores)
+    io = FwdIO(q_desc, k_desc, v_desc, o_desc, LSE, sm_scale, qk_scale, scores, O, stride_ot, stride_oh, stride_lh)
 
     # -- shared memory: query and output tiles, the K/V ring, barriers --
     tile_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
@@ -804,7 +870,7 @@ def snake_section(num_bh: int, num_m_blocks: int, block_m: int, block_n: int, se
 def forward_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float, causal: bool,
                    out: torch.Tensor | None = None, *, variant: str, order: str | None = None,
                    section: int | None = None, scores: ScoreVariant = NO_SCORES,
-                   window: tuple[int, int] | None = None):
+                   window: tuple[int, int] | None = None, varlen: Varlen | None = None):
     """``forward()``'s contract on the Hopper kernel: q [B, Sq, Hq, D], k/v [B, Sk, Hkv, D];
     returns (out [B, Sq, Hq, D] in q's dtype, lse [B, Hq, Sq] float32, natural log). ``out`` may be a
     preallocated strided view. ``variant``: a key of VARIANTS (the forward takes the one
@@ -815,28 +881,48 @@ def forward_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: 
     None: 1 for plain, ``snake_section``'s pick for snake. ``scores``: softcap, ALiBi and sinks
     ([Note: score variants] in common.py), validated. ``window``: (left, right) as
     ``block_ranges.window_bounds`` returns it (causal folded in), or None; windowed launches walk the
-    tiles in the plain order (their tiles cost about the same) and do not skip per warpgroup."""
+    tiles in the plain order (their tiles cost about the same) and do not skip per warpgroup.
+    ``varlen``: packed sequences (``common.Varlen``): q / out [total_q, Hq, D], k / v [total_k, Hkv, D],
+    lse [Hq, total_q]; the grid and tile order are those of a batch of the longest sequences, whose
+    tiles past a sequence's end do no work."""
     if order is not None and (not isinstance(order, str) or order not in ORDERS):
         raise ValueError(f"order must be one of {sorted(ORDERS)} or None; got order={order!r}")
     if section is not None and (not isinstance(section, int) or isinstance(section, bool) or section < 1):
         raise ValueError(f"section must be a positive int or None; got section={section!r}")
-    batch, seqlen_q, heads_q, head_dim = q.shape
-    _, seqlen_k, heads_k, _ = k.shape
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    lse = torch.empty((batch, heads_q, seqlen_q), dtype=torch.float32, device=q.device)
-    if out.numel() == 0:
-        return out, lse
-    if seqlen_k == 0:
-        out.zero_()
-        scores.fill_empty_lse(lse)
-        return out, lse
+    if varlen is not None:
+        lse = torch.empty((q.shape[1], q.shape[0]), dtype=torch.float32, device=q.device)
+        if out.numel() and not k.shape[0]:
+            out.zero_()                   # no key in any sequence: every row is empty
+            scores.fill_empty_lse(lse.unsqueeze(0))
+        if not out.numel() or not k.shape[0]:
+            return out, lse
+        packed = dict(CU_SEQLENS_Q=varlen.cu_seqlens_q, CU_SEQLENS_K=varlen.cu_seqlens_k, O=out,
+                      stride_ot=out.stride(0), stride_oh=out.stride(1), stride_lh=lse.stride(0), PACKED=True)
+        q, k, v, out_4d = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), out.unsqueeze(0)
+        batch, seqlen_q, seqlen_k = varlen.batch, varlen.max_seqlen_q, varlen.max_seqlen_k
+        heads_q, head_dim = q.shape[2:]
+        heads_k = k.shape[2]
+    else:
+        packed = dict(CU_SEQLENS_Q=None, CU_SEQLENS_K=None, O=None, stride_ot=None, stride_oh=None, stride_lh=None,
+                      PACKED=False)
+        out_4d = out
+        batch, seqlen_q, heads_q, head_dim = q.shape
+        _, seqlen_k, heads_k, _ = k.shape
+        lse = torch.empty((batch, heads_q, seqlen_q), dtype=torch.float32, device=q.device)
+        if out.numel() == 0:
+            return out, lse
+        if seqlen_k == 0:
+            out.zero_()
+            scores.fill_empty_lse(lse)
+            return out, lse
     cfg = variant_config(variant, head_dim)
     if cfg["ltc"] and q.dtype != torch.float16:
         raise ValueError(f"variant {variant!r} sums the rows of an fp16 P on the tensor cores and takes "
                          f"float16 inputs; got q.dtype={q.dtype}")
     q_desc = descriptor(q, cfg["rows"], head_dim)
-    o_desc = descriptor(out, cfg["rows"], head_dim)
+    o_desc = descriptor(out_4d, cfg["rows"], head_dim)
     k_desc = descriptor(k, cfg["block_n"], head_dim)
     v_desc = descriptor(v, cfg["block_n"], head_dim)
     num_m_blocks = cdiv(seqlen_q, cfg["block_m"])
@@ -846,6 +932,8 @@ def forward_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: 
     if order is None:
         order = "plain" if window is not None else tile_order(causal, cfg["persistent"], cfg["block_m"])
     num_items = batch * heads_q * ((num_m_blocks + 1) // 2) if order == "paired" else num_tiles
+    if num_items == 0:
+        return out, lse                  # packed: no sequence has a query (max_seqlen_q is 0)
     grid = min(num_items, sms) if cfg["persistent"] else num_items
     if section is None:
         section = 1
@@ -864,7 +952,7 @@ def forward_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: 
         HEAD_DIM=head_dim, ROWS=cfg["rows"], NUM_WG=cfg["num_wg"], BLOCK_N=cfg["block_n"],
         STAGES=cfg["stages"], IS_CAUSAL=causal, OVERLAP=cfg["overlap"], PINGPONG=cfg["pingpong"],
         ORDER=ORDERS[order], LTC=cfg["ltc"], SKIP=cfg["skip"] and causal and window is None,
-        **window_kernel_args(window),
+        **window_kernel_args(window), **packed,
         PRODUCER_REGS_=PRODUCER_REGS, CONSUMER_REGS_=cfg["consumer_regs"],
         num_warps=cfg["num_warps"], maxnreg=cfg["maxnreg"],
     )

@@ -210,9 +210,39 @@ class Window:
 
 
 @aggregate
+class Packed:
+    """Where each batch entry's sequence lies in the kernel's tensors. Dense (ON False): batch entry b
+    is index b of the descriptors' batch dimension, every sequence seqlen_q queries and seqlen_k keys
+    long. Packed sequences (ON; ``flash_attn_varlen_func``): the tensors are [1, total, H, D] views of
+    the packed ones, sequence b owns rows cu_q[b] .. cu_q[b + 1] - 1 of q (and of out, lse) and
+    cu_k[b] .. cu_k[b + 1] - 1 of k and v, and seqlen_q / seqlen_k are the longest lengths (which
+    size the grid). A TMA box that runs past a sequence's end reads the next one's rows: their
+    scores are masked like keys past seqlen_k, the V rows are zeroed before P V (``zero_tail``), and
+    the output rows past the end are not written (``FwdIO.store_out``)."""
+    cu_q: SCALAR
+    cu_k: SCALAR
+    ON: gl.constexpr
+
+    @gluon.constexpr_function
+    def __init__(self, cu_q, cu_k, ON):
+        constexprs(self, cu_q=cu_q, cu_k=cu_k, ON=ON)
+
+    @gluon.jit
+    def sequence(self, off_b, valid):
+        """Batch entry off_b's (first query row, first key row, seqlen_q, seqlen_k) in the packed
+        tensors (ON only; an entry that is not ``valid`` reads nothing and is empty)."""
+        q0 = gl.load(self.cu_q + off_b, mask=valid, other=0)
+        q1 = gl.load(self.cu_q + off_b + 1, mask=valid, other=0)
+        k0 = gl.load(self.cu_k + off_b, mask=valid, other=0)
+        k1 = gl.load(self.cu_k + off_b + 1, mask=valid, other=0)
+        return q0, k0, q1 - q0, k1 - k0
+
+
+@aggregate
 class Tiles:
     """The persistent tile walk (``tile_coords``): a program takes work items pid, pid + grid, ...
-    below ``bound()``, each one tile or (PAIRED) two. Every partition walks it with the same fields."""
+    below ``bound()``, each one tile or (PAIRED) two. Every partition walks it with the same fields.
+    ``packed``: the sequences' layout (``Packed``)."""
     num_items: SCALAR
     section: SCALAR
     num_m_blocks: SCALAR
@@ -221,6 +251,7 @@ class Tiles:
     seqlen_q: SCALAR
     seqlen_k: SCALAR
     window: Window
+    packed: Packed
     BLOCK_M: gl.constexpr
     BLOCK_N: gl.constexpr
     IS_CAUSAL: gl.constexpr
@@ -228,8 +259,9 @@ class Tiles:
 
     @gluon.constexpr_function
     def __init__(self, num_items, section, num_m_blocks, num_heads_q, kv_group_size, seqlen_q, seqlen_k, window,
-                 BLOCK_M, BLOCK_N, IS_CAUSAL, ORDER):
+                 packed, BLOCK_M, BLOCK_N, IS_CAUSAL, ORDER):
         self.window = window
+        self.packed = packed
         constexprs(self, num_items=num_items, section=section, num_m_blocks=num_m_blocks, num_heads_q=num_heads_q,
                    kv_group_size=kv_group_size, seqlen_q=seqlen_q, seqlen_k=seqlen_k, BLOCK_M=BLOCK_M,
                    BLOCK_N=BLOCK_N, IS_CAUSAL=IS_CAUSAL, ORDER=ORDER)
@@ -251,6 +283,25 @@ class Tiles:
         return tile_coords(item, half, self.num_m_blocks, self.num_heads_q, self.kv_group_size, self.seqlen_q,
                            self.seqlen_k, self.num_items, self.section, self.window, self.BLOCK_M, self.BLOCK_N,
                            self.IS_CAUSAL, self.ORDER)
+
+    @gluon.jit
+    def packed_coords(self, item, half):
+        """``coords`` for packed sequences (``packed.ON``), with the tile's sequence: (pid_bh, batch,
+        query head, kv head, first query row, first and end key block, valid, first query row and
+        first key row of the sequence in the packed tensors, its seqlen_q and seqlen_k). Query
+        rows and key blocks count from the sequence's start; a tile past its sequence's end (the
+        grid is sized by the longest one) is not valid."""
+        pid_m, pid_bh, valid = tile_index(item, half, self.num_m_blocks, self.num_items, self.section,
+                                          self.IS_CAUSAL, self.ORDER)
+        off_b = pid_bh // self.num_heads_q
+        off_h = pid_bh % self.num_heads_q
+        start_m = pid_m * self.BLOCK_M
+        q0, k0, seqlen_q, seqlen_k = self.packed.sequence(off_b, valid)
+        valid = valid & (start_m < seqlen_q)
+        first, n_blocks = tile_key_blocks(start_m, seqlen_q, seqlen_k, self.window, self.BLOCK_M, self.BLOCK_N,
+                                          self.IS_CAUSAL)
+        return pid_bh, off_b, off_h, off_h // self.kv_group_size, start_m, first, n_blocks, valid, q0, k0, \
+            seqlen_q, seqlen_k
 
 
 @gluon.jit
@@ -292,6 +343,18 @@ def tile_coords(item, half, num_m_blocks, num_heads_q, kv_group_size, seqlen_q, 
       ones in reverse: a program that took a heavy tile in one round takes a light one in the next.
       The loads even out to within a fraction of a tile (longest-processing-time scheduling, up to
       the ties), where PAIRED leaves the last round's remainder of whole items."""
+    pid_m, pid_bh, valid = tile_index(item, half, num_m_blocks, num_items, section, IS_CAUSAL, ORDER)
+    off_b = pid_bh // num_heads_q
+    off_h = pid_bh % num_heads_q
+    off_hk = off_h // kv_group_size
+    start_m = pid_m * BLOCK_M
+    first, n_blocks = tile_key_blocks(start_m, seqlen_q, seqlen_k, window, BLOCK_M, BLOCK_N, IS_CAUSAL)
+    return pid_bh, off_b, off_h, off_hk, start_m, first, n_blocks, valid
+
+
+@gluon.jit
+def tile_index(item, half, num_m_blocks, num_items, section, IS_CAUSAL: gl.constexpr, ORDER: gl.constexpr):
+    """``tile_coords``' walk: work item (and half of it) -> (query block, (batch, head) index, valid)."""
     if ORDER == PAIRED:
         half_m = (num_m_blocks + 1) // 2
         pid_bh = item // half_m
@@ -313,17 +376,21 @@ def tile_coords(item, half, num_m_blocks, num_heads_q, kv_group_size, seqlen_q, 
         pid_m = item % num_m_blocks
         pid_bh = item // num_m_blocks
         valid = True
-    off_b = pid_bh // num_heads_q
-    off_h = pid_bh % num_heads_q
-    off_hk = off_h // kv_group_size
-    start_m = pid_m * BLOCK_M
+    return pid_m, pid_bh, valid
+
+
+@gluon.jit
+def tile_key_blocks(start_m, seqlen_q, seqlen_k, window, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                    IS_CAUSAL: gl.constexpr):
+    """The query rows [start_m, start_m + BLOCK_M)'s key blocks [first, end): without a window
+    first = 0 (a constant) and none above the last row's causal diagonal; with one the window's."""
     if window.ON:
         first, _, _, n_blocks = window.key_blocks(start_m, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N)
     else:
         first = 0
         _, hi = causal_key_range(start_m, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, IS_CAUSAL)
         n_blocks = gl.cdiv(hi, BLOCK_N)
-    return pid_bh, off_b, off_h, off_hk, start_m, first, n_blocks, valid
+    return first, n_blocks
 
 
 @gluon.jit
@@ -495,6 +562,21 @@ def fold_sink(acc, m_i, l_i, sink, sm_scale, qk_scale, o_layout: gl.constexpr):
     l_new = l_i * alpha + gl.exp2((sink_m - m_safe) * qk_scale)
     acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
     return acc, m_new, l_new
+
+
+@gluon.jit
+def zero_tail(tile, start, hi, N: gl.constexpr, CHUNK: gl.constexpr, ld_layout: gl.constexpr):
+    """Zero the rows of a landed V tile ([N, D] in a ring slot) whose keys (start + row) are at or past
+    ``hi``. P is 0 there, but a TMA box past a sequence's end reads whatever lies there (a cache from
+    torch.empty, the next packed sequence) and 0 * NaN is NaN on the tensor cores. In pieces of CHUNK
+    rows (CHUNK * D / 128 values per thread), only those that hold such rows; warpgroups that share the
+    slot may zero it at once (each writes the same values). The caller fences for wgmma's reads."""
+    for r in gl.static_range(0, N, CHUNK):
+        if start + (r + CHUNK) > hi:
+            part = tile.slice(r, CHUNK)
+            keys = start + r + gl.arange(0, CHUNK, layout=gl.SliceLayout(1, ld_layout))
+            v = part.load(ld_layout)
+            part.store(gl.where((keys < hi)[:, None], v, gl.zeros_like(v)))
 
 
 @gluon.jit
