@@ -95,6 +95,10 @@ VARIANTS = {
     # The fused, deterministic one-pass form (docs/hopper.md#deterministic-dq-in-one-pass): not chosen
     # (dkdv is faster), kept as the base of a one-pass backward and tested on the GPU.
     "split": {64: _SPLIT},
+    # The same pass with the writer adding dQ's partials through atomics, in no fixed order: no turns
+    # to wait for, not bit-reproducible (issue 27's fast path; docs/hopper.md#atomic-dq-in-one-pass).
+    # Forced only until timed on a GPU.
+    "split_atomic": {64: dict(_SPLIT, atomic=True)},
 }
 
 
@@ -116,6 +120,7 @@ def computes_dq(variant: str) -> bool:
 def variant_config(variant: str, head_dim: int) -> dict:
     cfg = dict(VARIANTS[variant][head_dim])
     cfg["num_warps"] = 4
+    cfg.setdefault("atomic", False)
     if cfg["dq"]:
         # Four warpgroups at launch: two consumers, the writer, and the producer's warp (Triton pads it
         # to a warpgroup), each thread with maxnreg registers: 128, the whole register file. setmaxnreg
@@ -137,7 +142,8 @@ def variant_config(variant: str, head_dim: int) -> dict:
 
 @aggregate
 class BwdConfig:
-    """The compile-time configuration of a dK/dV launch."""
+    """The compile-time configuration of a dK/dV launch (ATOMIC: the fused form's writer adds dQ
+    through atomics instead of in turn)."""
     HEAD_DIM: gl.constexpr
     BLOCK_M: gl.constexpr
     BLOCK_N: gl.constexpr
@@ -146,11 +152,12 @@ class BwdConfig:
     IS_CAUSAL: gl.constexpr
     NUM_WG: gl.constexpr
     DQ: gl.constexpr
+    ATOMIC: gl.constexpr
 
     @gluon.constexpr_function
-    def __init__(self, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, DQ_BUFS, IS_CAUSAL, NUM_WG, DQ):
+    def __init__(self, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, DQ_BUFS, IS_CAUSAL, NUM_WG, DQ, ATOMIC):
         constexprs(self, HEAD_DIM=HEAD_DIM, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, STAGES=STAGES, DQ_BUFS=DQ_BUFS,
-                   IS_CAUSAL=IS_CAUSAL, NUM_WG=NUM_WG, DQ=DQ)
+                   IS_CAUSAL=IS_CAUSAL, NUM_WG=NUM_WG, DQ=DQ, ATOMIC=ATOMIC)
 
 
 @aggregate
@@ -585,36 +592,50 @@ def _bwd_writer(cfg, work, io, sh, THREADS: gl.constexpr):
     rows0 = gl.arange(0, CHUNK, layout=gl.SliceLayout(1, layout))
     dims = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, layout))
     offs = rows0[:, None] * HEAD_DIM + dims[None, :]
-    for j in range(0, n_steps, 2):
-        j1 = gl.minimum(j + 1, n_steps - 1)
-        has1 = j + 1 < n_steps
-        turn0 = _dq_turn(j, pid_n, num_n_blocks, m_first, m_step, kv_group_size, work.seqlen_q, work.seqlen_k,
-                         BLOCK_M, BLOCK_N, IS_CAUSAL)
-        turn1 = _dq_turn(j1, pid_n, num_n_blocks, m_first, m_step, kv_group_size, work.seqlen_q, work.seqlen_k,
-                         BLOCK_M, BLOCK_N, IS_CAUSAL)
-        sem0, base0 = _dq_block(j, SEM, DQW, off_b, off_hk, kv_group_size, num_heads_q, num_m_blocks, m_first, m_step,
-                                BLOCK_M, HEAD_DIM)
-        sem1, base1 = _dq_block(j1, SEM, DQW, off_b, off_hk, kv_group_size, num_heads_q, num_m_blocks, m_first, m_step,
-                                BLOCK_M, HEAD_DIM)
-        b0 = sh.dq.index(j)
-        b1 = sh.dq.index(j1)
-        sh.dq.wait(j)
-        sh.dq.wait(j1, pred=has1)
-        _wait_turn(sem0, turn0)
-        _wait_turn(sem1, turn1)
-        for c in gl.static_range(BLOCK_M // CHUNK):
-            ptr0 = base0 + c * CHUNK * HEAD_DIM + offs
-            ptr1 = base1 + c * CHUNK * HEAD_DIM + offs
-            # The first contribution to a block (turn 0) is stored as it is: no load.
-            x0 = gl.load(ptr0, mask=turn0 > 0, other=0.0, cache_modifier=".cg")
-            x1 = gl.load(ptr1, mask=has1 & (turn1 > 0), other=0.0, cache_modifier=".cg")
-            gl.store(ptr0, x0 + _dq_partial(sh.dq.mem, b0, c, CHUNK, NUM_WG, layout))
-            gl.store(ptr1, x1 + _dq_partial(sh.dq.mem, b1, c, CHUNK, NUM_WG, layout), mask=has1)
-        # (Gluon's arrive is a barrier of the partition, then one thread's arrive: every warp has read
-        # the buffers before the consumers may refill them.)
-        sh.dq.release(b0)
-        sh.dq.release(b1, pred=has1)
-        _pass_turns(sem0, sem1, turn0 + 1, turn1 + 1)
+    if cfg.ATOMIC:
+        # Each step's partial goes into the (zeroed) workspace by relaxed fp32 atomic adds, as soon as
+        # the consumers hand it over: no turn, so the order of the additions, and the last bits of
+        # dQ, vary from run to run.
+        for j in range(n_steps):
+            b = sh.dq.index(j)
+            _, base = _dq_block(j, SEM, DQW, off_b, off_hk, kv_group_size, num_heads_q, num_m_blocks, m_first,
+                                m_step, BLOCK_M, HEAD_DIM)
+            sh.dq.wait(j)
+            for c in gl.static_range(BLOCK_M // CHUNK):
+                gl.atomic_add(base + c * CHUNK * HEAD_DIM + offs, _dq_partial(sh.dq.mem, b, c, CHUNK, NUM_WG, layout),
+                              sem="relaxed")
+            sh.dq.release(b)
+    else:
+        for j in range(0, n_steps, 2):
+            j1 = gl.minimum(j + 1, n_steps - 1)
+            has1 = j + 1 < n_steps
+            turn0 = _dq_turn(j, pid_n, num_n_blocks, m_first, m_step, kv_group_size, work.seqlen_q, work.seqlen_k,
+                             BLOCK_M, BLOCK_N, IS_CAUSAL)
+            turn1 = _dq_turn(j1, pid_n, num_n_blocks, m_first, m_step, kv_group_size, work.seqlen_q, work.seqlen_k,
+                             BLOCK_M, BLOCK_N, IS_CAUSAL)
+            sem0, base0 = _dq_block(j, SEM, DQW, off_b, off_hk, kv_group_size, num_heads_q, num_m_blocks, m_first,
+                                    m_step, BLOCK_M, HEAD_DIM)
+            sem1, base1 = _dq_block(j1, SEM, DQW, off_b, off_hk, kv_group_size, num_heads_q, num_m_blocks, m_first,
+                                    m_step, BLOCK_M, HEAD_DIM)
+            b0 = sh.dq.index(j)
+            b1 = sh.dq.index(j1)
+            sh.dq.wait(j)
+            sh.dq.wait(j1, pred=has1)
+            _wait_turn(sem0, turn0)
+            _wait_turn(sem1, turn1)
+            for c in gl.static_range(BLOCK_M // CHUNK):
+                ptr0 = base0 + c * CHUNK * HEAD_DIM + offs
+                ptr1 = base1 + c * CHUNK * HEAD_DIM + offs
+                # The first contribution to a block (turn 0) is stored as it is: no load.
+                x0 = gl.load(ptr0, mask=turn0 > 0, other=0.0, cache_modifier=".cg")
+                x1 = gl.load(ptr1, mask=has1 & (turn1 > 0), other=0.0, cache_modifier=".cg")
+                gl.store(ptr0, x0 + _dq_partial(sh.dq.mem, b0, c, CHUNK, NUM_WG, layout))
+                gl.store(ptr1, x1 + _dq_partial(sh.dq.mem, b1, c, CHUNK, NUM_WG, layout), mask=has1)
+            # (Gluon's arrive is a barrier of the partition, then one thread's arrive: every warp has read
+            # the buffers before the consumers may refill them.)
+            sh.dq.release(b0)
+            sh.dq.release(b1, pred=has1)
+            _pass_turns(sem0, sem1, turn0 + 1, turn1 + 1)
 
 
 @gluon.jit(do_not_specialize=["num_n_blocks", "num_heads_q", "num_heads_k", "kv_group_size", "seqlen_q",
@@ -631,12 +652,12 @@ def _attn_bwd_hopper_kernel(
     DQ_BUFS: gl.constexpr, IS_CAUSAL: gl.constexpr,
     NUM_WG: gl.constexpr, WRITER_REGS_: gl.constexpr, PRODUCER_REGS_: gl.constexpr,
     CONSUMER_REGS_: gl.constexpr, DQ: gl.constexpr, SOFTCAP: gl.constexpr = False, ALIBI: gl.constexpr = False,
-    HAS_LEFT: gl.constexpr = False, HAS_RIGHT: gl.constexpr = False,
+    HAS_LEFT: gl.constexpr = False, HAS_RIGHT: gl.constexpr = False, ATOMIC: gl.constexpr = False,
 ):
     dtype: gl.constexpr = q_desc.dtype
     gl.static_assert(DQ_BUFS >= 2, "the writer takes two steps' partials per round")
     gl.static_assert(not (DQ and (HAS_LEFT or HAS_RIGHT)), "the fused form's dQ turns follow the causal walk")
-    cfg = BwdConfig(HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, DQ_BUFS, IS_CAUSAL, NUM_WG, DQ)
+    cfg = BwdConfig(HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, DQ_BUFS, IS_CAUSAL, NUM_WG, DQ, ATOMIC)
     work = BwdWork(num_n_blocks, num_heads_q, num_heads_k, kv_group_size, seqlen_q, seqlen_k, num_m_blocks, batch,
                    heads_per_group, stats_rows, Window(window_left, window_right, HAS_LEFT, HAS_RIGHT))
     scores = ScoreArgs(score_scale, tanh_scale, softcap, ALIBI_SLOPES, stride_ab, stride_ah, None, SOFTCAP, ALIBI,
@@ -694,9 +715,10 @@ def _attn_bwd_hopper_kernel(
 @triton.jit
 def _dq_finish_kernel(DQW, SEM, DQ, stride_dqb, stride_dqs, stride_dqh, num_heads_q, seqlen_q, num_m_blocks,
                       sm_scale, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, ROWS: tl.constexpr,
-                      SEM_STRIDE_: tl.constexpr):
+                      SEM_STRIDE_: tl.constexpr, ATOMIC_: tl.constexpr = False):
     """dq = sm_scale * workspace, in dq's dtype and strides; 0 where no key block added anything (the
-    counter of the query block is still 0: its rows see no key)."""
+    counter of the query block is still 0: its rows see no key). ATOMIC_: the workspace was zeroed
+    and took atomic adds, no counters (SEM is not read)."""
     pid = tl.program_id(0)
     row_blocks = tl.cdiv(seqlen_q, ROWS)
     pid_r = pid % row_blocks
@@ -706,7 +728,10 @@ def _dq_finish_kernel(DQW, SEM, DQ, stride_dqb, stride_dqs, stride_dqh, num_head
     rows = pid_r * ROWS + tl.arange(0, ROWS)
     dims = tl.arange(0, HEAD_DIM)
     ok = rows < seqlen_q
-    reached = tl.load(SEM + (bh * num_m_blocks + rows // BLOCK_M) * SEM_STRIDE_, mask=ok, other=0) > 0
+    if ATOMIC_:
+        reached = ok
+    else:
+        reached = tl.load(SEM + (bh * num_m_blocks + rows // BLOCK_M) * SEM_STRIDE_, mask=ok, other=0) > 0
     w = tl.load(DQW + (bh.to(tl.int64) * num_m_blocks * BLOCK_M + rows[:, None]) * HEAD_DIM + dims[None, :],
                 mask=(ok & reached)[:, None], other=0.0)
     tl.store(DQ + off_b.to(tl.int64) * stride_dqb + off_h.to(tl.int64) * stride_dqh
@@ -1027,7 +1052,11 @@ def backward_hopper(dout, q, k, v, lse2, delta, sm_scale: float, causal: bool, d
     block_m = cfg["block_m"]
     num_m_blocks = cdiv(seqlen_q, block_m)
     num_n_blocks = cdiv(seqlen_k, BLOCK_N)
-    if cfg["dq"]:
+    if cfg["dq"] and cfg["atomic"]:
+        dq_work = torch.zeros((batch, heads_q, num_m_blocks * block_m, head_dim), dtype=torch.float32,
+                              device=q.device)
+        sem = dq_work                        # not read: no turns
+    elif cfg["dq"]:
         dq_work = torch.empty((batch, heads_q, num_m_blocks * block_m, head_dim), dtype=torch.float32,
                               device=q.device)
         sem = torch.zeros((batch, heads_q, num_m_blocks, int(SEM_STRIDE)), dtype=torch.int32,
@@ -1057,7 +1086,7 @@ def backward_hopper(dout, q, k, v, lse2, delta, sm_scale: float, causal: bool, d
         HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=BLOCK_N, STAGES=cfg["stages"], DQ_BUFS=cfg["dq_bufs"],
         IS_CAUSAL=causal, NUM_WG=NUM_WG,
         WRITER_REGS_=cfg["writer_regs"], PRODUCER_REGS_=PRODUCER_REGS, CONSUMER_REGS_=cfg["consumer_regs"],
-        DQ=cfg["dq"], num_warps=cfg["num_warps"], maxnreg=cfg["maxnreg"],
+        DQ=cfg["dq"], ATOMIC=cfg["atomic"], num_warps=cfg["num_warps"], maxnreg=cfg["maxnreg"],
     )
     if not cfg["dq"]:
         return dq, dk, dv
@@ -1066,7 +1095,8 @@ def backward_hopper(dout, q, k, v, lse2, delta, sm_scale: float, causal: bool, d
         _dq_finish_kernel, (batch * heads_q * cdiv(seqlen_q, rows),),
         DQW=dq_work, SEM=sem, DQ=dq, stride_dqb=dq.stride(0), stride_dqs=dq.stride(1), stride_dqh=dq.stride(2),
         num_heads_q=heads_q, seqlen_q=seqlen_q, num_m_blocks=num_m_blocks, sm_scale=sm_scale,
-        HEAD_DIM=head_dim, BLOCK_M=block_m, ROWS=rows, SEM_STRIDE_=int(SEM_STRIDE), num_warps=4,
+        HEAD_DIM=head_dim, BLOCK_M=block_m, ROWS=rows, SEM_STRIDE_=int(SEM_STRIDE), ATOMIC_=cfg["atomic"],
+        num_warps=4,
     )
     return dq, dk, dv
 
