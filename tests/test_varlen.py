@@ -142,19 +142,29 @@ def test_varlen_backward_is_deterministic(device):
     assert_20_backward_passes_equal(out, (q, k, v))
 
 
-def _assert_each_sequence(out, lse, q, k, v, cu_q, cu_k, causal, skip=(), window_size=(-1, -1), alibi_slopes=None,
-                          sinks=None):
-    """Every sequence's out and lse against its own float64 reference (2x rule); ``skip``: sequences
-    not checked. A sequence with no keys: zeros, and -inf (or the sink) for the lse."""
+def _assert_each_sequence(out, lse, q, k, v, cu_q, cu_k, causal, skip=(), window_size=(-1, -1), softcap=0.0,
+                          alibi_slopes=None, sinks=None):
+    """Every sequence's out and lse against its own float64 reference (2x rule), with the call's score
+    variants ([B, Hq] slopes: the sequence's row); ``skip``: sequences not checked. A sequence with no
+    keys: zeros, and -inf (with sinks, the sink to a few ulps) for the lse."""
     for b, (rows, keys) in enumerate(sequence_slices(cu_q, cu_k)):
         if b in skip or rows.stop == rows.start:
             continue
         if keys.stop == keys.start:
             assert torch.equal(out[rows], torch.zeros_like(out[rows]))
-            empty = sinks[:, None].expand(-1, rows.stop - rows.start) if sinks is not None else float("-inf")
-            assert torch.equal(lse[:, rows], torch.zeros_like(lse[:, rows]) + empty)
+            if sinks is None:
+                assert torch.all(lse[:, rows] == float("-inf"))
+            else:
+                torch.testing.assert_close(lse[:, rows], sinks[:, None].expand(-1, rows.stop - rows.start),
+                                           rtol=4e-7, atol=0)
             continue
-        variants = dict(alibi_slopes=alibi_slopes[b:b + 1], sinks=sinks) if alibi_slopes is not None else {}
+        variants = {}
+        if softcap:
+            variants["softcap"] = softcap
+        if alibi_slopes is not None:
+            variants["alibi_slopes"] = alibi_slopes[b:b + 1] if alibi_slopes.dim() == 2 else alibi_slopes
+        if sinks is not None:
+            variants["sinks"] = sinks
         assert_matches_reference(out[rows][None], lse[:, rows][None], q[rows][None], k[keys][None], v[keys][None],
                                  causal=causal, window_size=window_size, **variants)
 
@@ -214,7 +224,7 @@ def test_which_forward_takes_packed_sequences(device, monkeypatch):
 
 
 # On sm_90 at head dims 64 and 128 (fp16/bf16) the Gluon forward takes packed sequences when forced
-# (dispatch.GLUON_PACKED): each variant the chooser can take, at lengths that cross the 128- and
+# (dispatch.GLUON_PACKED): each variant the chooser can take for them, at lengths that cross the 128- and
 # 192-row query tiles and the 128-key blocks, with an empty sequence, one without keys, Sq != Sk both
 # ways; plain, with a window, with every score variant, and with NaN in one sequence.
 HOPPER = ON_GPU and torch.cuda.get_device_capability() == (9, 0)
@@ -228,7 +238,7 @@ def _hopper_cases():
     for head_dim, dtype in ((64, torch.float16), (64, torch.bfloat16), (128, torch.float16), (128, torch.bfloat16)):
         if not (HOPPER and configs.gluon_hopper_applies(head_dim=head_dim, dtype=dtype, device="cuda")):
             continue
-        for variant in dispatch.forward_candidates(head_dim, dtype):
+        for variant in dispatch.forward_candidates(head_dim, dtype, packed=True):
             for causal in (False, True):
                 for extra in ("plain", "gqa", "window", "scores", "nan"):
                     cases.append(pytest.param(variant, causal, head_dim, dtype, extra,
@@ -266,8 +276,7 @@ def test_hopper_forward_on_packed_sequences(device, force_kernels, monkeypatch, 
                         sinks=torch.randn(heads[0], device=device))
     out, lse = triflash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, causal=causal, window_size=window,
                                                return_lse=True, **variants)
-    _assert_each_sequence(out, lse, q, k, v, cu_q, cu_k, causal, skip, window,
-                          variants.get("alibi_slopes"), variants.get("sinks"))
+    _assert_each_sequence(out, lse, q, k, v, cu_q, cu_k, causal, skip, window, **variants)
     assert taken == [(variant, True)]
 
 

@@ -15,7 +15,9 @@ and dV need no reduction across CTAs) and per block computes
 * **Fused** (variant ``split``): all three gradients in one pass, dQ partials added in a fixed order
   through per-block turn counters and a writer partition, so the result is bit-reproducible without
   atomics (docs/hopper.md#deterministic-dq-in-one-pass). Not chosen (slower than ``dkdv``); kept as
-  the deterministic one-pass design and still tested on the GPU.
+  the deterministic one-pass design and still tested on the GPU. ``split_atomic``: the same pass with
+  the writer adding dQ by atomics, in no fixed order (docs/hopper.md#atomic-dq-in-one-pass; not
+  reproducible, forced only until timed).
 
 Partitions: two consumer warpgroups (``_bwd_consumer``, 64 of the block's keys each), a producer warp
 (``_bwd_producer``: TMA loads of K/V once and of Q/dO per step into a ring), and in the fused form a
@@ -110,6 +112,11 @@ def padded_rows(seqlen_q: int) -> int:
     """Rows per (batch, query head) of the delta / lse2 buffers the Gluon kernels read: whole query
     tiles (a multiple of STATS_TILE, so any of the kernels' tiles reads inside its own head's rows)."""
     return cdiv(seqlen_q, STATS_TILE) * STATS_TILE
+
+
+def reproducible(variant: str) -> bool:
+    """Whether the variant's gradients are bit-identical from run to run (all but the atomic dQ form)."""
+    return not next(iter(VARIANTS[variant].values())).get("atomic", False)
 
 
 def computes_dq(variant: str) -> bool:
@@ -564,7 +571,8 @@ def _dq_partial(dq_smem, b, c, CHUNK: gl.constexpr, NUM_WG: gl.constexpr, layout
 @gluon.jit
 def _bwd_writer(cfg, work, io, sh, THREADS: gl.constexpr):
     """Adds each step's dQ partial (the ``sh.dq`` ring, from the consumers) into workspace rows
-    [m * BM, m * BM + BM) of its (batch, query head), in key-block order. DQW is [B, Hq,
+    [m * BM, m * BM + BM) of its (batch, query head): ATOMIC, by atomic adds into a zeroed workspace,
+    one step at a time and in no fixed order (SEM is not read); else in key-block order. DQW is [B, Hq,
     num_m_blocks * BM, D] fp32, SEM [B, Hq, num_m_blocks, SEM_STRIDE] int32.
 
     Two steps per round: both turns are awaited, both tiles loaded, summed, stored and released
@@ -655,7 +663,7 @@ def _attn_bwd_hopper_kernel(
     HAS_LEFT: gl.constexpr = False, HAS_RIGHT: gl.constexpr = False, ATOMIC: gl.constexpr = False,
 ):
     dtype: gl.constexpr = q_desc.dtype
-    gl.static_assert(DQ_BUFS >= 2, "the writer takes two steps' partials per round")
+    gl.static_assert(DQ_BUFS >= 2, "the ordered writer takes two steps' partials per round")
     gl.static_assert(not (DQ and (HAS_LEFT or HAS_RIGHT)), "the fused form's dQ turns follow the causal walk")
     cfg = BwdConfig(HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, DQ_BUFS, IS_CAUSAL, NUM_WG, DQ, ATOMIC)
     work = BwdWork(num_n_blocks, num_heads_q, num_heads_k, kv_group_size, seqlen_q, seqlen_k, num_m_blocks, batch,

@@ -84,8 +84,11 @@ class ScoreVariant(NamedTuple):
         on = in_kernel and self.sinks is not None
         return dict(SINKS=self.sinks if on else None, HAS_SINKS=on)
 
-    def fill_empty_lse(self, lse: torch.Tensor) -> None:
-        """lse [B, Hq, S] of rows that see no key: -inf, or with sinks the head's sink."""
+    def fill_no_keys(self, out: torch.Tensor, lse: torch.Tensor) -> None:
+        """The forward of a call with no key at all, where every row is empty: out 0, lse -inf (with
+        sinks, the head's sink). lse [B, Hq, S], or packed sequences' [Hq, total_q]."""
+        out.zero_()
+        lse = lse if lse.dim() == 3 else lse.unsqueeze(0)
         if self.sinks is None:
             lse.fill_(float("-inf"))
         else:

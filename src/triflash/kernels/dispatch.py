@@ -152,9 +152,11 @@ def gluon_takes(scores: ScoreVariant, table: dict, head_dim: int) -> bool:
     return scores.names <= table.get(head_dim, frozenset())
 
 
-def forward_candidates(head_dim: int, dtype) -> tuple[str, ...]:
-    """Every variant ``forward_variant`` can take for this head dim and dtype (the GPU tests force each)."""
-    return HOPPER_FORWARD_VARIANTS[head_dim][str(dtype).removeprefix("torch.")]
+def forward_candidates(head_dim: int, dtype, packed: bool = False) -> tuple[str, ...]:
+    """Every variant ``forward_variant`` can take for this head dim and dtype (the GPU tests force each);
+    ``packed``: for packed sequences, which never take an ``_ltc`` form (its plain form instead)."""
+    names = HOPPER_FORWARD_VARIANTS[head_dim][str(dtype).removeprefix("torch.")]
+    return tuple(dict.fromkeys(n.removesuffix("_ltc") for n in names)) if packed else names
 
 
 # At head dim 64 a local window seen whole by fewer keys than this (left + right + 1) keeps the
@@ -178,7 +180,7 @@ def forward_variant(*, head_dim: int, dtype, device, causal: bool, seqlen_q: int
       ``GLUON_WINDOW_PP3_KEYS_D64`` ``pp_persist``, and never the ``_ltc`` form (its three loops of
       steps spill there, 88 bytes);
     * packed sequences (``packed``; seqlen_q / seqlen_k the longest): the same, never the ``_ltc`` form
-      (it spills 312-440 bytes there, sm_90 compile).
+      (it spills 312-740 bytes there, sm_90 compile).
     """
     if not configs.gluon_hopper_applies(head_dim=head_dim, dtype=dtype, device=device):
         return TRITON
@@ -228,8 +230,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float, 
         if out.numel() == 0 or max_k == 0:
             lse = torch.empty((batch, heads_q, max_q), dtype=torch.float32, device=q.device)
             if out.numel():
-                out.zero_()                   # no key at all: every row is empty by definition
-                scores.fill_empty_lse(lse)
+                scores.fill_no_keys(out, lse)
             return out, lse
     else:
         batch = varlen.batch
@@ -316,8 +317,9 @@ def _portable_backward(variant: str | None, deterministic: bool) -> str:
     windows, score variants the Gluon kernels do not take, explicit configs, or a Gluon variant its
     inputs do not allow): a forced
     ``"atomic"`` or ``"triton"`` as given, else ``"triton"``, or ``"atomic"`` where ``deterministic``
-    is False and ``ATOMIC_BY_DEFAULT`` (the Gluon variants are deterministic: one forced that cannot
-    run falls back to ``"triton"``)."""
+    is False and ``ATOMIC_BY_DEFAULT`` (a forced Gluon variant that cannot run falls back to
+    ``"triton"``: deterministic, as every Gluon variant but ``split_atomic``). A forced variant wins
+    over ``deterministic``: forcing is for tests and benchmarks."""
     if variant is None:
         return ATOMIC if ATOMIC_BY_DEFAULT and not deterministic else TRITON
     return ATOMIC if variant == ATOMIC else TRITON

@@ -341,8 +341,7 @@ def run_varlen(q, k, v, out, sm_scale, causal, config: FwdConfig, varlen: Varlen
     if out.numel() == 0:
         return out, lse
     if total_k == 0:
-        out.zero_()                    # no key in any sequence: every row is empty
-        scores.fill_empty_lse(lse.unsqueeze(0))
+        scores.fill_no_keys(out, lse)  # no key in any sequence: every row is empty
         return out, lse
     # Batch strides 0: the sequence's first row comes from cu_seqlens.
     _launch(q, k, v, out, lse, (0, *q.stride()[:2]), (0, *k.stride()[:2]), (0, *v.stride()[:2]),

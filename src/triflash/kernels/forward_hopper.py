@@ -24,7 +24,9 @@ sink), LSE in natural log. Score variants: ``sm90_common.Scores`` (softcap, ALiB
 natural units then) and ``fold_sink``.
 Key blocks above the causal diagonal are never loaded. Shapes: q [B, Sq, Hq, D], k / v [B, Sk, Hkv, D]
 with strides TMA accepts (``sm90_common.tma_supported``), read through host-built 4-D descriptors of
-[1, rows, 1, D] boxes into 128-byte-swizzled [rows, D] tiles, the operand layout wgmma reads.
+[1, rows, 1, D] boxes into 128-byte-swizzled [rows, D] tiles, the operand layout wgmma reads. Packed
+sequences (``varlen``, PACKED: docs/hopper.md#packed-sequences): q / out [total_q, Hq, D], k / v
+[total_k, Hkv, D] through [1, total, H, D] views, lse [Hq, total_q]; O written by masked stores.
 """
 
 import functools
@@ -280,22 +282,15 @@ def _producer(cfg, tiles, io, sh):
     n_done = 0
     for item in range(gl.program_id(0), tiles.bound(), gl.num_programs(0)):
         for half in range(2 if cfg.ORDER == PAIRED else 1):
-            if tiles.packed.ON:
-                # Batch index 0 of the [1, total, H, D] views; rows from the sequence's first.
-                pid_bh, off_b, off_h, off_hk, start_m, first, n_blocks, valid, q0, k0, _, _ = \
-                    tiles.packed_coords(item, half)
-                off_b = 0
-                start_m += q0
-            else:
-                pid_bh, off_b, off_h, off_hk, start_m, first, n_blocks, valid = tiles.coords(item, half)
-                k0 = 0
+            pid_bh, off_b, off_h, off_hk, start_m, first, n_blocks, valid, q0, k0, _, _ = tiles.walk(item, half)
+            desc_b = tiles.packed.batch_index(off_b)
             if valid:
                 if tiles.window.ON:                # (a compile-time choice: see _consumer's WINDOW)
                     no_blocks = n_blocks <= first
                 else:
                     no_blocks = n_blocks == 0
                 if no_blocks:
-                    _load_q(cfg, io, sh, off_b, off_h, start_m, n_done & 1)
+                    _load_q(cfg, io, sh, desc_b, off_h, q0 + start_m, n_done & 1)
                 for j in range(first, n_blocks):
                     s = sh.k.index(kv)
                     empty_phase = sh.k.phase(kv) ^ 1
@@ -304,11 +299,11 @@ def _producer(cfg, tiles, io, sh):
                     # step later). A tile's K_0 goes before its query tiles: its ring slot is free
                     # earlier than they are (released after the previous tile's last S product).
                     sh.k.acquire_at(s, empty_phase)
-                    sh.k.fill(io.k_desc, [off_b, start_n, off_hk, 0], s)
+                    sh.k.fill(io.k_desc, [desc_b, start_n, off_hk, 0], s)
                     if j == first:
-                        _load_q(cfg, io, sh, off_b, off_h, start_m, n_done & 1)
+                        _load_q(cfg, io, sh, desc_b, off_h, q0 + start_m, n_done & 1)
                     sh.v.acquire_at(s, empty_phase)
-                    sh.v.fill(io.v_desc, [off_b, start_n, off_hk, 0], s)
+                    sh.v.fill(io.v_desc, [desc_b, start_n, off_hk, 0], s)
                     kv += 1
                 n_done += 1
 
@@ -494,13 +489,12 @@ def _consumer(cfg, WG: gl.constexpr, tiles, io, sh):
     n_done = 0
     for item in range(gl.program_id(0), tiles.bound(), gl.num_programs(0)):
         for half in range(2 if cfg.ORDER == PAIRED else 1):
+            pid_bh, off_b, off_h, off_hk, start_m, first, n_blocks, valid, q0, _, seq_q, seq_k = tiles.walk(item, half)
             if tiles.packed.ON:
-                # The tile's sequence: rows, key blocks and lengths count from its start (q0, k0).
-                pid_bh, off_b, off_h, off_hk, start_m, first, n_blocks, valid, q0, k0, seqlen_q, seqlen_k = \
-                    tiles.packed_coords(item, half)
+                # The tile's sequence's own lengths (dense: the launch's, set once above).
+                seqlen_q = seq_q
+                seqlen_k = seq_k
                 causal_offset = seqlen_k - seqlen_q
-            else:
-                pid_bh, off_b, off_h, off_hk, start_m, first, n_blocks, valid = tiles.coords(item, half)
             if valid:
                 row0 = start_m + WG * ROWS
                 rows = row0 + gl.arange(0, ROWS, layout=row_layout)             # [ROWS] query positions
@@ -894,8 +888,7 @@ def forward_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: 
     if varlen is not None:
         lse = torch.empty((q.shape[1], q.shape[0]), dtype=torch.float32, device=q.device)
         if out.numel() and not k.shape[0]:
-            out.zero_()                   # no key in any sequence: every row is empty
-            scores.fill_empty_lse(lse.unsqueeze(0))
+            scores.fill_no_keys(out, lse)     # no key in any sequence: every row is empty
         if not out.numel() or not k.shape[0]:
             return out, lse
         packed = dict(CU_SEQLENS_Q=varlen.cu_seqlens_q, CU_SEQLENS_K=varlen.cu_seqlens_k, O=out,
@@ -914,8 +907,7 @@ def forward_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: 
         if out.numel() == 0:
             return out, lse
         if seqlen_k == 0:
-            out.zero_()
-            scores.fill_empty_lse(lse)
+            scores.fill_no_keys(out, lse)
             return out, lse
     cfg = variant_config(variant, head_dim)
     if cfg["ltc"] and q.dtype != torch.float16:

@@ -214,11 +214,12 @@ class Packed:
     """Where each batch entry's sequence lies in the kernel's tensors. Dense (ON False): batch entry b
     is index b of the descriptors' batch dimension, every sequence seqlen_q queries and seqlen_k keys
     long. Packed sequences (ON; ``flash_attn_varlen_func``): the tensors are [1, total, H, D] views of
-    the packed ones, sequence b owns rows cu_q[b] .. cu_q[b + 1] - 1 of q (and of out, lse) and
-    cu_k[b] .. cu_k[b + 1] - 1 of k and v, and seqlen_q / seqlen_k are the longest lengths (which
-    size the grid). A TMA box that runs past a sequence's end reads the next one's rows: their
-    scores are masked like keys past seqlen_k, the V rows are zeroed before P V (``zero_tail``), and
-    the output rows past the end are not written (``FwdIO.store_out``)."""
+    the packed ones, sequence b owns rows cu_q[b] .. cu_q[b + 1] - 1 of q and out (columns of the
+    [Hq, total_q] lse) and cu_k[b] .. cu_k[b + 1] - 1 of k and v, and seqlen_q / seqlen_k are the
+    longest lengths (which size the grid). A TMA box that runs past a sequence's end reads the next
+    one's rows: their scores are masked like keys past seqlen_k, the V rows are zeroed before P V
+    (``zero_tail``), and the output rows past the end are not written (the forward's
+    ``_store_packed``)."""
     cu_q: SCALAR
     cu_k: SCALAR
     ON: gl.constexpr
@@ -228,9 +229,18 @@ class Packed:
         constexprs(self, cu_q=cu_q, cu_k=cu_k, ON=ON)
 
     @gluon.jit
+    def batch_index(self, off_b):
+        """The descriptors' batch index of batch entry off_b: 0 for packed sequences."""
+        if self.ON:
+            return 0
+        else:
+            return off_b
+
+    @gluon.jit
     def sequence(self, off_b, valid):
         """Batch entry off_b's (first query row, first key row, seqlen_q, seqlen_k) in the packed
-        tensors (ON only; an entry that is not ``valid`` reads nothing and is empty)."""
+        tensors (ON only; an entry that is not ``valid`` reads nothing and is empty). The Gluon
+        counterpart of ``block_ranges.sequence_bounds``: int32 (TMA coordinates), masked."""
         q0 = gl.load(self.cu_q + off_b, mask=valid, other=0)
         q1 = gl.load(self.cu_q + off_b + 1, mask=valid, other=0)
         k0 = gl.load(self.cu_k + off_b, mask=valid, other=0)
@@ -285,23 +295,28 @@ class Tiles:
                            self.IS_CAUSAL, self.ORDER)
 
     @gluon.jit
-    def packed_coords(self, item, half):
-        """``coords`` for packed sequences (``packed.ON``), with the tile's sequence: (pid_bh, batch,
-        query head, kv head, first query row, first and end key block, valid, first query row and
-        first key row of the sequence in the packed tensors, its seqlen_q and seqlen_k). Query
-        rows and key blocks count from the sequence's start; a tile past its sequence's end (the
-        grid is sized by the longest one) is not valid."""
-        pid_m, pid_bh, valid = tile_index(item, half, self.num_m_blocks, self.num_items, self.section,
-                                          self.IS_CAUSAL, self.ORDER)
-        off_b = pid_bh // self.num_heads_q
-        off_h = pid_bh % self.num_heads_q
-        start_m = pid_m * self.BLOCK_M
-        q0, k0, seqlen_q, seqlen_k = self.packed.sequence(off_b, valid)
-        valid = valid & (start_m < seqlen_q)
-        first, n_blocks = tile_key_blocks(start_m, seqlen_q, seqlen_k, self.window, self.BLOCK_M, self.BLOCK_N,
-                                          self.IS_CAUSAL)
-        return pid_bh, off_b, off_h, off_h // self.kv_group_size, start_m, first, n_blocks, valid, q0, k0, \
-            seqlen_q, seqlen_k
+    def walk(self, item, half):
+        """The tile of (item, half) as every partition sees it, so that producer and consumers walk the
+        same tiles and key blocks: (pid_bh, batch, query head, kv head, first query row, first and end
+        key block, valid, q0, k0, seqlen_q, seqlen_k). Dense: ``coords``, q0 = k0 = 0 and the
+        launch's lengths. Packed (``packed.ON``): query rows and key blocks count from the tile's
+        sequence, which starts at row q0 of q and k0 of k / v and has its own lengths; a tile past its
+        sequence's end (the grid is sized by the longest one) is not valid."""
+        if self.packed.ON:
+            pid_m, pid_bh, valid = tile_index(item, half, self.num_m_blocks, self.num_items, self.section,
+                                              self.IS_CAUSAL, self.ORDER)
+            off_b = pid_bh // self.num_heads_q
+            off_h = pid_bh % self.num_heads_q
+            start_m = pid_m * self.BLOCK_M
+            q0, k0, seqlen_q, seqlen_k = self.packed.sequence(off_b, valid)
+            valid = valid & (start_m < seqlen_q)
+            first, n_blocks = tile_key_blocks(start_m, seqlen_q, seqlen_k, self.window, self.BLOCK_M,
+                                              self.BLOCK_N, self.IS_CAUSAL)
+            return pid_bh, off_b, off_h, off_h // self.kv_group_size, start_m, first, n_blocks, valid, q0, k0, \
+                seqlen_q, seqlen_k
+        else:
+            pid_bh, off_b, off_h, off_hk, start_m, first, n_blocks, valid = self.coords(item, half)
+            return pid_bh, off_b, off_h, off_hk, start_m, first, n_blocks, valid, 0, 0, self.seqlen_q, self.seqlen_k
 
 
 @gluon.jit
