@@ -48,8 +48,8 @@ def signature(fn, args, kwargs):
     values = dict(zip(fn.arg_names, args))
     values.update({k: v for k, v in kwargs.items() if k in fn.arg_names})
     for index, name in enumerate(fn.arg_names):
-        v = values[name]
         param = fn.params[index]
+        v = values[name] if name in values else param.default      # a parameter left at its default
         if param.is_constexpr or v is None:
             sig[name] = "constexpr"
             const[name] = v

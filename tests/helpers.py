@@ -37,6 +37,14 @@ def assert_no_nan(name, t):
     assert not bad.any(), f"{name}: {bad.sum().item()} of {t.numel()} elements are NaN (unwritten or NaN math)"
 
 
+def assert_within(name, got, want, bound):
+    """Two computations of one gradient by different kernels or summation orders (atomics, one launch
+    against three): no NaN, and max |got - want| within ``bound`` (the 3x rule's, ``grad_bounds``)."""
+    assert_no_nan(name, got)
+    diff = max_err(got, want)
+    assert diff <= bound, f"{name}: {diff:.3e} apart, more than the bound {bound:.3e}"
+
+
 def relative(floor, ref):
     """floor x max(1, largest finite |ref|): a floor for values whose rounding error scales with size."""
     finite = ref[torch.isfinite(ref)]
@@ -207,10 +215,36 @@ def assert_packed_grads_3x(grads, q, k, v, dout, cu_q, cu_k, causal, dtype, dlse
             for name, g in (("dq", dq[rows]), ("dk", dk[keys]), ("dv", dv[keys])):
                 assert torch.equal(g, torch.zeros_like(g)), f"{name} of a sequence without scores"
             continue
-        slopes = alibi_slopes[b:b + 1] if alibi_slopes is not None and alibi_slopes.dim() == 2 else alibi_slopes
         assert_grads_3x((dq[rows][None], dk[keys][None], dv[keys][None]), q[rows][None], k[keys][None],
                         v[keys][None], dout[rows][None], causal, dtype,
-                        dlse=None if dlse is None else dlse[:, rows][None], alibi_slopes=slopes, **kwargs)
+                        dlse=None if dlse is None else dlse[:, rows][None],
+                        alibi_slopes=_sequence_slopes(alibi_slopes, b), **kwargs)
+
+
+def assert_packed_matches_reference(out, lse, q, k, v, cu_q, cu_k, causal, skip=(), alibi_slopes=None, sinks=None,
+                                    **kwargs):
+    """The forward's out and lse of packed sequences: each sequence's against its own float64 reference
+    by the 2x rule (``kwargs``: window_size, softcap; [B, H] ALiBi slopes give each sequence its row);
+    ``skip``: sequences not checked. A sequence with no keys: zeros, and an lse of -inf or, with sinks,
+    the sink (to 4 float32 ulps: the Hopper epilogue computes (sink / scale) * scale)."""
+    for b, (rows, keys) in enumerate(sequence_slices(cu_q, cu_k)):
+        if b in skip or rows.stop == rows.start:
+            continue
+        if keys.stop == keys.start:
+            assert torch.equal(out[rows], torch.zeros_like(out[rows]))
+            if sinks is None:
+                assert torch.all(lse[:, rows] == float("-inf"))
+            else:
+                torch.testing.assert_close(lse[:, rows], sinks[:, None].expand(-1, rows.stop - rows.start),
+                                           rtol=4 * 2.0**-23, atol=0)
+            continue
+        assert_matches_reference(out[rows][None], lse[:, rows][None], q[rows][None], k[keys][None], v[keys][None],
+                                 causal=causal, alibi_slopes=_sequence_slopes(alibi_slopes, b), sinks=sinks, **kwargs)
+
+
+def _sequence_slopes(alibi_slopes, b):
+    """Sequence b's ALiBi slopes: its row of [B, H] slopes ([1, H]), or the [H] ones as they are."""
+    return alibi_slopes[b:b + 1] if alibi_slopes is not None and alibi_slopes.dim() == 2 else alibi_slopes
 
 
 def assert_20_backward_passes_equal(out, leaves):

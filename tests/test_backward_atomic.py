@@ -20,10 +20,10 @@ from helpers import (
     assert_grads_3x,
     assert_no_nan,
     assert_packed_grads_3x,
+    assert_within,
     backward_path_case,
     grad_bounds,
     make_qkv,
-    max_err,
     packed_sequences,
     score_variant,
 )
@@ -53,16 +53,6 @@ def atomic_by_default(monkeypatch):
 def _dq_bound(q, k, v, dout, causal, dlse=None, window_size=(-1, -1)) -> float:
     """The documented bound on |dq_atomic - dq_deterministic|: the 3x rule's (helpers.grad_bounds)."""
     return grad_bounds(q, k, v, dout, causal, dlse, window_size=window_size)[0]
-
-
-def _assert_within(name, atomic, det, bound):
-    assert_no_nan(name, atomic)
-    diff = max_err(atomic, det)
-    assert diff <= bound, f"{name}: atomic - deterministic {diff:.3e} > bound {bound:.3e}"
-
-
-def _assert_dq_within(dq_atomic, dq_det, bound):
-    _assert_within("dq", dq_atomic, dq_det, bound)
 
 
 @pytest.mark.parametrize("batch,seqlen_q,seqlen_k,heads,head_dim,causal,dtype,dout_kind,with_dlse",
@@ -100,7 +90,7 @@ def test_not_deterministic_takes_atomic_and_matches_deterministic(device, launch
     fast = dispatch.backward(dout, q, k, v, out, lse, scale, True, config=cfg, deterministic=False)
     assert launched == ATOMIC_RUN
     for name, a, b, bound in zip(("dq", "dk", "dv"), fast, det, grad_bounds(q, k, v, dout, True)):
-        _assert_within(name, a, b, bound)
+        assert_within(name, a, b, bound)
         if not ON_GPU and name != "dq":
             assert torch.equal(a, b), name
 
@@ -186,7 +176,7 @@ def test_atomic_with_64_bit_offsets(device, monkeypatch, launched):
     wide = dispatch.backward(dout, q, k, v, out, lse, 0.125, False, variant="atomic")
     assert seen == [True] * 3
     assert torch.equal(wide[1], plain[1]) and torch.equal(wide[2], plain[2])
-    _assert_dq_within(wide[0], plain[0], _dq_bound(q, k, v, dout, False))
+    assert_within("dq", wide[0], plain[0], _dq_bound(q, k, v, dout, False))
 
 
 def test_atomic_call_plan_replays(device):
@@ -205,7 +195,7 @@ def test_atomic_call_plan_replays(device):
     replayed = plan.replay((dout, q, k, v, out, lse))
     direct = call(dout, q, k, v, out, lse)
     assert torch.equal(replayed[1], direct[1]) and torch.equal(replayed[2], direct[2])
-    _assert_dq_within(replayed[0], direct[0], _dq_bound(q, k, v, dout, True))
+    assert_within("dq", replayed[0], direct[0], _dq_bound(q, k, v, dout, True))
 
 
 def test_chooser_takes_atomic_only_when_asked(monkeypatch):
@@ -247,4 +237,4 @@ def test_atomic_repeats_within_bound_on_gpu(device):
     for _ in range(19):
         again = dispatch.backward(dout, q, k, v, out, lse, 40 ** -0.5, True, deterministic=False)
         assert torch.equal(again[1], first[1]) and torch.equal(again[2], first[2])
-        _assert_dq_within(again[0], first[0], bound)
+        assert_within("dq", again[0], first[0], bound)

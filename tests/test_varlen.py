@@ -16,6 +16,7 @@ from helpers import (
     assert_matches_reference,
     assert_no_nan,
     assert_packed_grads_3x,
+    assert_packed_matches_reference,
     assert_raises_naming,
     cu_seqlens,
     packed_sequences,
@@ -51,7 +52,7 @@ def test_varlen_forward_matches_each_sequence(device, causal, heads, head_dim, d
                                                return_lse=True)
     assert out.shape == q.shape and out.dtype == dtype
     assert lse.shape == (heads[0], q.shape[0]) and lse.dtype == torch.float32
-    _assert_each_sequence(out, lse, q, k, v, cu_q, cu_k, causal)
+    assert_packed_matches_reference(out, lse, q, k, v, cu_q, cu_k, causal)
 
 
 @pytest.mark.parametrize("causal,heads,head_dim,dtype", _cases())
@@ -142,33 +143,6 @@ def test_varlen_backward_is_deterministic(device):
     assert_20_backward_passes_equal(out, (q, k, v))
 
 
-def _assert_each_sequence(out, lse, q, k, v, cu_q, cu_k, causal, skip=(), window_size=(-1, -1), softcap=0.0,
-                          alibi_slopes=None, sinks=None):
-    """Every sequence's out and lse against its own float64 reference (2x rule), with the call's score
-    variants ([B, Hq] slopes: the sequence's row); ``skip``: sequences not checked. A sequence with no
-    keys: zeros, and -inf (with sinks, the sink to a few ulps) for the lse."""
-    for b, (rows, keys) in enumerate(sequence_slices(cu_q, cu_k)):
-        if b in skip or rows.stop == rows.start:
-            continue
-        if keys.stop == keys.start:
-            assert torch.equal(out[rows], torch.zeros_like(out[rows]))
-            if sinks is None:
-                assert torch.all(lse[:, rows] == float("-inf"))
-            else:
-                torch.testing.assert_close(lse[:, rows], sinks[:, None].expand(-1, rows.stop - rows.start),
-                                           rtol=4e-7, atol=0)
-            continue
-        variants = {}
-        if softcap:
-            variants["softcap"] = softcap
-        if alibi_slopes is not None:
-            variants["alibi_slopes"] = alibi_slopes[b:b + 1] if alibi_slopes.dim() == 2 else alibi_slopes
-        if sinks is not None:
-            variants["sinks"] = sinks
-        assert_matches_reference(out[rows][None], lse[:, rows][None], q[rows][None], k[keys][None], v[keys][None],
-                                 causal=causal, window_size=window_size, **variants)
-
-
 def _poison(t, rows):
     """NaN in these rows of a packed tensor (a copy)."""
     t = t.detach().clone()
@@ -187,7 +161,7 @@ def test_varlen_nan_stays_in_its_sequence(device):
     for causal in (False, True):
         out, lse = triflash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, causal=causal,
                                                    return_lse=True)
-        _assert_each_sequence(out, lse, q, k, v, cu_q, cu_k, causal, skip=(1,))
+        assert_packed_matches_reference(out, lse, q, k, v, cu_q, cu_k, causal, skip=(1,))
 
 
 def test_which_forward_takes_packed_sequences(device, monkeypatch):
@@ -276,7 +250,7 @@ def test_hopper_forward_on_packed_sequences(device, force_kernels, monkeypatch, 
                         sinks=torch.randn(heads[0], device=device))
     out, lse = triflash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, causal=causal, window_size=window,
                                                return_lse=True, **variants)
-    _assert_each_sequence(out, lse, q, k, v, cu_q, cu_k, causal, skip, window, **variants)
+    assert_packed_matches_reference(out, lse, q, k, v, cu_q, cu_k, causal, skip, window_size=window, **variants)
     assert taken == [(variant, True)]
 
 

@@ -705,13 +705,14 @@ def _attn_fwd_hopper_kernel(
     sm_scale, qk_scale,
     score_scale, tanh_scale, softcap, ALIBI_SLOPES, stride_ab, stride_ah, SINKS,   # score variants, else None
     window_left, window_right,                                                     # a window, else None
-    CU_SEQLENS_Q, CU_SEQLENS_K, O, stride_ot, stride_oh, stride_lh,                # packed, else None
     HEAD_DIM: gl.constexpr, ROWS: gl.constexpr, NUM_WG: gl.constexpr, BLOCK_N: gl.constexpr,
     STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr,
     ORDER: gl.constexpr, PRODUCER_REGS_: gl.constexpr, CONSUMER_REGS_: gl.constexpr,
     LTC: gl.constexpr, SKIP: gl.constexpr,
     SOFTCAP: gl.constexpr = False, ALIBI: gl.constexpr = False, HAS_SINKS: gl.constexpr = False,
-    HAS_LEFT: gl.constexpr = False, HAS_RIGHT: gl.constexpr = False, PACKED: gl.constexpr = False,
+    HAS_LEFT: gl.constexpr = False, HAS_RIGHT: gl.constexpr = False,
+    CU_SEQLENS_Q=None, CU_SEQLENS_K=None, O=None, stride_ot=None, stride_oh=None, stride_lh=None,  # packed
+    PACKED: gl.constexpr = False,
 ):
     """A program takes work items pid, pid + grid, ... of num_items; an item is one tile (BLOCK_M =
     ROWS * NUM_WG query rows of one (batch, query head)) or, ORDER == PAIRED, two (``tile_coords``). With
@@ -885,30 +886,24 @@ def forward_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: 
         raise ValueError(f"section must be a positive int or None; got section={section!r}")
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    heads_q, head_dim = q.shape[-2:]
+    heads_k = k.shape[-2]
+    out_4d = out
+    packed = {}
     if varlen is not None:
-        lse = torch.empty((q.shape[1], q.shape[0]), dtype=torch.float32, device=q.device)
-        if out.numel() and not k.shape[0]:
-            scores.fill_no_keys(out, lse)     # no key in any sequence: every row is empty
-        if not out.numel() or not k.shape[0]:
-            return out, lse
+        lse = torch.empty((heads_q, q.shape[0]), dtype=torch.float32, device=q.device)
         packed = dict(CU_SEQLENS_Q=varlen.cu_seqlens_q, CU_SEQLENS_K=varlen.cu_seqlens_k, O=out,
                       stride_ot=out.stride(0), stride_oh=out.stride(1), stride_lh=lse.stride(0), PACKED=True)
         q, k, v, out_4d = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), out.unsqueeze(0)
         batch, seqlen_q, seqlen_k = varlen.batch, varlen.max_seqlen_q, varlen.max_seqlen_k
-        heads_q, head_dim = q.shape[2:]
-        heads_k = k.shape[2]
     else:
-        packed = dict(CU_SEQLENS_Q=None, CU_SEQLENS_K=None, O=None, stride_ot=None, stride_oh=None, stride_lh=None,
-                      PACKED=False)
-        out_4d = out
-        batch, seqlen_q, heads_q, head_dim = q.shape
-        _, seqlen_k, heads_k, _ = k.shape
+        batch, seqlen_q, seqlen_k = q.shape[0], q.shape[1], k.shape[1]
         lse = torch.empty((batch, heads_q, seqlen_q), dtype=torch.float32, device=q.device)
-        if out.numel() == 0:
-            return out, lse
-        if seqlen_k == 0:
-            scores.fill_no_keys(out, lse)
-            return out, lse
+    if out.numel() == 0:
+        return out, lse
+    if k.shape[1] == 0:                   # no key at all (in any sequence): every row is empty
+        scores.fill_no_keys(out, lse)
+        return out, lse
     cfg = variant_config(variant, head_dim)
     if cfg["ltc"] and q.dtype != torch.float16:
         raise ValueError(f"variant {variant!r} sums the rows of an fp16 P on the tensor cores and takes "
