@@ -230,6 +230,11 @@ def backward_cases(variants):
         for name, scores in BWD_SCORES if q.dtype == torch.float16 else ():
             yield f"bwd {label} {name}", (lambda q=q, k=k, v=v, do=do, st=stats, c=causal, var=variant, sc=scores:
                                           _backward_without_finish(do, q, k, v, st, c, var, sc))
+        if not BH.computes_dq(variant):
+            for name, args in _packed_backward(q, k, v, do, causal):
+                yield f"bwd {label} {name}", (lambda a=args, var=variant: BH.backward_hopper(
+                    *a["tensors"], 0.1, a["causal"], None, torch.empty_like(a["tensors"][2]),
+                    torch.empty_like(a["tensors"][3]), variant=var, **a["kw"]))
 
 
 def dq_cases(variants):
@@ -248,6 +253,22 @@ def dq_cases(variants):
             yield f"bwd-dq {label} {name}", (
                 lambda q=q, k=k, v=v, do=do, st=stats, c=causal, var=variant, sc=scores:
                 BH.dq_hopper(do, q, k, v, st, st, 0.1, c, torch.empty_like(q), variant=var, scores=sc))
+        for name, args in _packed_backward(q, k, v, do, causal):
+            yield f"bwd-dq {label} {name}", (lambda a=args, var=variant: BH.dq_hopper(
+                *a["tensors"], 0.1, a["causal"], torch.empty_like(a["tensors"][1]), variant=var, **a["kw"]))
+
+
+def _packed_backward(q, k, v, do, causal):
+    """(name, arguments) of the packed-sequence cases of the dK/dV-only kernel and the dQ kernel: the
+    forward's ``PACKED`` layout alone, with a window, and with softcap and [B, Hq] ALiBi (fp16)."""
+    qp, kp, vp, dop = q[0, :917], k[0], v[0], do[0, :917]
+    stats = torch.zeros(1, q.shape[2], 917)
+    tensors = (dop, qp, kp, vp, stats, stats)
+    cases = [("packed", {}), ("packed window", dict(window=WINDOWS[causal][0]))]
+    if q.dtype == torch.float16:
+        cases.append(("packed softcap+alibi", dict(scores=ScoreVariant(5.0, torch.rand(4, q.shape[2])))))
+    for name, kw in cases:
+        yield name, dict(tensors=tensors, causal=causal, kw=dict(kw, varlen=PACKED))
 
 
 def decode_cases(tiles):

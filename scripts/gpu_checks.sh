@@ -2,8 +2,9 @@
 # The GPU test suites, in four parts that each fit one device call (10 minutes): what a change made
 # on a machine without a GPU owes before it is called verified on one.
 #
-#   bash scripts/gpu_checks.sh fwd   # forward suites, causal and empty rows, packed sequences, windows,
-#                                            # and (one test at a time) the 4 GiB offset tests
+#   bash scripts/gpu_checks.sh fwd   # forward suites, causal and empty rows, packed sequences (their
+#                                    # Hopper backward too), windows, and (one test at a time) the
+#                                    # 4 GiB offset tests
 #   bash scripts/gpu_checks.sh bwd   # the backward suite
 #   bash scripts/gpu_checks.sh rest  # decode, merge, SDPA routing, compile, validation, layouts
 #   bash scripts/gpu_checks.sh variants  # score variants (the Hopper kernels' too), atomic dQ, the

@@ -204,13 +204,15 @@ def backward_path_case(batch, seqlen_q, seqlen_k, heads, head_dim, causal, dtype
     return q, k, v, (out,), (dout,)
 
 
-def assert_packed_grads_3x(grads, q, k, v, dout, cu_q, cu_k, causal, dtype, dlse=None, alibi_slopes=None,
+def assert_packed_grads_3x(grads, q, k, v, dout, cu_q, cu_k, causal, dtype, dlse=None, alibi_slopes=None, skip=(),
                            **kwargs):
     """Gradients (dq, dk, dv) of packed sequences: each sequence's against its own reference by the 3x
-    rule (``kwargs``: window_size, softcap), and zeros for a sequence without queries or keys. [B, H]
-    ALiBi slopes give each sequence its row."""
+    rule (``kwargs``: window_size, softcap, sinks), and zeros for a sequence without queries or keys.
+    [B, H] ALiBi slopes give each sequence its row; ``skip``: sequences not checked."""
     dq, dk, dv = grads
     for b, (rows, keys) in enumerate(sequence_slices(cu_q, cu_k)):
+        if b in skip:
+            continue
         if rows.stop == rows.start or keys.stop == keys.start:
             for name, g in (("dq", dq[rows]), ("dk", dk[keys]), ("dv", dv[keys])):
                 assert torch.equal(g, torch.zeros_like(g)), f"{name} of a sequence without scores"

@@ -254,6 +254,123 @@ def test_hopper_forward_on_packed_sequences(device, force_kernels, monkeypatch, 
     assert taken == [(variant, True)]
 
 
+def test_which_backward_takes_packed_sequences(device, monkeypatch):
+    """The backward's dispatch of packed sequences, with the Gluon kernels stubbed in (any machine): the
+    Triton kernels while dispatch.GLUON_PACKED_BACKWARD is off, unless a dK/dV-only Gluon variant is
+    forced (a fused one, which cannot take them, falls back); with it on, the chooser's pick at the
+    longest lengths. The Gluon kernels get the packed rows' stats ([1, Hq, total_q]) and ``varlen``;
+    at head dim 64 dQ then comes from the Triton dQ kernel on those stats, bit-equal to the Triton
+    path's dQ."""
+    from triflash.kernels import backward_hopper, configs, dispatch
+
+    taken = []
+
+    def stub_dkdv(dout, q, k, v, lse2, delta, sm_scale, causal, dq, dk, dv, *, variant, scores, window, varlen):
+        assert q.dim() == 3 and varlen is vl and dq is None
+        assert lse2.shape == delta.shape == (1, q.shape[1], q.shape[0])
+        taken.append(("dkdv", variant))
+        dk.zero_()
+        dv.zero_()
+
+    def stub_dq(dout, q, k, v, lse2, delta, sm_scale, causal, dq, *, variant, scores, window, varlen):
+        assert varlen is vl and lse2.shape == (1, q.shape[1], q.shape[0])
+        taken.append(("dq", variant))
+        dq.zero_()
+
+    monkeypatch.setattr(configs, "gluon_hopper_applies", lambda *, head_dim, dtype, device: head_dim in (64, 128))
+    monkeypatch.setattr(backward_hopper, "supported", lambda q, k, v, dout, variant: q.dim() == 4)
+    monkeypatch.setattr(backward_hopper, "backward_hopper", stub_dkdv)
+    monkeypatch.setattr(backward_hopper, "dq_hopper", stub_dq)
+    for head_dim in (64, 128):
+        q, k, v, cu_q, cu_k, max_q, max_k = packed_sequences([(20, 24), (0, 5), (35, 30)], (2, 1), head_dim,
+                                                             torch.float16, device)
+        vl = Varlen(cu_q, cu_k, max_q, max_k)
+        out, lse = dispatch.forward(q, k, v, 0.125, True, varlen=vl, variant="triton")
+        dout = torch.randn_like(out)
+
+        def backward(**kw):
+            taken.clear()
+            return dispatch.backward(dout, q, k, v, out, lse, 0.125, True, varlen=vl, **kw)
+
+        dq_triton, _, _ = backward(variant="triton")
+        assert taken == []
+        backward()
+        assert taken == []
+        backward(variant="split")              # fused: dQ in the same pass, no packed sequences
+        assert taken == []
+        dq, _, _ = backward(variant="dkdv")
+        if head_dim == 64:                     # dQ from the Triton kernel on the Gluon path's stats
+            assert taken == [("dkdv", "dkdv")] and torch.equal(dq, dq_triton)
+        else:
+            assert taken == [("dkdv", "dkdv"), ("dq", "dkdv")]
+        monkeypatch.setattr(dispatch, "GLUON_PACKED_BACKWARD", True)
+        backward()
+        assert taken[0] == ("dkdv", "dkdv")
+        backward(config=configs.backward_config(head_dim=head_dim, dtype=q.dtype, device=q.device))
+        assert taken == []
+        monkeypatch.setattr(dispatch, "GLUON_PACKED_BACKWARD", False)
+
+
+def _hopper_backward_cases():
+    from triflash.kernels import configs, dispatch
+
+    cases = []
+    for head_dim, dtype in ((64, torch.float16), (64, torch.bfloat16), (128, torch.float16), (128, torch.bfloat16)):
+        if not (HOPPER and configs.gluon_hopper_applies(head_dim=head_dim, dtype=dtype, device="cuda")):
+            continue
+        for variant in dispatch.backward_candidates(head_dim):
+            for causal in (False, True):
+                for extra in ("plain", "gqa", "window", "scores", "nan"):
+                    cases.append(pytest.param(variant, causal, head_dim, dtype, extra,
+                                              id=f"{variant}-{'causal' if causal else 'full'}-D{head_dim}-"
+                                                 f"{DTYPE_ID[dtype]}-{extra}"))
+    return cases
+
+
+HOPPER_BACKWARD_CASES = _hopper_backward_cases() or [
+    pytest.param(*[None] * 5, marks=pytest.mark.skip(reason="needs an sm_90 GPU (Gluon kernels)"))]
+
+
+@pytest.mark.parametrize("variant,causal,head_dim,dtype,extra", HOPPER_BACKWARD_CASES)
+def test_hopper_backward_on_packed_sequences(device, force_kernels, monkeypatch, variant, causal, head_dim, dtype,
+                                             extra):
+    """Each Gluon backward variant the chooser takes, forced, on packed sequences
+    (dispatch.GLUON_PACKED_BACKWARD): every sequence's gradients (through out and lse) against its own
+    reference (3x rule), zeros for sequences without queries or keys, and the forced kernel is the
+    one that ran. "nan": NaN in one sequence's q, k, v and dO reaches no other sequence's gradients
+    (a tile past a sequence's end reads the next one's rows)."""
+    from triflash.kernels import backward_hopper
+
+    taken = []
+    real = backward_hopper.backward_hopper
+    monkeypatch.setattr(backward_hopper, "backward_hopper",
+                        lambda *a, **kw: taken.append((kw["variant"], kw.get("varlen") is not None)) or real(*a, **kw))
+    force_kernels(backward=variant)
+    heads = (8, 2) if extra == "gqa" else (4, 4)
+    q, k, v, cu_q, cu_k, max_q, max_k = packed_sequences(HOPPER_LENGTHS, heads, head_dim, dtype, device)
+    skip = ()
+    poisoned = None
+    if extra == "nan":
+        (poisoned, rk), = sequence_slices(cu_q, cu_k)[3:4]
+        q, k, v, skip = _poison(q, poisoned), _poison(k, rk), _poison(v, rk), (3,)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    window = ((64, 0) if causal else (100, 37)) if extra == "window" else (-1, -1)
+    variants = {}
+    if extra == "scores":
+        variants = dict(softcap=5.0, alibi_slopes=torch.rand(len(HOPPER_LENGTHS), heads[0], device=device),
+                        sinks=torch.randn(heads[0], device=device))
+    out, lse = triflash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, causal=causal, window_size=window,
+                                               return_lse=True, **variants)
+    dout = torch.randn_like(out)
+    dlse = torch.randn_like(lse)
+    if poisoned is not None:
+        dout = _poison(dout, poisoned)
+    torch.autograd.backward((out, lse), (dout, dlse))
+    assert_packed_grads_3x((q.grad, k.grad, v.grad), q, k, v, dout, cu_q, cu_k, causal, dtype, dlse, skip=skip,
+                           window_size=window, **variants)
+    assert taken == [(variant, True)]
+
+
 # -- bad input ----------------------------------------------------------------------------------------
 
 def _good(device):

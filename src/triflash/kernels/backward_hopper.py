@@ -49,15 +49,17 @@ from .block_ranges import (
     window_kernel_args,
 )
 from .common import PLAIN as NO_SCORES
-from .common import ScoreVariant, on_input_device
+from .common import ScoreVariant, Varlen, on_input_device
 from .configs import cdiv, gluon_hopper_applies, sm_count
 from .sm90_common import (
     PLAIN,
     PRODUCER_REGS,
     SCALAR,
     SMEM,
+    Packed,
     Ring,
     ScoreArgs,
+    Tiles,
     Window,
     aggregate,
     constexprs,
@@ -65,9 +67,10 @@ from .sm90_common import (
     row_limits,
     score_launch_args,
     seen_cols,
+    sequences,
     shared_layout,
-    tile_coords,
     tma_supported,
+    zero_tail,
 )
 
 BLOCK_N = 128              # keys per CTA: 64 per consumer partition
@@ -170,7 +173,9 @@ class BwdConfig:
 @aggregate
 class BwdWork:
     """The problem's sizes and the grid's grouping (``_bwd_coords``): every partition derives its
-    CTA's key block and steps from these, so they all walk the same steps."""
+    CTA's key block and steps from these, so they all walk the same steps. ``packed``: the sequences'
+    layout (``sm90_common.Packed``; packed sequences: seqlen_q / seqlen_k and num_m_blocks are the
+    longest sequence's, which size the grid)."""
     num_n_blocks: SCALAR
     num_heads_q: SCALAR
     num_heads_k: SCALAR
@@ -182,21 +187,32 @@ class BwdWork:
     heads_per_group: SCALAR
     stats_rows: SCALAR
     window: Window
+    packed: Packed
 
     @gluon.constexpr_function
     def __init__(self, num_n_blocks, num_heads_q, num_heads_k, kv_group_size, seqlen_q, seqlen_k, num_m_blocks,
-                 batch, heads_per_group, stats_rows, window):
+                 batch, heads_per_group, stats_rows, window, packed):
         constexprs(self, num_n_blocks=num_n_blocks, num_heads_q=num_heads_q, num_heads_k=num_heads_k,
                    kv_group_size=kv_group_size, seqlen_q=seqlen_q, seqlen_k=seqlen_k, num_m_blocks=num_m_blocks,
                    batch=batch, heads_per_group=heads_per_group, stats_rows=stats_rows)
         self.window = window
+        self.packed = packed
 
     @gluon.jit
     def coords(self, cfg):
-        """``_bwd_coords``: (pid_n, batch, KV head, first key, steps, first query block, its step)."""
+        """``_bwd_coords``: (pid_n, batch, KV head, first key, steps, first query block, its step, and
+        the sequence's first query row q0, first key row k0, seqlen_q and seqlen_k)."""
         return _bwd_coords(self.num_n_blocks, self.num_heads_k, self.kv_group_size, self.seqlen_q, self.seqlen_k,
-                           self.num_m_blocks, self.batch, self.heads_per_group, self.window, cfg.BLOCK_M,
-                           cfg.BLOCK_N, cfg.IS_CAUSAL)
+                           self.num_m_blocks, self.batch, self.heads_per_group, self.window, self.packed,
+                           cfg.BLOCK_M, cfg.BLOCK_N, cfg.IS_CAUSAL)
+
+    @gluon.jit
+    def stats_row(self, off_b, off_h, row):
+        """Where query row ``row`` of the sequence of batch entry off_b, query head off_h, lies in the
+        flat lse2 / delta buffers: [B, Hq, stats_rows] dense, [1, Hq, total_q] packed (``row`` then
+        counts from the packed tensors' first row)."""
+        return (self.packed.batch_index(off_b) * self.num_heads_k * self.kv_group_size + off_h) * self.stats_rows \
+            + row
 
 
 @aggregate
@@ -261,7 +277,8 @@ class BwdIO:
 
 @gluon.jit
 def _bwd_coords(num_n_blocks, num_heads_k, kv_group_size, seqlen_q, seqlen_k, num_m_blocks, batch,
-                heads_per_group, window, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, IS_CAUSAL: gl.constexpr):
+                heads_per_group, window, packed, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                IS_CAUSAL: gl.constexpr):
     """This CTA's (batch, KV head, key block) and its steps. Step i visits query block
     m = m_first + m_step * (i // G) of query head hk * G + i % G (G = kv_group_size), for i in
     [0, n_steps): every query block from the first one that sees a key of the block (m_lo) on (with
@@ -272,7 +289,11 @@ def _bwd_coords(num_n_blocks, num_heads_k, kv_group_size, seqlen_q, seqlen_k, nu
     pid = group base + (N - 1 - n) * heads + head. So key block n + 1 of a head (the CTA whose dQ turn
     n waits for) has the smaller id, and when the CTAs of key block n of one group finish, the CTAs
     that take their SMs are key block n of the next group: each starts about one turn after the one
-    it waits for, and the wave's pipeline fill is paid once."""
+    it waits for, and the wave's pipeline fill is paid once.
+
+    Packed sequences (``packed.ON``): batch entry b is sequence b, from row q0 of q and k0 of k; its
+    own lengths and query blocks set the steps, and a key block past its keys (the grid is sized by
+    the longest sequence) has none. Dense: q0 = k0 = 0 and the launch's lengths."""
     pid = gl.program_id(0)
     group_size = heads_per_group * num_n_blocks
     group = pid // group_size
@@ -283,25 +304,35 @@ def _bwd_coords(num_n_blocks, num_heads_k, kv_group_size, seqlen_q, seqlen_k, nu
     off_hk = bh % num_heads_k
     off_b = bh // num_heads_k
     start_n = pid_n * BLOCK_N
+    if packed.ON:
+        q0, k0, seqlen_q, seqlen_k = packed.sequence(off_b, True)
+        num_m_blocks = gl.cdiv(seqlen_q, BLOCK_M)
+    else:
+        q0 = 0
+        k0 = 0
     if window.ON:
         # The query blocks whose windows hold a key of the block, from the first one up.
         lo, _, _, hi = window.query_rows(start_n, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N)
-        m_lo = lo // BLOCK_M
-        n_steps = gl.maximum(gl.cdiv(hi, BLOCK_M) - m_lo, 0) * kv_group_size
-        return pid_n, off_b, off_hk, start_n, n_steps, m_lo, 1
-    # The first query block that sees a key of the block (bottom-right alignment).
-    lo, _ = causal_query_range(start_n, seqlen_q, seqlen_k, num_m_blocks * BLOCK_M, BLOCK_M, BLOCK_N, IS_CAUSAL)
-    m_lo = lo // BLOCK_M
-    n_steps = gl.maximum(num_m_blocks - m_lo, 0) * kv_group_size
-    # Non-causal: from the last query block down; causal: from the diagonal up, so that key block n
-    # reaches block m at step m - m_lo(n), after key block n + 1 did (see the module docstring).
-    if IS_CAUSAL:
-        m_first = m_lo
+        m_first = lo // BLOCK_M
+        n_steps = gl.maximum(gl.cdiv(hi, BLOCK_M) - m_first, 0) * kv_group_size
         m_step = 1
     else:
-        m_first = num_m_blocks - 1
-        m_step = -1
-    return pid_n, off_b, off_hk, start_n, n_steps, m_first, m_step
+        # The first query block that sees a key of the block (bottom-right alignment).
+        lo, _ = causal_query_range(start_n, seqlen_q, seqlen_k, num_m_blocks * BLOCK_M, BLOCK_M, BLOCK_N,
+                                   IS_CAUSAL)
+        m_lo = lo // BLOCK_M
+        n_steps = gl.maximum(num_m_blocks - m_lo, 0) * kv_group_size
+        # Non-causal: from the last query block down; causal: from the diagonal up, so that key block
+        # n reaches block m at step m - m_lo(n), after key block n + 1 did (see the module docstring).
+        if IS_CAUSAL:
+            m_first = m_lo
+            m_step = 1
+        else:
+            m_first = num_m_blocks - 1
+            m_step = -1
+    if packed.ON:
+        n_steps = gl.where(start_n < seqlen_k, n_steps, 0)
+    return pid_n, off_b, off_hk, start_n, n_steps, m_first, m_step, q0, k0, seqlen_q, seqlen_k
 
 
 @gluon.jit
@@ -313,22 +344,24 @@ def _step_block(i, m_first, m_step, off_hk, kv_group_size):
 @gluon.jit
 def _bwd_producer(cfg, work, io, sh):
     """K and V once; per step the Q and dO tiles and the step's BLOCK_M entries of lse2 and delta
-    (flat [B * Hq * stats_rows] descriptors: a tile never straddles two heads)."""
+    (flat descriptors over the stats, ``BwdWork.stats_row``: dense, a tile never straddles two heads;
+    packed, the consumers mask the entries past the sequence's end)."""
     BLOCK_M: gl.constexpr = cfg.BLOCK_M
-    pid_n, off_b, off_hk, start_n, n_steps, m_first, m_step = work.coords(cfg)
+    pid_n, off_b, off_hk, start_n, n_steps, m_first, m_step, q0, k0, _, _ = work.coords(cfg)
+    desc_b = work.packed.batch_index(off_b)
     mbarrier.expect(sh.kv_ready, io.k_desc.block_type.nbytes + io.v_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(io.k_desc, [off_b, start_n, off_hk, 0], sh.kv_ready, sh.k)
-    tma.async_copy_global_to_shared(io.v_desc, [off_b, start_n, off_hk, 0], sh.kv_ready, sh.v)
+    tma.async_copy_global_to_shared(io.k_desc, [desc_b, k0 + start_n, off_hk, 0], sh.kv_ready, sh.k)
+    tma.async_copy_global_to_shared(io.v_desc, [desc_b, k0 + start_n, off_hk, 0], sh.kv_ready, sh.v)
     for i in range(n_steps):
         s = sh.q.index(i)
         m, off_h = _step_block(i, m_first, m_step, off_hk, work.kv_group_size)
         sh.q.acquire(i)
         sh.q.expect(s, io.q_desc.block_type.nbytes + io.do_desc.block_type.nbytes
                     + 2 * io.lse_desc.block_type.nbytes)
-        sh.q.load(io.q_desc, [off_b, m * BLOCK_M, off_h, 0], s)
-        tma.async_copy_global_to_shared(io.do_desc, [off_b, m * BLOCK_M, off_h, 0], sh.q.ready.index(s),
+        sh.q.load(io.q_desc, [desc_b, q0 + m * BLOCK_M, off_h, 0], s)
+        tma.async_copy_global_to_shared(io.do_desc, [desc_b, q0 + m * BLOCK_M, off_h, 0], sh.q.ready.index(s),
                                         sh.do.index(s))
-        row = (off_b * work.num_heads_k * work.kv_group_size + off_h) * work.stats_rows + m * BLOCK_M
+        row = work.stats_row(off_b, off_h, q0 + m * BLOCK_M)
         tma.async_copy_global_to_shared(io.lse_desc, [row], sh.q.ready.index(s), sh.lse.index(s))
         tma.async_copy_global_to_shared(io.delta_desc, [row], sh.q.ready.index(s), sh.delta.index(s))
 
@@ -336,7 +369,8 @@ def _bwd_producer(cfg, work, io, sh):
 @gluon.jit
 def _bwd_step(cfg, sh, WG: gl.constexpr, i, dk, dv, zero_st, zero_dq, k_smem, v_smem, ds_smem, keys, cols0,
               seqlen_k, m_first, m_step, kv_group_size, causal_offset, qk_scale, col_layout: gl.constexpr,
-              a_layout: gl.constexpr, MASK: gl.constexpr, scores, off_b, off_hk, q_first=None, q_last=None):
+              a_layout: gl.constexpr, MASK: gl.constexpr, scores, off_b, off_hk, q_first=None, q_last=None,
+              q_end=None, ld_layout: gl.constexpr = None):
     """One (query block, key block) step of a consumer partition (its key rows: ``k_smem``, ``v_smem``,
     ``ds_smem``): returns the updated dK, dV and (DQ) hands its dQ partial to the writer. MASK (compile
     time, so a step has no branch): 0 none, 1 the causal diagonal, 2 the key rows past seqlen_k, 3 a
@@ -344,12 +378,25 @@ def _bwd_step(cfg, sh, WG: gl.constexpr, i, dk, dv, zero_st, zero_dq, k_smem, v_
     for key rows past seqlen_k). The caller runs each kind of step in its own loop. (Issuing the next
     step's S^T / dP^T before waiting for this step's products was tried: ptxas then serialises the
     wgmmas, C7514.) ``scores``: softcap and ALiBi on the step's scores (query head and slope per step)
-    and softcap's factor on dS."""
+    and softcap's factor on dS. ``q_end`` (packed sequences: the sequence's seqlen_q): the block's rows
+    from q_end on are the next sequence's, so their Q and dO rows are zeroed in the slot (0 * NaN is
+    NaN on the tensor cores; ``zero_tail``, in ``ld_layout``) and their lse2 / delta become +inf / 0
+    (``_stats_past_end``): p and dS are then 0 there, as for the zero rows TMA reads past a dense
+    tensor's end."""
     dtype: gl.constexpr = sh.q.mem.dtype
     s = sh.q.index(i)
     q_tile = sh.q.tile(s)
     do_tile = sh.do.index(s)
     sh.q.wait(i)
+    if q_end is not None:
+        m_tail, _ = _step_block(i, m_first, m_step, off_hk, kv_group_size)
+        if (m_tail + 1) * cfg.BLOCK_M > q_end:
+            # Both consumer partitions write the slot (the same values), each before its products.
+            zero_tail(q_tile, m_tail * cfg.BLOCK_M, q_end, cfg.BLOCK_M, 16, ld_layout)
+            zero_tail(do_tile, m_tail * cfg.BLOCK_M, q_end, cfg.BLOCK_M, 16, ld_layout)
+            _stats_past_end(sh.lse.index(s), sh.delta.index(s), m_tail * cfg.BLOCK_M, q_end, cfg.BLOCK_M)
+            fence_async_shared()
+            gl.thread_barrier()
     st_tok = warpgroup_mma(k_smem, q_tile.permute((1, 0)), zero_st, use_acc=False, is_async=True)
     dpt_tok = warpgroup_mma(v_smem, do_tile.permute((1, 0)), zero_st, use_acc=False, is_async=True)
     m, off_h = _step_block(i, m_first, m_step, off_hk, kv_group_size)
@@ -402,6 +449,21 @@ def _bwd_step(cfg, sh, WG: gl.constexpr, i, dk, dv, zero_st, zero_dq, k_smem, v_
 
 
 @gluon.jit
+def _stats_past_end(lse_smem, delta_smem, start, end, BLOCK_M: gl.constexpr):
+    """Packed sequences: in a step's lse2 / delta slot (query rows start ..), the entries of rows at or
+    past ``end`` (the next sequence's, or the next head's) become +inf / 0, a row that sees no key.
+    (Masking them in registers at every step kept the rows' indices live: 348 bytes of spills at head
+    dim 64, causal.)"""
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+    past = start + gl.arange(0, BLOCK_M, layout=layout) >= end
+    lse2 = lse_smem.load(layout)
+    delta = delta_smem.load(layout)
+    gl.thread_barrier()                  # every warp has read before any writes
+    lse_smem.store(gl.where(past, float("inf"), lse2))
+    delta_smem.store(gl.where(past, 0.0, delta))
+
+
+@gluon.jit
 def _bwd_consumer(cfg, WG: gl.constexpr, work, io, sh):
     """Consumer partition WG of NUM_WG (one warpgroup each): key rows [WG * KEYS, WG * KEYS + KEYS) of
     the CTA's block, KEYS = BLOCK_N / NUM_WG = 64. The partitions run unsynchronised, so one's softmax
@@ -411,10 +473,15 @@ def _bwd_consumer(cfg, WG: gl.constexpr, work, io, sh):
     BLOCK_M: gl.constexpr = cfg.BLOCK_M
     KEYS: gl.constexpr = cfg.BLOCK_N // cfg.NUM_WG
     gl.static_assert(KEYS == 64, "a consumer partition is one warpgroup: 64 key rows")
-    seqlen_k = work.seqlen_k
     kv_group_size = work.kv_group_size
-    pid_n, off_b, off_hk, start_n, n_steps, m_first, m_step = work.coords(cfg)
+    pid_n, off_b, off_hk, start_n, n_steps, m_first, m_step, q0, k0, seqlen_q, seqlen_k = work.coords(cfg)
     start_n = start_n + WG * KEYS
+    # Packed sequences: the steps mask the rows past the sequence's end (``_bwd_step``'s q_end).
+    ld_layout: gl.constexpr = gl.BlockedLayout([1, 8], [256 // HEAD_DIM, HEAD_DIM // 8], [4, 1], [1, 0])
+    if work.packed.ON:
+        q_end = seqlen_q
+    else:
+        q_end = None
     k_smem = sh.k.slice(WG * KEYS, KEYS)
     v_smem = sh.v.slice(WG * KEYS, KEYS)
     if cfg.DQ:
@@ -433,12 +500,12 @@ def _bwd_consumer(cfg, WG: gl.constexpr, work, io, sh):
     key_layout: gl.constexpr = gl.SliceLayout(1, st_layout)             # one value per key
     cols0 = gl.arange(0, BLOCK_M, layout=col_layout)
     keys = start_n + gl.arange(0, KEYS, layout=key_layout)
-    causal_offset = seqlen_k - work.seqlen_q
+    causal_offset = seqlen_k - seqlen_q
     key_tail = start_n + KEYS > seqlen_k                 # this partition holds key rows past the end
     if work.window.ON:
         # Query blocks [m_full, m_end) see every key of this partition's rows: no mask; the others
         # need the window's (and where key_tail, the end of the keys).
-        _, full_lo, full_hi, _ = work.window.query_rows(start_n, work.seqlen_q, seqlen_k, BLOCK_M, KEYS)
+        _, full_lo, full_hi, _ = work.window.query_rows(start_n, seqlen_q, seqlen_k, BLOCK_M, KEYS)
         m_full = full_lo // BLOCK_M
         m_end = full_hi // BLOCK_M
         q_first = work.window.first_query(keys, causal_offset, seqlen_k)
@@ -447,7 +514,7 @@ def _bwd_consumer(cfg, WG: gl.constexpr, work, io, sh):
             q_last = work.window.last_query(keys, causal_offset)
     elif cfg.IS_CAUSAL:
         # Query blocks from m_full on see every key of this partition's rows (no mask needed).
-        m_full = first_full_query_block(start_n, work.seqlen_q, seqlen_k, BLOCK_M, KEYS)
+        m_full = first_full_query_block(start_n, seqlen_q, seqlen_k, BLOCK_M, KEYS)
     else:
         m_full = 0
 
@@ -471,43 +538,48 @@ def _bwd_consumer(cfg, WG: gl.constexpr, work, io, sh):
         for i in range(0, n_front):
             dk, dv = _bwd_step(cfg, sh, WG, i, dk, dv, zero_st, zero_dq, k_smem, v_smem, ds_smem, keys, cols0,
                                seqlen_k, m_first, m_step, kv_group_size, causal_offset, io.qk_scale, col_layout,
-                               a_layout, 3, io.scores, off_b, off_hk, q_first, q_last)
+                               a_layout, 3, io.scores, off_b, off_hk, q_first, q_last, q_end=q_end, ld_layout=ld_layout)
         for i in range(n_front, n_mid):
             dk, dv = _bwd_step(cfg, sh, WG, i, dk, dv, zero_st, zero_dq, k_smem, v_smem, ds_smem, keys, cols0,
                                seqlen_k, m_first, m_step, kv_group_size, causal_offset, io.qk_scale, col_layout,
-                               a_layout, 0, io.scores, off_b, off_hk)
+                               a_layout, 0, io.scores, off_b, off_hk, q_end=q_end, ld_layout=ld_layout)
         for i in range(n_mid, n_steps):
             dk, dv = _bwd_step(cfg, sh, WG, i, dk, dv, zero_st, zero_dq, k_smem, v_smem, ds_smem, keys, cols0,
                                seqlen_k, m_first, m_step, kv_group_size, causal_offset, io.qk_scale, col_layout,
-                               a_layout, 3, io.scores, off_b, off_hk, q_first, q_last)
+                               a_layout, 3, io.scores, off_b, off_hk, q_first, q_last, q_end=q_end, ld_layout=ld_layout)
     else:
         if cfg.IS_CAUSAL:
             n_masked = gl.minimum(gl.maximum(m_full - m_first, 0) * kv_group_size, n_steps)
             for i in range(0, n_masked):
                 dk, dv = _bwd_step(cfg, sh, WG, i, dk, dv, zero_st, zero_dq, k_smem, v_smem, ds_smem, keys, cols0,
                                    seqlen_k, m_first, m_step, kv_group_size, causal_offset, io.qk_scale, col_layout,
-                                   a_layout, 1, io.scores, off_b, off_hk)
+                                   a_layout, 1, io.scores, off_b, off_hk, q_end=q_end, ld_layout=ld_layout)
         else:
             n_masked = 0
         if key_tail:
             for i in range(n_masked, n_steps):
                 dk, dv = _bwd_step(cfg, sh, WG, i, dk, dv, zero_st, zero_dq, k_smem, v_smem, ds_smem, keys, cols0,
                                    seqlen_k, m_first, m_step, kv_group_size, causal_offset, io.qk_scale, col_layout,
-                                   a_layout, 2, io.scores, off_b, off_hk)
+                                   a_layout, 2, io.scores, off_b, off_hk, q_end=q_end, ld_layout=ld_layout)
         else:
             for i in range(n_masked, n_steps):
                 dk, dv = _bwd_step(cfg, sh, WG, i, dk, dv, zero_st, zero_dq, k_smem, v_smem, ds_smem, keys, cols0,
                                    seqlen_k, m_first, m_step, kv_group_size, causal_offset, io.qk_scale, col_layout,
-                                   a_layout, 0, io.scores, off_b, off_hk)
+                                   a_layout, 0, io.scores, off_b, off_hk, q_end=q_end, ld_layout=ld_layout)
 
     # -- epilogue: dK * sm_scale and dV; key rows past seqlen_k are not stored --
     out_keys = start_n + gl.arange(0, KEYS, layout=gl.SliceLayout(1, kv_layout))
     dims = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, kv_layout))
     mask = (out_keys < seqlen_k)[:, None]
-    dk_ptrs = io.DK + off_b.to(gl.int64) * io.stride_dkb + off_hk.to(gl.int64) * io.stride_dkh \
-        + out_keys[:, None].to(gl.int64) * io.stride_dks + dims[None, :]
-    dv_ptrs = io.DV + off_b.to(gl.int64) * io.stride_dvb + off_hk.to(gl.int64) * io.stride_dvh \
-        + out_keys[:, None].to(gl.int64) * io.stride_dvs + dims[None, :]
+    if work.packed.ON:                   # [1, total_k, Hkv, D]: the sequence's rows from k0
+        rows = (k0 + out_keys)[:, None].to(gl.int64)
+        dk_ptrs = io.DK + off_hk.to(gl.int64) * io.stride_dkh + rows * io.stride_dks + dims[None, :]
+        dv_ptrs = io.DV + off_hk.to(gl.int64) * io.stride_dvh + rows * io.stride_dvs + dims[None, :]
+    else:
+        dk_ptrs = io.DK + off_b.to(gl.int64) * io.stride_dkb + off_hk.to(gl.int64) * io.stride_dkh \
+            + out_keys[:, None].to(gl.int64) * io.stride_dks + dims[None, :]
+        dv_ptrs = io.DV + off_b.to(gl.int64) * io.stride_dvb + off_hk.to(gl.int64) * io.stride_dvh \
+            + out_keys[:, None].to(gl.int64) * io.stride_dvs + dims[None, :]
     gl.store(dk_ptrs, (dk * io.sm_scale).to(dtype), mask=mask)
     gl.store(dv_ptrs, dv.to(dtype), mask=mask)
 
@@ -590,7 +662,7 @@ def _bwd_writer(cfg, work, io, sh, THREADS: gl.constexpr):
     num_m_blocks = work.num_m_blocks
     DQW = io.DQW
     SEM = io.SEM
-    pid_n, off_b, off_hk, start_n, n_steps, m_first, m_step = work.coords(cfg)
+    pid_n, off_b, off_hk, start_n, n_steps, m_first, m_step, q0, k0, seqlen_q, seqlen_k = work.coords(cfg)
     num_heads_q = work.num_heads_k * kv_group_size
     # 4 fp32 (16 bytes) per thread along D; CHUNK rows at a time (16 values per thread and step: 32 made
     # no difference).
@@ -661,13 +733,19 @@ def _attn_bwd_hopper_kernel(
     NUM_WG: gl.constexpr, WRITER_REGS_: gl.constexpr, PRODUCER_REGS_: gl.constexpr,
     CONSUMER_REGS_: gl.constexpr, DQ: gl.constexpr, SOFTCAP: gl.constexpr = False, ALIBI: gl.constexpr = False,
     HAS_LEFT: gl.constexpr = False, HAS_RIGHT: gl.constexpr = False, ATOMIC: gl.constexpr = False,
+    CU_SEQLENS_Q=None, CU_SEQLENS_K=None, PACKED: gl.constexpr = False,     # packed sequences
 ):
+    """Grid: batch x KV heads x key blocks (``_bwd_coords``). PACKED: packed sequences (``Packed``;
+    the descriptors over [1, total, H, D] views, seqlen_q / seqlen_k / num_m_blocks the longest
+    sequence's, lse2 / delta [1, Hq, total_q]); dK and dV only."""
     dtype: gl.constexpr = q_desc.dtype
     gl.static_assert(DQ_BUFS >= 2, "the ordered writer takes two steps' partials per round")
     gl.static_assert(not (DQ and (HAS_LEFT or HAS_RIGHT)), "the fused form's dQ turns follow the causal walk")
+    gl.static_assert(not (DQ and PACKED), "the fused form's dQ turns and workspace follow the dense layout")
     cfg = BwdConfig(HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, DQ_BUFS, IS_CAUSAL, NUM_WG, DQ, ATOMIC)
     work = BwdWork(num_n_blocks, num_heads_q, num_heads_k, kv_group_size, seqlen_q, seqlen_k, num_m_blocks, batch,
-                   heads_per_group, stats_rows, Window(window_left, window_right, HAS_LEFT, HAS_RIGHT))
+                   heads_per_group, stats_rows, Window(window_left, window_right, HAS_LEFT, HAS_RIGHT),
+                   Packed(CU_SEQLENS_Q, CU_SEQLENS_K, PACKED))
     scores = ScoreArgs(score_scale, tanh_scale, softcap, ALIBI_SLOPES, stride_ab, stride_ah, None, SOFTCAP, ALIBI,
                        False)
     io = BwdIO(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, DK, DV, DQW, SEM, stride_dkb, stride_dks,
@@ -780,7 +858,8 @@ class DqConfig:
 
 @aggregate
 class DqWork:
-    """The problem's sizes: every partition derives its tile and key blocks from them (``coords``)."""
+    """The problem's sizes: every partition derives its tile and key blocks from them (``coords``).
+    ``packed``: the sequences' layout (``sm90_common.Packed``), as the forward's."""
     num_heads_q: SCALAR
     kv_group_size: SCALAR
     seqlen_q: SCALAR
@@ -788,19 +867,34 @@ class DqWork:
     num_m_blocks: SCALAR
     stats_rows: SCALAR
     window: Window
+    packed: Packed
 
     @gluon.constexpr_function
-    def __init__(self, num_heads_q, kv_group_size, seqlen_q, seqlen_k, num_m_blocks, stats_rows, window):
+    def __init__(self, num_heads_q, kv_group_size, seqlen_q, seqlen_k, num_m_blocks, stats_rows, window, packed):
         constexprs(self, num_heads_q=num_heads_q, kv_group_size=kv_group_size, seqlen_q=seqlen_q,
                    seqlen_k=seqlen_k, num_m_blocks=num_m_blocks, stats_rows=stats_rows)
         self.window = window
+        self.packed = packed
 
     @gluon.jit
     def coords(self, cfg):
-        """The forward's ``tile_coords`` for this program's tile (one per program, PLAIN order)."""
-        return tile_coords(gl.program_id(0), 0, self.num_m_blocks, self.num_heads_q, self.kv_group_size,
-                           self.seqlen_q, self.seqlen_k, gl.num_programs(0), 1, self.window, cfg.ROWS * cfg.NUM_WG,
-                           cfg.BLOCK_N, cfg.IS_CAUSAL, PLAIN)
+        """The forward's tile walk (``Tiles.walk``) for this program's tile, one per program in the
+        PLAIN order: (pid_bh, batch, query head, kv head, first query row, first and end key block,
+        valid, q0, k0, seqlen_q, seqlen_k); packed, a tile past its sequence's end is not valid."""
+        tiles = Tiles(gl.num_programs(0), 1, self.num_m_blocks, self.num_heads_q, self.kv_group_size, self.seqlen_q,
+                      self.seqlen_k, self.window, self.packed, cfg.ROWS * cfg.NUM_WG, cfg.BLOCK_N, cfg.IS_CAUSAL,
+                      PLAIN)
+        return tiles.walk(gl.program_id(0), 0)
+
+    @gluon.jit
+    def stats_row(self, pid_bh, off_h, row):
+        """Where query row ``row`` of (batch, head) pid_bh lies in the flat lse2 / delta buffers:
+        [B, Hq, stats_rows] dense, [1, Hq, total_q] packed (``row`` counts from the packed tensors'
+        first row)."""
+        if self.packed.ON:
+            return off_h * self.stats_rows + row
+        else:
+            return pid_bh * self.stats_rows + row
 
 
 @aggregate
@@ -850,41 +944,52 @@ class DqIO:
 @gluon.jit
 def _dq_producer(cfg, work, io, sh):
     """The query side once (one barrier for all of it), then K_j and V_j into ring slot j % STAGES.
-    The tile and its key blocks are the forward's (``tile_coords``: every key block some row of the
+    The tile and its key blocks are the forward's (``Tiles.walk``: every key block some row of the
     tile sees; causal, one head after the other, the heaviest query blocks first)."""
     ROWS: gl.constexpr = cfg.ROWS
     NUM_WG: gl.constexpr = cfg.NUM_WG
-    stats_rows = work.stats_rows
-    pid_bh, off_b, off_h, off_hk, start_m, first, n_blocks, _ = work.coords(cfg)
-    mbarrier.expect(sh.q_ready, NUM_WG * (io.q_desc.block_type.nbytes + io.do_desc.block_type.nbytes
-                                          + 2 * io.lse_desc.block_type.nbytes))
-    for w in gl.static_range(NUM_WG):
-        row0 = start_m + w * ROWS
-        tma.async_copy_global_to_shared(io.q_desc, [off_b, row0, off_h, 0], sh.q_ready, sh.q.index(w))
-        tma.async_copy_global_to_shared(io.do_desc, [off_b, row0, off_h, 0], sh.q_ready, sh.do.index(w))
-        tma.async_copy_global_to_shared(io.lse_desc, [pid_bh * stats_rows + row0], sh.q_ready, sh.lse.index(w))
-        tma.async_copy_global_to_shared(io.delta_desc, [pid_bh * stats_rows + row0], sh.q_ready,
-                                        sh.delta.index(w))
-    for j in range(first, n_blocks):
-        s = sh.kv.index(j - first)
-        sh.kv.acquire(j - first)
-        sh.kv.expect(s, io.k_desc.block_type.nbytes + io.v_desc.block_type.nbytes)
-        sh.kv.load(io.k_desc, [off_b, j * cfg.BLOCK_N, off_hk, 0], s)
-        tma.async_copy_global_to_shared(io.v_desc, [off_b, j * cfg.BLOCK_N, off_hk, 0], sh.kv.ready.index(s),
-                                        sh.v.index(s))
+    pid_bh, off_b, off_h, off_hk, start_m, first, n_blocks, valid, q0, k0, _, _ = work.coords(cfg)
+    desc_b = work.packed.batch_index(off_b)
+    if valid:
+        mbarrier.expect(sh.q_ready, NUM_WG * (io.q_desc.block_type.nbytes + io.do_desc.block_type.nbytes
+                                              + 2 * io.lse_desc.block_type.nbytes))
+        for w in gl.static_range(NUM_WG):
+            row0 = q0 + start_m + w * ROWS
+            tma.async_copy_global_to_shared(io.q_desc, [desc_b, row0, off_h, 0], sh.q_ready, sh.q.index(w))
+            tma.async_copy_global_to_shared(io.do_desc, [desc_b, row0, off_h, 0], sh.q_ready, sh.do.index(w))
+            row = work.stats_row(pid_bh, off_h, row0)
+            tma.async_copy_global_to_shared(io.lse_desc, [row], sh.q_ready, sh.lse.index(w))
+            tma.async_copy_global_to_shared(io.delta_desc, [row], sh.q_ready, sh.delta.index(w))
+        for j in range(first, n_blocks):
+            s = sh.kv.index(j - first)
+            sh.kv.acquire(j - first)
+            sh.kv.expect(s, io.k_desc.block_type.nbytes + io.v_desc.block_type.nbytes)
+            sh.kv.load(io.k_desc, [desc_b, k0 + j * cfg.BLOCK_N, off_hk, 0], s)
+            tma.async_copy_global_to_shared(io.v_desc, [desc_b, k0 + j * cfg.BLOCK_N, off_hk, 0],
+                                            sh.kv.ready.index(s), sh.v.index(s))
 
 
 @gluon.jit
 def _dq_step(cfg, sh, j, c, dq, q_tile, do_tile, zero_s, lse2, delta, cols0, col_limit, qk_scale,
-             a_layout: gl.constexpr, MASK: gl.constexpr, mod, col_start=None):
+             a_layout: gl.constexpr, MASK: gl.constexpr, mod, col_start=None, k_end=None,
+             ld_layout: gl.constexpr = None):
     """One key block j (ring tile c) of the dQ consumer: S, dP, dS = P (dP - delta), dQ += dS K_j.
     MASK: keys at or past a row's column limit (its causal diagonal + 1, a window's right edge, or
     seqlen_k) and, with ``col_start``, before a window's left edge get p = 0. ``mod``: the tile's
-    ``Scores`` (softcap, ALiBi; softcap's factor on dS)."""
+    ``Scores`` (softcap, ALiBi; softcap's factor on dS). ``k_end`` (packed sequences, masked steps:
+    the sequence's seqlen_k): K and V rows from k_end on are the next sequence's, zeroed in the slot
+    before the products (``zero_tail``, in ``ld_layout``), so that p = 0 there meets zeros, not NaN."""
     dtype: gl.constexpr = q_tile.dtype
     s = sh.kv.index(c)
     sh.kv.wait(c)
     k_tile = sh.kv.tile(s)
+    if k_end is not None:
+        if (j + 1) * cfg.BLOCK_N > k_end:
+            # Both consumer partitions zero the slot's rows (the same values), each before its products.
+            zero_tail(k_tile, j * cfg.BLOCK_N, k_end, cfg.BLOCK_N, 16, ld_layout)
+            zero_tail(sh.v.index(s), j * cfg.BLOCK_N, k_end, cfg.BLOCK_N, 16, ld_layout)
+            fence_async_shared()
+            gl.thread_barrier()
     s_tok = warpgroup_mma(q_tile, k_tile.permute((1, 0)), zero_s, use_acc=False, is_async=True)
     dp_tok = warpgroup_mma(do_tile, sh.v.index(s).permute((1, 0)), zero_s, use_acc=False, is_async=True)
     s_ij = warpgroup_mma_wait(1, deps=(s_tok,))
@@ -907,16 +1012,29 @@ def _dq_step(cfg, sh, j, c, dq, q_tile, do_tile, zero_s, lse2, delta, cols0, col
 
 @gluon.jit
 def _dq_consumer(cfg, WG: gl.constexpr, work, io, sh):
-    """Query rows [start_m + WG * ROWS, + ROWS): dQ over every key block of the tile. Rows past
-    seqlen_q (zero Q and dO, lse2 = +inf) and rows that see no key (lse2 = +inf) get p = 0; key rows
-    past seqlen_k and keys after a row's causal diagonal are masked to p = 0 (their zero K rows would
-    otherwise give p = exp2(-lse2), see _bwd_step)."""
+    """Query rows [start_m + WG * ROWS, + ROWS) of the program's tile, if it is valid (``_dq_rows``)."""
+    pid_bh, off_b, off_h, off_hk, start_m, first, n_blocks, valid, q0, k0, seqlen_q, seqlen_k = work.coords(cfg)
+    if valid:
+        _dq_rows(cfg, WG, work, io, sh, pid_bh, off_b, off_h, start_m, first, n_blocks, q0, seqlen_q, seqlen_k)
+
+
+@gluon.jit
+def _dq_rows(cfg, WG: gl.constexpr, work, io, sh, pid_bh, off_b, off_h, start_m, first, n_blocks, q0, seqlen_q,
+             seqlen_k):
+    """Query rows [start_m + WG * ROWS, + ROWS) of the sequence from row q0: dQ over every key block of
+    the tile. Rows past seqlen_q (zero Q and dO, lse2 = +inf; packed, the next sequence's rows, never
+    stored) and rows that see no key (lse2 = +inf) get p = 0; key rows past seqlen_k and keys after a
+    row's causal diagonal are masked to p = 0 (their zero K rows would otherwise give p = exp2(-lse2),
+    see _bwd_step)."""
     ROWS: gl.constexpr = cfg.ROWS
     BLOCK_N: gl.constexpr = cfg.BLOCK_N
     HEAD_DIM: gl.constexpr = cfg.HEAD_DIM
-    seqlen_q = work.seqlen_q
-    seqlen_k = work.seqlen_k
-    pid_bh, off_b, off_h, off_hk, start_m, first, n_blocks, _ = work.coords(cfg)
+    # Packed sequences: the masked steps zero the K and V rows past the sequence's keys (``k_end``).
+    ld_layout: gl.constexpr = gl.BlockedLayout([1, 8], [256 // HEAD_DIM, HEAD_DIM // 8], [4, 1], [1, 0])
+    if work.packed.ON:
+        k_end = seqlen_k
+    else:
+        k_end = None
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
     dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -954,17 +1072,21 @@ def _dq_consumer(cfg, WG: gl.constexpr, work, io, sh):
         lo = gl.minimum(gl.maximum(full_lo, first), n_lo)
         for j in range(first, lo):
             dq = _dq_step(cfg, sh, j, j - first, dq, q_tile, do_tile, zero_s, lse2, delta, cols0, col_limit,
-                          io.qk_scale, a_layout, True, mod, col_start)
+                          io.qk_scale, a_layout, True, mod, col_start, k_end, ld_layout)
     for j in range(lo, n_lo):
         dq = _dq_step(cfg, sh, j, j - first, dq, q_tile, do_tile, zero_s, lse2, delta, cols0, col_limit, io.qk_scale,
                       a_layout, False, mod)
     for j in range(n_lo, n_blocks):
         dq = _dq_step(cfg, sh, j, j - first, dq, q_tile, do_tile, zero_s, lse2, delta, cols0, col_limit, io.qk_scale,
-                      a_layout, True, mod, col_start)
+                      a_layout, True, mod, col_start, k_end, ld_layout)
     out_rows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, dq_layout))
     dims = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, dq_layout))
-    ptrs = io.DQ + off_b.to(gl.int64) * io.stride_dqb + off_h.to(gl.int64) * io.stride_dqh \
-        + out_rows[:, None].to(gl.int64) * io.stride_dqs + dims[None, :]
+    if work.packed.ON:                   # [1, total_q, Hq, D]: the sequence's rows from q0
+        ptrs = io.DQ + off_h.to(gl.int64) * io.stride_dqh + (q0 + out_rows)[:, None].to(gl.int64) * io.stride_dqs \
+            + dims[None, :]
+    else:
+        ptrs = io.DQ + off_b.to(gl.int64) * io.stride_dqb + off_h.to(gl.int64) * io.stride_dqh \
+            + out_rows[:, None].to(gl.int64) * io.stride_dqs + dims[None, :]
     gl.store(ptrs, (dq * io.sm_scale).to(io.DQ.dtype.element_ty), mask=(out_rows < seqlen_q)[:, None])
 
 
@@ -980,11 +1102,14 @@ def _attn_bwd_dq_hopper_kernel(
     STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, PRODUCER_REGS_: gl.constexpr, CONSUMER_REGS_: gl.constexpr,
     SOFTCAP: gl.constexpr = False, ALIBI: gl.constexpr = False,
     HAS_LEFT: gl.constexpr = False, HAS_RIGHT: gl.constexpr = False,
+    CU_SEQLENS_Q=None, CU_SEQLENS_K=None, PACKED: gl.constexpr = False,     # packed sequences
 ):
+    """Grid: one program per query tile (``DqWork.coords``). PACKED: packed sequences (``Packed``),
+    as ``_attn_bwd_hopper_kernel``'s."""
     dtype: gl.constexpr = q_desc.dtype
     cfg = DqConfig(ROWS, NUM_WG, BLOCK_N, HEAD_DIM, STAGES, IS_CAUSAL)
     work = DqWork(num_heads_q, kv_group_size, seqlen_q, seqlen_k, num_m_blocks, stats_rows,
-                  Window(window_left, window_right, HAS_LEFT, HAS_RIGHT))
+                  Window(window_left, window_right, HAS_LEFT, HAS_RIGHT), Packed(CU_SEQLENS_Q, CU_SEQLENS_K, PACKED))
     scores = ScoreArgs(score_scale, tanh_scale, softcap, ALIBI_SLOPES, stride_ab, stride_ah, None, SOFTCAP, ALIBI,
                        False)
     io = DqIO(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, DQ, stride_dqb, stride_dqs, stride_dqh,
@@ -1028,17 +1153,16 @@ def _row_descriptor(t: torch.Tensor, rows: int) -> GluonTensorDescriptor:
     return desc
 
 
-def _check_stats(lse2, delta, seqlen_q):
-    rows = padded_rows(seqlen_q)
+def _check_stats(lse2, delta, rows: int):
     if lse2.shape[-1] != rows or not lse2.is_contiguous() or not delta.is_contiguous():
-        raise ValueError(f"lse2 / delta must be contiguous [B, Hq, {rows}] (padded_rows); got "
-                         f"{tuple(lse2.shape)}")
+        raise ValueError(f"lse2 / delta must be contiguous [B, Hq, {rows}] (padded_rows, or total_q for packed "
+                         f"sequences); got {tuple(lse2.shape)}")
 
 
 def supported(q, k, v, dout, variant: str) -> bool:
     """The forward Hopper kernel's conditions (sm90_common.tma_supported: CUDA fp16/bf16 [B, S, H, D]
     views, GQA, TMA-compatible strides; dout checked like its output) and a head dim the variant has a
-    config for, on an sm_90 GPU."""
+    config for, on an sm_90 GPU. Packed sequences: ask with [1, total, H, D] views."""
     return (q.shape[-1] in VARIANTS[variant] and tma_supported(q, k, v, dout)
             and gluon_hopper_applies(head_dim=q.shape[-1], dtype=q.dtype, device=q.device))
 
@@ -1046,17 +1170,22 @@ def supported(q, k, v, dout, variant: str) -> bool:
 @on_input_device
 def backward_hopper(dout, q, k, v, lse2, delta, sm_scale: float, causal: bool, dq, dk, dv, *,
                     variant: str = "split", scores: ScoreVariant = NO_SCORES,
-                    window: tuple[int, int] | None = None):
+                    window: tuple[int, int] | None = None, varlen: Varlen | None = None):
     """Fill dq, dk, dv ([B, S, H, D] views, last stride 1) from dout and the preprocess kernel's lse2
     (base-2 LSE, +inf for rows without keys) and delta ([B, Hq, padded_rows] float32). A variant
     without dQ (``computes_dq``) fills dk and dv only and leaves dq (which may be None) alone.
     ``scores``: the forward's score variants (softcap and ALiBi change P and dS; sinks need nothing).
-    ``window``: as ``block_ranges.window_bounds`` returns it, or None; the dK/dV-only variants only."""
-    batch, seqlen_q, heads_q, head_dim = q.shape
-    _, seqlen_k, heads_k, _ = k.shape
-    cfg = variant_config(variant, head_dim)
+    ``window``: as ``block_ranges.window_bounds`` returns it, or None; the dK/dV-only variants only.
+    ``varlen``: packed sequences (``common.Varlen``), the dK/dV-only variants only: q / dout
+    [total_q, Hq, D], k / v / dk / dv [total_k, Hkv, D], lse2 / delta [1, Hq, total_q]."""
+    cfg = variant_config(variant, q.shape[-1])
     if window is not None and cfg["dq"]:
         raise ValueError(f"variant {variant!r} (dQ in the same pass) takes no window; got window={window}")
+    if varlen is not None and cfg["dq"]:
+        raise ValueError(f"variant {variant!r} (dQ in the same pass) takes no packed sequences; got varlen")
+    batch, seqlen_q, seqlen_k, (dout, q, k, v, dk, dv), packed = sequences(varlen, dout, q, k, v, dk, dv)
+    heads_q, head_dim = q.shape[2:]
+    heads_k = k.shape[2]
     block_m = cfg["block_m"]
     num_m_blocks = cdiv(seqlen_q, block_m)
     num_n_blocks = cdiv(seqlen_k, BLOCK_N)
@@ -1071,7 +1200,9 @@ def backward_hopper(dout, q, k, v, lse2, delta, sm_scale: float, causal: bool, d
                           device=q.device)
     else:
         dq_work, sem = lse2, delta           # not read without the writer
-    _check_stats(lse2, delta, seqlen_q)
+    _check_stats(lse2, delta, padded_rows(seqlen_q) if varlen is None else q.shape[1])
+    if batch * heads_k * num_n_blocks == 0:
+        return dq, dk, dv                    # packed: no sequence has a key (dk, dv are empty)
     lse_desc = _row_descriptor(lse2, block_m)
     delta_desc = _row_descriptor(delta, block_m)
     # About one wave of CTAs per group of (batch, KV head) pairs (see _bwd_coords).
@@ -1090,7 +1221,7 @@ def backward_hopper(dout, q, k, v, lse2, delta, sm_scale: float, causal: bool, d
         num_n_blocks=num_n_blocks, num_heads_q=heads_q, num_heads_k=heads_k, kv_group_size=heads_q // heads_k,
         seqlen_q=seqlen_q, seqlen_k=seqlen_k, num_m_blocks=num_m_blocks, batch=batch,
         heads_per_group=heads_per_group, stats_rows=lse2.shape[-1], sm_scale=sm_scale,
-        **score_launch_args(scores, sm_scale, sinks=False), **window_kernel_args(window),
+        **score_launch_args(scores, sm_scale, sinks=False), **window_kernel_args(window), **packed,
         HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=BLOCK_N, STAGES=cfg["stages"], DQ_BUFS=cfg["dq_bufs"],
         IS_CAUSAL=causal, NUM_WG=NUM_WG,
         WRITER_REGS_=cfg["writer_regs"], PRODUCER_REGS_=PRODUCER_REGS, CONSUMER_REGS_=cfg["consumer_regs"],
@@ -1117,25 +1248,29 @@ def dq_on_gluon(variant: str, head_dim: int) -> bool:
 
 @on_input_device
 def dq_hopper(dout, q, k, v, lse2, delta, sm_scale: float, causal: bool, dq, *, variant: str,
-              scores: ScoreVariant = NO_SCORES, window: tuple[int, int] | None = None):
+              scores: ScoreVariant = NO_SCORES, window: tuple[int, int] | None = None,
+              varlen: Varlen | None = None):
     """Fill dq ([B, Sq, Hq, D], last stride 1) with the Gluon dQ kernel, from the preprocess
-    kernel's lse2 and delta (padded_rows rows per head); ``scores`` and ``window`` as
+    kernel's lse2 and delta (padded_rows rows per head); ``scores``, ``window`` and ``varlen`` as
     ``backward_hopper``'s."""
-    batch, seqlen_q, heads_q, head_dim = q.shape
-    _, seqlen_k, heads_k, _ = k.shape
+    batch, seqlen_q, seqlen_k, (dout, q, k, v, dq_4d), packed = sequences(varlen, dout, q, k, v, dq)
+    heads_q, head_dim = q.shape[2:]
+    heads_k = k.shape[2]
     cfg = VARIANTS[variant][head_dim]
     block_n, stages, rows = cfg["dq_block_n"], cfg["dq_stages"], DQ_ROWS
     num_m_blocks = cdiv(seqlen_q, rows * DQ_WG)
-    _check_stats(lse2, delta, seqlen_q)
+    _check_stats(lse2, delta, padded_rows(seqlen_q) if varlen is None else q.shape[1])
+    if batch * heads_q * num_m_blocks == 0:
+        return dq                            # packed: no sequence has a query (dq is empty)
     launch.run(
         _attn_bwd_dq_hopper_kernel, (batch * heads_q * num_m_blocks,),
         q_desc=descriptor(q, rows, head_dim), k_desc=descriptor(k, block_n, head_dim),
         v_desc=descriptor(v, block_n, head_dim), do_desc=descriptor(dout, rows, head_dim),
-        lse_desc=_row_descriptor(lse2, rows), delta_desc=_row_descriptor(delta, rows), DQ=dq,
-        stride_dqb=dq.stride(0), stride_dqs=dq.stride(1), stride_dqh=dq.stride(2),
+        lse_desc=_row_descriptor(lse2, rows), delta_desc=_row_descriptor(delta, rows), DQ=dq_4d,
+        stride_dqb=dq_4d.stride(0), stride_dqs=dq_4d.stride(1), stride_dqh=dq_4d.stride(2),
         num_heads_q=heads_q, kv_group_size=heads_q // heads_k, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
         num_m_blocks=num_m_blocks, stats_rows=lse2.shape[-1], sm_scale=sm_scale,
-        **score_launch_args(scores, sm_scale, sinks=False), **window_kernel_args(window),
+        **score_launch_args(scores, sm_scale, sinks=False), **window_kernel_args(window), **packed,
         HEAD_DIM=head_dim, ROWS=rows, NUM_WG=DQ_WG, BLOCK_N=block_n, STAGES=stages, IS_CAUSAL=causal,
         PRODUCER_REGS_=PRODUCER_REGS, CONSUMER_REGS_=CONSUMER_REGS_3WG,
         num_warps=4, maxnreg=MAXNREG_3WG,

@@ -11,7 +11,8 @@ Kernel families:
   windows too; packed sequences only when forced, ``GLUON_PACKED``) in the variant ``forward_variant``
   picks; else the portable Triton kernel (``forward``) with ``configs.forward_config``'s tiles;
 * backward: ``preprocess`` (delta, lse2), then dK/dV and dQ from the Gluon kernels
-  (``backward_variant``; with a window the dK/dV-only variants) or the Triton ones
+  (``backward_variant``; with a window or packed sequences the dK/dV-only variants, packed
+  sequences only when forced, ``GLUON_PACKED_BACKWARD``) or the Triton ones
   (``configs.backward_config``); short problems on a GPU take the single-launch backward where
   ``single_launch_suits`` says so (the Triton kernels' programs in one launch, no preprocess; off
   until measured, ``SINGLE_MAX_WORK``);
@@ -205,6 +206,10 @@ def forward_variant(*, head_dim: int, dtype, device, causal: bool, seqlen_q: int
 # the kernel has been checked and timed on a GPU; the rule then is ``forward_variant``'s at the longest
 # sequence's lengths.
 GLUON_PACKED = False
+# The same for the backward (the Gluon dK/dV-only variants and dQ kernel on packed sequences): only
+# when forced until checked and timed on a GPU; the rule then is ``backward_variant``'s at the longest
+# sequence's lengths.
+GLUON_PACKED_BACKWARD = False
 
 
 @on_input_device
@@ -342,9 +347,10 @@ def backward(dout, q, k, v, out, lse, sm_scale: float, causal: bool, *, dlse=Non
     wins; a problem the single launch takes, ``single_launch_suits``, is deterministic either way).
     ``varlen``: packed
     sequences (q / out / dout [total_q, Hq, D], k / v [total_k, Hkv, D], lse / dlse [Hq, total_q]);
-    ``window`` as the forward's. Packed sequences run on the Triton kernels, as do windows under
-    the fused variant (``split``) and score variants (``scores``, the forward's) outside
-    ``GLUON_BACKWARD_SCORES`` unless a Gluon variant is forced; with sinks,
+    ``window`` as the forward's. Packed sequences run on the Triton kernels unless a Gluon variant
+    is forced (``GLUON_PACKED_BACKWARD``; the dK/dV-only variants), windows and packed sequences on
+    them under the fused variants (``split``, ``split_atomic``), and score variants (``scores``, the
+    forward's) outside ``GLUON_BACKWARD_SCORES`` unless a Gluon variant is forced; with sinks,
     their gradient [Hq] float32 is written into ``dsink`` (allocated by the caller;
     ``backward.preprocess``)."""
     _check_backend(q, "backward")
@@ -378,7 +384,20 @@ def backward(dout, q, k, v, out, lse, sm_scale: float, causal: bool, *, dlse=Non
               and (forced_single or forced is None and single_launch_suits(
                   batch=batch, heads_q=heads_q, seqlen_q=seqlen_q, seqlen_k=seqlen_k, head_dim=head_dim,
                   causal=causal, device=q.device)))
-    if varlen is not None:
+    hopper = None
+    if (config is None and not single and (varlen is None or GLUON_PACKED_BACKWARD or forced is not None)
+            and (forced not in (None, TRITON, ATOMIC) or gluon_takes(scores, GLUON_BACKWARD_SCORES, head_dim))):
+        variant = forced or backward_variant(head_dim=head_dim, dtype=q.dtype, device=q.device, causal=causal,
+                                             seqlen_q=max_q, seqlen_k=max_k, deterministic=deterministic)
+        if variant not in (TRITON, ATOMIC) and configs.gluon_available():
+            from . import backward_hopper
+
+            views = (q, k, v, dout) if varlen is None else (q[None], k[None], v[None], dout[None])
+            # The fused variants' dQ turns follow the dense causal walk: no window, no packed sequences.
+            if backward_hopper.supported(*views, variant) and (
+                    (window is None and varlen is None) or not backward_hopper.computes_dq(variant)):
+                hopper = variant
+    if varlen is not None and (hopper is None or q.shape[0] == 0 or k.shape[0] == 0):
         if config is None:
             config = configs.backward_config(head_dim=head_dim, dtype=q.dtype, device=q.device)
         triton_backward.run_varlen(dout, q, k, v, out, lse, sm_scale, causal, dlse, dq, dk, dv, config, varlen,
@@ -401,23 +420,28 @@ def backward(dout, q, k, v, out, lse, sm_scale: float, causal: bool, *, dlse=Non
                                    window, scores)
         return dq, dk, dv
 
-    hopper = None
-    if config is None and (forced not in (None, TRITON, ATOMIC)
-                           or gluon_takes(scores, GLUON_BACKWARD_SCORES, head_dim)):
-        variant = forced or backward_variant(head_dim=head_dim, dtype=q.dtype, device=q.device, causal=causal,
-                                             seqlen_q=seqlen_q, seqlen_k=seqlen_k, deterministic=deterministic)
-        if variant not in (TRITON, ATOMIC) and configs.gluon_available():
-            from . import backward_hopper
-
-            if backward_hopper.supported(q, k, v, dout, variant) and (
-                    window is None or not backward_hopper.computes_dq(variant)):
-                hopper = variant
     atomic = hopper is None and portable_atomic
     if config is None:
         config = configs.backward_config(head_dim=head_dim, dtype=q.dtype, device=q.device)
     dkdv_cfg, dq_cfg = config
     # fp32 gradients are compared with fp32 PyTorch: recompute P without the base-2 round trip.
     precise_p = q.dtype == torch.float32
+    if varlen is not None:
+        # Packed sequences on the Gluon kernels: the stats of the packed rows, [1, Hq, total_q] (the
+        # kernels mask a tile's rows past its sequence's end; no padding).
+        delta, lse2 = triton_backward.preprocess(dout[None], out[None], lse[None],
+                                                 dlse[None] if dlse is not None else None, seqlen_q, False,
+                                                 None, scores.sinks, dsink)
+        if need_dkdv:
+            backward_hopper.backward_hopper(dout, q, k, v, lse2, delta, sm_scale, causal, None, dk, dv,
+                                            variant=hopper, scores=scores, window=window, varlen=varlen)
+        if need_dq and backward_hopper.dq_on_gluon(hopper, head_dim):
+            backward_hopper.dq_hopper(dout, q, k, v, lse2, delta, sm_scale, causal, dq, variant=hopper,
+                                      scores=scores, window=window, varlen=varlen)
+        elif need_dq:
+            triton_backward.run_dq_varlen(q, k, v, dout, lse2, delta, dq, sm_scale, causal, dq_cfg, varlen, window,
+                                          scores)
+        return dq, dk, dv
     # The Hopper kernel reads delta and lse2 in whole tiles: their rows are padded to a tile multiple.
     rows = backward_hopper.padded_rows(seqlen_q) if hopper is not None else seqlen_q
     dq_accum = triton_backward.dq_accumulator(q, rows) if atomic else None

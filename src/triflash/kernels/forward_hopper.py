@@ -68,6 +68,7 @@ from .sm90_common import (
     release,
     row_limits,
     score_launch_args,
+    sequences,
     softmax,
     to_operand,
     zero_tail,
@@ -888,16 +889,11 @@ def forward_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: 
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     heads_q, head_dim = q.shape[-2:]
     heads_k = k.shape[-2]
-    out_4d = out
-    packed = {}
+    batch, seqlen_q, seqlen_k, (q, k, v, out_4d), packed = sequences(varlen, q, k, v, out)
     if varlen is not None:
-        lse = torch.empty((heads_q, q.shape[0]), dtype=torch.float32, device=q.device)
-        packed = dict(CU_SEQLENS_Q=varlen.cu_seqlens_q, CU_SEQLENS_K=varlen.cu_seqlens_k, O=out,
-                      stride_ot=out.stride(0), stride_oh=out.stride(1), stride_lh=lse.stride(0), PACKED=True)
-        q, k, v, out_4d = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), out.unsqueeze(0)
-        batch, seqlen_q, seqlen_k = varlen.batch, varlen.max_seqlen_q, varlen.max_seqlen_k
+        lse = torch.empty((heads_q, out.shape[0]), dtype=torch.float32, device=q.device)
+        packed.update(O=out, stride_ot=out.stride(0), stride_oh=out.stride(1), stride_lh=lse.stride(0))
     else:
-        batch, seqlen_q, seqlen_k = q.shape[0], q.shape[1], k.shape[1]
         lse = torch.empty((batch, heads_q, seqlen_q), dtype=torch.float32, device=q.device)
     if out.numel() == 0:
         return out, lse

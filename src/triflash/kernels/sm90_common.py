@@ -621,6 +621,19 @@ def score_launch_args(scores, sm_scale: float, sinks: bool) -> dict:
     return args
 
 
+def sequences(varlen, q: torch.Tensor, k: torch.Tensor, *others: torch.Tensor):
+    """A call as the Gluon kernels take it: (batch, seqlen_q, seqlen_k, (q, k, *others) as [B, S, H, D]
+    views, the launch's packed-sequence arguments). Dense (``varlen`` None): the tensors as they are,
+    their lengths, no arguments. Packed sequences (``common.Varlen``; q-like [total_q, H, D], k-like
+    [total_k, H, D]): [1, total, H, D] views, the longest sequence's lengths (they size the grid) and
+    CU_SEQLENS_Q / CU_SEQLENS_K / PACKED for ``Packed``."""
+    tensors = (q, k, *others)
+    if varlen is None:
+        return q.shape[0], q.shape[1], k.shape[1], tensors, {}
+    return (varlen.batch, varlen.max_seqlen_q, varlen.max_seqlen_k, tuple(t.unsqueeze(0) for t in tensors),
+            dict(CU_SEQLENS_Q=varlen.cu_seqlens_q, CU_SEQLENS_K=varlen.cu_seqlens_k, PACKED=True))
+
+
 @functools.cache
 def shared_layout(block_shape: tuple[int, ...], dtype) -> gl.NVMMASharedLayout:
     """The swizzled shared-memory layout of a TMA box, made once per (box, dtype): Gluon's
