@@ -207,6 +207,15 @@ class BwdWork:
                            cfg.BLOCK_M, cfg.BLOCK_N, cfg.IS_CAUSAL)
 
     @gluon.jit
+    def live(self, start_n, seqlen_k):
+        """Whether the CTA's key block (first key start_n) holds a key: packed sequences, whose grid is
+        sized by the longest one, have blocks past a sequence's keys, which load and store nothing."""
+        if self.packed.ON:
+            return start_n < seqlen_k
+        else:
+            return True
+
+    @gluon.jit
     def stats_row(self, off_b, off_h, row):
         """Where query row ``row`` of the sequence of batch entry off_b, query head off_h, lies in the
         flat lse2 / delta buffers: [B, Hq, stats_rows] dense, [1, Hq, total_q] packed (``row`` then
@@ -292,8 +301,8 @@ def _bwd_coords(num_n_blocks, num_heads_k, kv_group_size, seqlen_q, seqlen_k, nu
     it waits for, and the wave's pipeline fill is paid once.
 
     Packed sequences (``packed.ON``): batch entry b is sequence b, from row q0 of q and k0 of k; its
-    own lengths and query blocks set the steps, and a key block past its keys (the grid is sized by
-    the longest sequence) has none. Dense: q0 = k0 = 0 and the launch's lengths."""
+    own lengths and query blocks set the steps (a key block past its keys does nothing:
+    ``BwdWork.live``). Dense: q0 = k0 = 0 and the launch's lengths."""
     pid = gl.program_id(0)
     group_size = heads_per_group * num_n_blocks
     group = pid // group_size
@@ -330,8 +339,6 @@ def _bwd_coords(num_n_blocks, num_heads_k, kv_group_size, seqlen_q, seqlen_k, nu
         else:
             m_first = num_m_blocks - 1
             m_step = -1
-    if packed.ON:
-        n_steps = gl.where(start_n < seqlen_k, n_steps, 0)
     return pid_n, off_b, off_hk, start_n, n_steps, m_first, m_step, q0, k0, seqlen_q, seqlen_k
 
 
@@ -347,23 +354,24 @@ def _bwd_producer(cfg, work, io, sh):
     (flat descriptors over the stats, ``BwdWork.stats_row``: dense, a tile never straddles two heads;
     packed, the consumers mask the entries past the sequence's end)."""
     BLOCK_M: gl.constexpr = cfg.BLOCK_M
-    pid_n, off_b, off_hk, start_n, n_steps, m_first, m_step, q0, k0, _, _ = work.coords(cfg)
+    pid_n, off_b, off_hk, start_n, n_steps, m_first, m_step, q0, k0, _, seqlen_k = work.coords(cfg)
     desc_b = work.packed.batch_index(off_b)
-    mbarrier.expect(sh.kv_ready, io.k_desc.block_type.nbytes + io.v_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(io.k_desc, [desc_b, k0 + start_n, off_hk, 0], sh.kv_ready, sh.k)
-    tma.async_copy_global_to_shared(io.v_desc, [desc_b, k0 + start_n, off_hk, 0], sh.kv_ready, sh.v)
-    for i in range(n_steps):
-        s = sh.q.index(i)
-        m, off_h = _step_block(i, m_first, m_step, off_hk, work.kv_group_size)
-        sh.q.acquire(i)
-        sh.q.expect(s, io.q_desc.block_type.nbytes + io.do_desc.block_type.nbytes
-                    + 2 * io.lse_desc.block_type.nbytes)
-        sh.q.load(io.q_desc, [desc_b, q0 + m * BLOCK_M, off_h, 0], s)
-        tma.async_copy_global_to_shared(io.do_desc, [desc_b, q0 + m * BLOCK_M, off_h, 0], sh.q.ready.index(s),
-                                        sh.do.index(s))
-        row = work.stats_row(off_b, off_h, q0 + m * BLOCK_M)
-        tma.async_copy_global_to_shared(io.lse_desc, [row], sh.q.ready.index(s), sh.lse.index(s))
-        tma.async_copy_global_to_shared(io.delta_desc, [row], sh.q.ready.index(s), sh.delta.index(s))
+    if work.live(start_n, seqlen_k):
+        mbarrier.expect(sh.kv_ready, io.k_desc.block_type.nbytes + io.v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(io.k_desc, [desc_b, k0 + start_n, off_hk, 0], sh.kv_ready, sh.k)
+        tma.async_copy_global_to_shared(io.v_desc, [desc_b, k0 + start_n, off_hk, 0], sh.kv_ready, sh.v)
+        for i in range(n_steps):
+            s = sh.q.index(i)
+            m, off_h = _step_block(i, m_first, m_step, off_hk, work.kv_group_size)
+            sh.q.acquire(i)
+            sh.q.expect(s, io.q_desc.block_type.nbytes + io.do_desc.block_type.nbytes
+                        + 2 * io.lse_desc.block_type.nbytes)
+            sh.q.load(io.q_desc, [desc_b, q0 + m * BLOCK_M, off_h, 0], s)
+            tma.async_copy_global_to_shared(io.do_desc, [desc_b, q0 + m * BLOCK_M, off_h, 0], sh.q.ready.index(s),
+                                            sh.do.index(s))
+            row = work.stats_row(off_b, off_h, q0 + m * BLOCK_M)
+            tma.async_copy_global_to_shared(io.lse_desc, [row], sh.q.ready.index(s), sh.lse.index(s))
+            tma.async_copy_global_to_shared(io.delta_desc, [row], sh.q.ready.index(s), sh.delta.index(s))
 
 
 @gluon.jit
@@ -465,16 +473,24 @@ def _stats_past_end(lse_smem, delta_smem, start, end, BLOCK_M: gl.constexpr):
 
 @gluon.jit
 def _bwd_consumer(cfg, WG: gl.constexpr, work, io, sh):
+    """Consumer partition WG of NUM_WG: the CTA's key block, if it holds a key (``_bwd_keys``)."""
+    pid_n, off_b, off_hk, start_n, n_steps, m_first, m_step, q0, k0, seqlen_q, seqlen_k = work.coords(cfg)
+    if work.live(start_n, seqlen_k):
+        _bwd_keys(cfg, WG, work, io, sh, off_b, off_hk, start_n, n_steps, m_first, m_step, k0, seqlen_q, seqlen_k)
+
+
+@gluon.jit
+def _bwd_keys(cfg, WG: gl.constexpr, work, io, sh, off_b, off_hk, start_n, n_steps, m_first, m_step, k0, seqlen_q,
+              seqlen_k):
     """Consumer partition WG of NUM_WG (one warpgroup each): key rows [WG * KEYS, WG * KEYS + KEYS) of
-    the CTA's block, KEYS = BLOCK_N / NUM_WG = 64. The partitions run unsynchronised, so one's softmax
-    overlaps the other's products."""
+    the CTA's block, KEYS = BLOCK_N / NUM_WG = 64 (first key start_n of the sequence whose first key
+    row is k0). The partitions run unsynchronised, so one's softmax overlaps the other's products."""
     dtype: gl.constexpr = sh.q.mem.dtype
     HEAD_DIM: gl.constexpr = cfg.HEAD_DIM
     BLOCK_M: gl.constexpr = cfg.BLOCK_M
     KEYS: gl.constexpr = cfg.BLOCK_N // cfg.NUM_WG
     gl.static_assert(KEYS == 64, "a consumer partition is one warpgroup: 64 key rows")
     kv_group_size = work.kv_group_size
-    pid_n, off_b, off_hk, start_n, n_steps, m_first, m_step, q0, k0, seqlen_q, seqlen_k = work.coords(cfg)
     start_n = start_n + WG * KEYS
     # Packed sequences: the steps mask the rows past the sequence's end (``_bwd_step``'s q_end).
     ld_layout: gl.constexpr = gl.BlockedLayout([1, 8], [256 // HEAD_DIM, HEAD_DIM // 8], [4, 1], [1, 0])
