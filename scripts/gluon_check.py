@@ -262,7 +262,7 @@ def _packed_backward(q, k, v, do, causal):
     """(name, arguments) of the packed-sequence cases of the dK/dV-only kernel and the dQ kernel: the
     forward's ``PACKED`` layout alone, with a window, and with softcap and [B, Hq] ALiBi (fp16)."""
     qp, kp, vp, dop = q[0, :917], k[0], v[0], do[0, :917]
-    stats = torch.zeros(1, q.shape[2], 917)
+    stats = torch.zeros(1, q.shape[2], BH.padded_rows(917, packed=True))
     tensors = (dop, qp, kp, vp, stats, stats)
     cases = [("packed", {}), ("packed window", dict(window=WINDOWS[causal][0]))]
     if q.dtype == torch.float16:

@@ -414,10 +414,15 @@ def test_hopper_variant_chooser(monkeypatch):
                        device="cpu", dtype=dtype)
             assert got == want, (window, dtype, got)
     assert pick(head_dim=64, causal=True, seqlen_q=1024, seqlen_k=8192, window=(4096, 0), **kw) == "triton"
-    # Packed sequences (by the longest): never the _ltc form.
+    # Packed sequences (by the longest): never the _ltc form; at 128 one tile per CTA (pp), but with a
+    # window as dense.
     assert pick(head_dim=64, causal=True, seqlen_q=4096, seqlen_k=4096, packed=True, **kw) == "pp3_persist"
     assert pick(head_dim=64, causal=False, seqlen_q=512, seqlen_k=512, packed=True, **kw) == "pp_persist"
-    assert pick(head_dim=128, causal=True, seqlen_q=4096, seqlen_k=4096, packed=True, **kw) == "pp_persist"
+    assert pick(head_dim=64, causal=True, seqlen_q=2008, seqlen_k=2008, packed=True, **kw) == "triton"
+    assert pick(head_dim=128, causal=True, seqlen_q=4096, seqlen_k=4096, packed=True, **kw) == "pp"
+    assert pick(head_dim=128, causal=False, seqlen_q=512, seqlen_k=512, packed=True, **kw) == "pp"
+    assert pick(head_dim=128, causal=True, seqlen_q=4096, seqlen_k=4096, packed=True, window=(256, 0),
+                **kw) == "pp_persist"
     assert pick(head_dim=64, causal=True, seqlen_q=2048, seqlen_k=16384, **kw) == "pp3_persist_ltc"
     # Causal from 2k queries with fewer keys: untimed, so 128-row tiles as before.
     assert pick(head_dim=64, causal=True, seqlen_q=4096, seqlen_k=2047, **kw) == "pp_persist"

@@ -165,10 +165,10 @@ def test_varlen_nan_stays_in_its_sequence(device):
 
 
 def test_which_forward_takes_packed_sequences(device, monkeypatch):
-    """The dispatch of packed sequences, with the Hopper kernel stubbed in (any machine): the Triton
-    kernel while dispatch.GLUON_PACKED is off, unless a Gluon variant is forced; with it on, the
-    chooser's pick at the longest lengths (test_forward's chooser test: never an _ltc form); an
-    explicit config keeps Triton."""
+    """The dispatch of packed sequences, with the Hopper kernel stubbed in (any machine): the chooser's
+    pick at the longest lengths while dispatch.GLUON_PACKED is on (head dim 128: ``pp``; 64, causal
+    below 2k queries: the Triton kernel, as dense; never an _ltc form), the Triton kernel with it off
+    unless a Gluon variant is forced; an explicit config keeps Triton."""
     from triflash.kernels import configs, dispatch, forward_hopper, sm90_common
     from triflash.kernels.configs import FwdConfig
 
@@ -182,18 +182,25 @@ def test_which_forward_takes_packed_sequences(device, monkeypatch):
     monkeypatch.setattr(configs, "gluon_hopper_applies", lambda *, head_dim, dtype, device: head_dim in (64, 128))
     monkeypatch.setattr(sm90_common, "tma_supported", lambda *tensors: all(t.dim() == 4 for t in tensors))
     monkeypatch.setattr(forward_hopper, "forward_hopper", stub)
-    q, k, v, cu_q, cu_k, max_q, max_k = packed_sequences([(20, 20), (35, 35)], (2, 1), 128, torch.float16, device)
-    vl = Varlen(cu_q, cu_k, max_q, max_k)
+    for head_dim, expected in ((64, []), (128, ["pp"])):
+        q, k, v, cu_q, cu_k, max_q, max_k = packed_sequences([(20, 20), (35, 35)], (2, 1), head_dim, torch.float16,
+                                                             device)
+        vl = Varlen(cu_q, cu_k, max_q, max_k)
+        taken.clear()
+        dispatch.forward(q, k, v, 0.125, True, varlen=vl)
+        assert taken == expected
+    taken.clear()
+    dispatch.forward(q, k, v, 0.125, True, varlen=vl, window=(16, 0))
+    assert taken == ["pp_persist"]         # head dim 128 with a window: as dense
+    taken.clear()
+    monkeypatch.setattr(dispatch, "GLUON_PACKED", False)
     dispatch.forward(q, k, v, 0.125, True, varlen=vl)
     assert taken == []
     dispatch.forward(q, k, v, 0.125, True, varlen=vl, variant="pp_persist")
     assert taken == ["pp_persist"]
     monkeypatch.setattr(dispatch, "GLUON_PACKED", True)
     taken.clear()
-    dispatch.forward(q, k, v, 0.125, True, varlen=vl)
-    assert taken == ["pp_persist"]
-    taken.clear()
-    dispatch.forward(q, k, v, 0.125, True, varlen=vl, config=FwdConfig(32, 32, 4, 1))
+    dispatch.forward(q, k, v, 0.125, False, varlen=vl, config=FwdConfig(32, 32, 4, 1))
     assert taken == []
 
 
@@ -258,7 +265,8 @@ def test_which_backward_takes_packed_sequences(device, monkeypatch):
     """The backward's dispatch of packed sequences, with the Gluon kernels stubbed in (any machine): the
     Triton kernels while dispatch.GLUON_PACKED_BACKWARD is off, unless a dK/dV-only Gluon variant is
     forced (a fused one, which cannot take them, falls back); with it on, the chooser's pick at the
-    longest lengths. The Gluon kernels get the packed rows' stats ([1, Hq, total_q]) and ``varlen``;
+    longest lengths. The Gluon kernels get the packed rows' stats ([1, Hq, total_q rounded up to a
+    multiple of 4], TMA's alignment) and ``varlen``;
     at head dim 64 dQ then comes from the Triton dQ kernel on those stats, bit-equal to the Triton
     path's dQ."""
     from triflash.kernels import backward_hopper, configs, dispatch
@@ -267,13 +275,13 @@ def test_which_backward_takes_packed_sequences(device, monkeypatch):
 
     def stub_dkdv(dout, q, k, v, lse2, delta, sm_scale, causal, dq, dk, dv, *, variant, scores, window, varlen):
         assert q.dim() == 3 and varlen is vl and dq is None
-        assert lse2.shape == delta.shape == (1, q.shape[1], q.shape[0])
+        assert lse2.shape == delta.shape == (1, q.shape[1], backward_hopper.padded_rows(q.shape[0], packed=True))
         taken.append(("dkdv", variant))
         dk.zero_()
         dv.zero_()
 
     def stub_dq(dout, q, k, v, lse2, delta, sm_scale, causal, dq, *, variant, scores, window, varlen):
-        assert varlen is vl and lse2.shape == (1, q.shape[1], q.shape[0])
+        assert varlen is vl and lse2.shape == (1, q.shape[1], backward_hopper.padded_rows(q.shape[0], packed=True))
         taken.append(("dq", variant))
         dq.zero_()
 

@@ -908,9 +908,9 @@ def run_varlen(dout, q, k, v, out, lse, sm_scale, causal, dlse, dq, dk, dv,
 def run_dq_varlen(q, k, v, dout, lse2, delta, dq, sm_scale: float, causal: bool, config: BwdConfig, varlen: Varlen,
                   window=None, scores: ScoreVariant = PLAIN):
     """The Triton dQ kernel on packed sequences (``run_varlen``'s layout), with ``preprocess``'s delta
-    and lse2 of the packed rows ([1, Hq, total_q]). Writes dq."""
+    and lse2 of the packed rows ([1, Hq, rows >= total_q]). Writes dq."""
     total_q, heads_q, head_dim = q.shape
     total_k, heads_k, _ = k.shape
     _launch_dq(q, k, v, dout, lse2, delta, dq, [(0, *t.stride()[:2]) for t in (q, k, v, dout, dq)],
                varlen.batch, heads_q, heads_k, head_dim, total_q, total_k, varlen.max_seqlen_q,
-               total_q, sm_scale, causal, config, q.dtype, False, varlen, window, scores)
+               lse2.shape[-1], sm_scale, causal, config, q.dtype, False, varlen, window, scores)

@@ -111,9 +111,14 @@ STATS_TILE = 128      # every query tile of these kernels divides it
 assert all(STATS_TILE % cfg["block_m"] == 0 for by_dim in VARIANTS.values() for cfg in by_dim.values())
 
 
-def padded_rows(seqlen_q: int) -> int:
-    """Rows per (batch, query head) of the delta / lse2 buffers the Gluon kernels read: whole query
-    tiles (a multiple of STATS_TILE, so any of the kernels' tiles reads inside its own head's rows)."""
+def padded_rows(seqlen_q: int, packed: bool = False) -> int:
+    """Rows per (batch, query head) of the delta / lse2 buffers the Gluon kernels read. Dense: whole
+    query tiles (a multiple of STATS_TILE, so any of the kernels' tiles reads inside its own head's
+    rows). Packed sequences (seqlen_q = total_q; the kernels mask a tile's rows past its sequence's
+    end): a multiple of 4, so that the second buffer of the preprocess' pair starts 16-byte aligned,
+    as a TMA descriptor's base must."""
+    if packed:
+        return cdiv(seqlen_q, 4) * 4
     return cdiv(seqlen_q, STATS_TILE) * STATS_TILE
 
 
@@ -1170,9 +1175,10 @@ def _row_descriptor(t: torch.Tensor, rows: int) -> GluonTensorDescriptor:
 
 
 def _check_stats(lse2, delta, rows: int):
-    if lse2.shape[-1] != rows or not lse2.is_contiguous() or not delta.is_contiguous():
-        raise ValueError(f"lse2 / delta must be contiguous [B, Hq, {rows}] (padded_rows, or total_q for packed "
-                         f"sequences); got {tuple(lse2.shape)}")
+    if (lse2.shape[-1] != rows or not lse2.is_contiguous() or not delta.is_contiguous()
+            or lse2.data_ptr() % 16 or delta.data_ptr() % 16):
+        raise ValueError(f"lse2 / delta must be contiguous, 16-byte aligned [B, Hq, {rows}] (padded_rows); got "
+                         f"{tuple(lse2.shape)}")
 
 
 def supported(q, k, v, dout, variant: str) -> bool:
@@ -1193,7 +1199,8 @@ def backward_hopper(dout, q, k, v, lse2, delta, sm_scale: float, causal: bool, d
     ``scores``: the forward's score variants (softcap and ALiBi change P and dS; sinks need nothing).
     ``window``: as ``block_ranges.window_bounds`` returns it, or None; the dK/dV-only variants only.
     ``varlen``: packed sequences (``common.Varlen``), the dK/dV-only variants only: q / dout
-    [total_q, Hq, D], k / v / dk / dv [total_k, Hkv, D], lse2 / delta [1, Hq, total_q]."""
+    [total_q, Hq, D], k / v / dk / dv [total_k, Hkv, D], lse2 / delta [1, Hq, padded_rows(total_q,
+    packed=True)]."""
     cfg = variant_config(variant, q.shape[-1])
     if window is not None and cfg["dq"]:
         raise ValueError(f"variant {variant!r} (dQ in the same pass) takes no window; got window={window}")
@@ -1216,7 +1223,7 @@ def backward_hopper(dout, q, k, v, lse2, delta, sm_scale: float, causal: bool, d
                           device=q.device)
     else:
         dq_work, sem = lse2, delta           # not read without the writer
-    _check_stats(lse2, delta, padded_rows(seqlen_q) if varlen is None else q.shape[1])
+    _check_stats(lse2, delta, padded_rows(seqlen_q) if varlen is None else padded_rows(q.shape[1], True))
     if batch * heads_k * num_n_blocks == 0:
         return dq, dk, dv                    # packed: no sequence has a key (dk, dv are empty)
     lse_desc = _row_descriptor(lse2, block_m)
@@ -1275,7 +1282,7 @@ def dq_hopper(dout, q, k, v, lse2, delta, sm_scale: float, causal: bool, dq, *, 
     cfg = VARIANTS[variant][head_dim]
     block_n, stages, rows = cfg["dq_block_n"], cfg["dq_stages"], DQ_ROWS
     num_m_blocks = cdiv(seqlen_q, rows * DQ_WG)
-    _check_stats(lse2, delta, padded_rows(seqlen_q) if varlen is None else q.shape[1])
+    _check_stats(lse2, delta, padded_rows(seqlen_q) if varlen is None else padded_rows(q.shape[1], True))
     if batch * heads_q * num_m_blocks == 0:
         return dq                            # packed: no sequence has a query (dq is empty)
     launch.run(

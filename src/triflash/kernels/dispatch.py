@@ -8,7 +8,7 @@ Gluon is optional (Triton < 3.5 lacks it: ``configs.gluon_available``).
 Kernel families:
 
 * forward: the Gluon Hopper kernel (``forward_hopper``, sm_90, fp16/bf16, head dim 64/128, local
-  windows too; packed sequences only when forced, ``GLUON_PACKED``) in the variant ``forward_variant``
+  windows and packed sequences too, ``GLUON_PACKED``) in the variant ``forward_variant``
   picks; else the portable Triton kernel (``forward``) with ``configs.forward_config``'s tiles;
 * backward: ``preprocess`` (delta, lse2), then dK/dV and dQ from the Gluon kernels
   (``backward_variant``; with a window or packed sequences the dK/dV-only variants, packed
@@ -180,12 +180,17 @@ def forward_variant(*, head_dim: int, dtype, device, causal: bool, seqlen_q: int
       shows each query fewer than ``GLUON_WINDOW_MIN_KEYS_D64`` keys the Triton kernel, fewer than
       ``GLUON_WINDOW_PP3_KEYS_D64`` ``pp_persist``, and never the ``_ltc`` form (its three loops of
       steps spill there, 88 bytes);
-    * packed sequences (``packed``; seqlen_q / seqlen_k the longest): the same, never the ``_ltc`` form
-      (it spills 312-740 bytes there, sm_90 compile).
+    * packed sequences (``packed``; seqlen_q / seqlen_k the longest): at head dim 128 ``pp`` (one tile
+      per CTA: the tiles past a sequence's end cost a launch slot each, where the persistent orders
+      balance the longest lengths' costs; H100, causal, 1.17x ``pp_persist`` and the Triton kernel),
+      ``pp_persist`` with a window; at 64 the dense rule, never the ``_ltc`` form (it spills 312-740
+      bytes there, sm_90 compile).
     """
     if not configs.gluon_hopper_applies(head_dim=head_dim, dtype=dtype, device=device):
         return TRITON
     if head_dim == 128:
+        if packed and window is None:
+            return "pp"
         return "pp" if not causal and seqlen_k >= 8192 and window is None else "pp_persist"
     if causal and seqlen_q < 2048:
         return TRITON
@@ -202,10 +207,10 @@ def forward_variant(*, head_dim: int, dtype, device, causal: bool, seqlen_q: int
     return f"pp3_persist{ltc}" if seqlen_k >= 2048 else "pp_persist"
 
 
-# Packed sequences (``varlen``) on the Gluon forward: only when forced (``variant`` / ``force``) until
-# the kernel has been checked and timed on a GPU; the rule then is ``forward_variant``'s at the longest
-# sequence's lengths.
-GLUON_PACKED = False
+# Packed sequences (``varlen``) on the Gluon forward: ``forward_variant``'s rule at the longest
+# sequence's lengths (tests/test_varlen.py's Hopper cases pass on the H100;
+# docs/performance.md#packed-sequences-on-the-hopper-kernels).
+GLUON_PACKED = True
 # The same for the backward (the Gluon dK/dV-only variants and dQ kernel on packed sequences): only
 # when forced until checked and timed on a GPU; the rule then is ``backward_variant``'s at the longest
 # sequence's lengths.
@@ -221,8 +226,8 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float, 
     1 (the [B, H, S, D] API passes a transposed one). ``varlen``: packed sequences, q / out
     [total_q, Hq, D], k / v [total_k, Hkv, D], lse [Hq, total_q]. ``window``: (left, right), -1 for
     no bound on a side. ``config`` forces the Triton kernel with those tiles; ``variant`` as in the
-    module docstring. Packed sequences run on the Triton kernel unless a Gluon variant is forced
-    (``GLUON_PACKED``); windows and score variants (``scores``) on either."""
+    module docstring. Packed sequences, windows and score variants (``scores``) run on either
+    (packed sequences on the Gluon kernel while ``GLUON_PACKED``, or when a Gluon variant is forced)."""
     _check_backend(q, "forward")
     max_q, max_k = (varlen.max_seqlen_q, varlen.max_seqlen_k) if varlen is not None else (q.shape[1], k.shape[1])
     causal, window = window_bounds(window, causal, max_q, max_k)
@@ -427,10 +432,11 @@ def backward(dout, q, k, v, out, lse, sm_scale: float, causal: bool, *, dlse=Non
     # fp32 gradients are compared with fp32 PyTorch: recompute P without the base-2 round trip.
     precise_p = q.dtype == torch.float32
     if varlen is not None:
-        # Packed sequences on the Gluon kernels: the stats of the packed rows, [1, Hq, total_q] (the
-        # kernels mask a tile's rows past its sequence's end; no padding).
+        # Packed sequences on the Gluon kernels: the stats of the packed rows, [1, Hq, total_q] padded to
+        # TMA's alignment (the kernels mask a tile's rows past its sequence's end).
         delta, lse2 = triton_backward.preprocess(dout[None], out[None], lse[None],
-                                                 dlse[None] if dlse is not None else None, seqlen_q, False,
+                                                 dlse[None] if dlse is not None else None,
+                                                 backward_hopper.padded_rows(seqlen_q, packed=True), False,
                                                  None, scores.sinks, dsink)
         if need_dkdv:
             backward_hopper.backward_hopper(dout, q, k, v, lse2, delta, sm_scale, causal, None, dk, dv,
