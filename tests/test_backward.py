@@ -490,3 +490,74 @@ def test_dq_kernel_reads_padded_stats(device, monkeypatch, force_kernels, causal
     for name, g, r in zip(("dq", "dk", "dv"), got, ref):
         assert_no_nan(name, g)
         assert torch.equal(g, r), name
+
+
+@pytest.mark.skipif(not __import__("triflash.kernels.configs", fromlist=["x"]).gluon_available(),
+                    reason="this Triton has no Gluon (the Hopper launchers import it)")
+def test_hopper_launchers_pass_the_problem_sizes(monkeypatch):
+    """The Gluon launchers' host side, on any machine (launch.run records instead of launching): the
+    forward, dK/dV and dQ launches get each tensor in its own descriptor and the problem's sizes
+    (Sq != Sk, GQA), dense and packed (the [1, total, H, D] views, the longest lengths, cu_seqlens).
+    A mix-up here (the query length passed as the key length) is invisible to a SASS comparison and
+    to the CPU suite's kernels, and wrong on the GPU whenever Sq != Sk."""
+    from triflash.kernels import backward_hopper, forward_hopper, launch
+    from triflash.kernels.common import Varlen
+
+    calls = []
+    monkeypatch.setattr(launch, "run", lambda kernel, grid, **kw: calls.append((kernel.fn.__name__, grid, kw)))
+    batch, sq, sk, hq, hk = 2, 1000, 1500, 8, 2
+    for d in (64, 128):
+        q = torch.randn(batch, sq, hq, d, dtype=torch.float16)
+        k, v = torch.randn(batch, sk, hk, d, dtype=torch.float16), torch.randn(batch, sk, hk, d, dtype=torch.float16)
+        do = torch.randn_like(q)
+        stats = torch.zeros(batch, hq, backward_hopper.padded_rows(sq))
+        cu_q = torch.tensor([0, 300, 300, 917], dtype=torch.int32)
+        cu_k = torch.tensor([0, 500, 600, 1000], dtype=torch.int32)
+        vl = Varlen(cu_q, cu_k, 617, 500)
+        packed = (q[0, :917], k[0, :1000], v[0, :1000], do[0, :917])
+        pstats = torch.zeros(1, hq, backward_hopper.padded_rows(917, packed=True))
+        for variant in backward_hopper.VARIANTS:
+            if d not in backward_hopper.VARIANTS[variant]:
+                continue
+            dq_k = not backward_hopper.computes_dq(variant)
+            cases = [("dense", (q, k, v, do), stats, None, (batch, sq, sk))]
+            if dq_k:
+                cases.append(("packed", packed, pstats, vl, (3, 617, 500)))
+            for name, (q_, k_, v_, do_), st, varlen, (b_, sq_, sk_) in cases:
+                calls.clear()
+                backward_hopper.backward_hopper(do_, q_, k_, v_, st, st, 0.1, True, torch.empty_like(q_),
+                                                torch.empty_like(k_), torch.empty_like(v_), variant=variant,
+                                                varlen=varlen)
+                kernel, grid, kw = calls[0]
+                assert kernel == "_attn_bwd_hopper_kernel"
+                view = (lambda t: t) if varlen is None else (lambda t: t[None])
+                for desc, t in (("q_desc", q_), ("k_desc", k_), ("v_desc", v_), ("do_desc", do_)):
+                    assert kw[desc].base.shape == view(t).shape and kw[desc].base.data_ptr() == t.data_ptr(), \
+                        (variant, name, desc)
+                assert (kw["batch"], kw["seqlen_q"], kw["seqlen_k"]) == (b_, sq_, sk_), (variant, name)
+                assert (kw["num_heads_q"], kw["num_heads_k"], kw["kv_group_size"]) == (hq, hk, hq // hk)
+                assert kw["num_n_blocks"] == -(-sk_ // backward_hopper.BLOCK_N)
+                assert grid == (b_ * hk * kw["num_n_blocks"],)
+                assert kw.get("PACKED", False) == (varlen is not None)
+                if varlen is not None:
+                    assert kw["CU_SEQLENS_Q"] is cu_q and kw["CU_SEQLENS_K"] is cu_k
+                if dq_k and backward_hopper.dq_on_gluon(variant, d):
+                    calls.clear()
+                    backward_hopper.dq_hopper(do_, q_, k_, v_, st, st, 0.1, True, torch.empty_like(q_),
+                                              variant=variant, varlen=varlen)
+                    kernel, grid, kw = calls[0]
+                    assert kernel == "_attn_bwd_dq_hopper_kernel"
+                    assert kw["k_desc"].base.data_ptr() == k_.data_ptr() and kw["DQ"].shape == view(q_).shape
+                    assert (kw["seqlen_q"], kw["seqlen_k"]) == (sq_, sk_), (variant, name)
+                    assert grid == (b_ * hq * kw["num_m_blocks"],)
+        for variant in forward_hopper.VARIANTS:
+            if d not in forward_hopper.VARIANTS[variant] or forward_hopper.variant_config(variant, d)["ltc"]:
+                continue
+            for name, (q_, k_, v_), varlen, (b_, sq_, sk_) in (("dense", (q, k, v), None, (batch, sq, sk)),
+                                                               ("packed", packed[:3], vl, (3, 617, 500))):
+                calls.clear()
+                forward_hopper.forward_hopper(q_, k_, v_, 0.1, True, variant=variant, varlen=varlen)
+                kernel, grid, kw = calls[0]
+                assert kw["q_desc"].base.data_ptr() == q_.data_ptr() and kw["k_desc"].base.data_ptr() == k_.data_ptr()
+                assert (kw["seqlen_q"], kw["seqlen_k"]) == (sq_, sk_), (variant, name)
+                assert kw["num_items"] >= b_ * hq and kw.get("PACKED", False) == (varlen is not None)

@@ -1206,7 +1206,7 @@ def backward_hopper(dout, q, k, v, lse2, delta, sm_scale: float, causal: bool, d
         raise ValueError(f"variant {variant!r} (dQ in the same pass) takes no window; got window={window}")
     if varlen is not None and cfg["dq"]:
         raise ValueError(f"variant {variant!r} (dQ in the same pass) takes no packed sequences; got varlen")
-    batch, seqlen_q, seqlen_k, (dout, q, k, v, dk, dv), packed = sequences(varlen, dout, q, k, v, dk, dv)
+    batch, seqlen_q, seqlen_k, (q, k, v, dout, dk, dv), packed = sequences(varlen, q, k, v, dout, dk, dv)
     heads_q, head_dim = q.shape[2:]
     heads_k = k.shape[2]
     block_m = cfg["block_m"]
@@ -1276,7 +1276,7 @@ def dq_hopper(dout, q, k, v, lse2, delta, sm_scale: float, causal: bool, dq, *, 
     """Fill dq ([B, Sq, Hq, D], last stride 1) with the Gluon dQ kernel, from the preprocess
     kernel's lse2 and delta (padded_rows rows per head); ``scores``, ``window`` and ``varlen`` as
     ``backward_hopper``'s."""
-    batch, seqlen_q, seqlen_k, (dout, q, k, v, dq_4d), packed = sequences(varlen, dout, q, k, v, dq)
+    batch, seqlen_q, seqlen_k, (q, k, v, dout, dq_4d), packed = sequences(varlen, q, k, v, dout, dq)
     heads_q, head_dim = q.shape[2:]
     heads_k = k.shape[2]
     cfg = VARIANTS[variant][head_dim]
