@@ -114,9 +114,9 @@ assert all(STATS_TILE % cfg["block_m"] == 0 for by_dim in VARIANTS.values() for 
 def padded_rows(seqlen_q: int, packed: bool = False) -> int:
     """Rows per (batch, query head) of the delta / lse2 buffers the Gluon kernels read. Dense: whole
     query tiles (a multiple of STATS_TILE, so any of the kernels' tiles reads inside its own head's
-    rows). Packed sequences (seqlen_q = total_q; the kernels mask a tile's rows past its sequence's
-    end): a multiple of 4, so that the second buffer of the preprocess' pair starts 16-byte aligned,
-    as a TMA descriptor's base must."""
+    rows). Packed sequences (seqlen_q = total_q; the kernels read them by plain loads, masked at each
+    sequence's end): a multiple of 4, so that the second buffer of the preprocess' pair starts 16-byte
+    aligned, as the launch's (unused) TMA descriptor's base must."""
     if packed:
         return cdiv(seqlen_q, 4) * 4
     return cdiv(seqlen_q, STATS_TILE) * STATS_TILE
@@ -254,7 +254,8 @@ class BwdIO:
     """What the partitions read and write in global memory: Q, K, V, dO, lse2 and delta through TMA
     descriptors (the producer), dK and dV by pointer and strides (the consumers), the dQ workspace and
     its turn counters (the writer), the scales (qk_scale: log2(e) with softcap or ALiBi, whose scores
-    are in natural units; sm_scale: dK's and dQ's factor) and the score variants (``scores``)."""
+    are in natural units; sm_scale: dK's and dQ's factor), the score variants (``scores``) and, packed,
+    lse2 and delta by pointer (``_load_stats``)."""
     q_desc: tma.tensor_descriptor
     k_desc: tma.tensor_descriptor
     v_desc: tma.tensor_descriptor
@@ -274,14 +275,17 @@ class BwdIO:
     sm_scale: gl.tensor
     qk_scale: gl.tensor
     scores: ScoreArgs
+    LSE2: SCALAR
+    DELTA: SCALAR
 
     @gluon.constexpr_function
     def __init__(self, q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, DK, DV, DQW, SEM, stride_dkb,
-                 stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh, sm_scale, qk_scale, scores):
+                 stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh, sm_scale, qk_scale, scores,
+                 LSE2=None, DELTA=None):
         constexprs(self, q_desc=q_desc, k_desc=k_desc, v_desc=v_desc, do_desc=do_desc, lse_desc=lse_desc,
                    delta_desc=delta_desc, DK=DK, DV=DV, DQW=DQW, SEM=SEM, stride_dkb=stride_dkb,
                    stride_dks=stride_dks, stride_dkh=stride_dkh, stride_dvb=stride_dvb, stride_dvs=stride_dvs,
-                   stride_dvh=stride_dvh, sm_scale=sm_scale, qk_scale=qk_scale)
+                   stride_dvh=stride_dvh, sm_scale=sm_scale, qk_scale=qk_scale, LSE2=LSE2, DELTA=DELTA)
         self.scores = scores
 
 
@@ -354,12 +358,27 @@ def _step_block(i, m_first, m_step, off_hk, kv_group_size):
 
 
 @gluon.jit
+def _load_stats(io, lse_slot, delta_slot, row, n, ROWS: gl.constexpr):
+    """Packed sequences: ROWS entries of lse2 and delta from flat position ``row`` (``io.LSE2``,
+    ``io.DELTA``) into their ring slots by plain loads, by the producer's one warp before it arms the
+    slot's barrier (whose arrive publishes the stores). A sequence starts at any row, and a 1-D TMA box
+    must start 16-byte aligned (else: illegal instruction). Entries from ``n`` on, past the sequence's
+    end, read as a row that sees no key: lse2 = +inf, delta = 0, so p and dS are 0 there."""
+    layout: gl.constexpr = gl.BlockedLayout([ROWS // 32], [32], [1], [0])
+    offs = gl.arange(0, ROWS, layout=layout)
+    inside = offs < n
+    lse_slot.store(gl.load(io.LSE2 + row + offs, mask=inside, other=float("inf")))
+    delta_slot.store(gl.load(io.DELTA + row + offs, mask=inside, other=0.0))
+    gl.thread_barrier()
+
+
+@gluon.jit
 def _bwd_producer(cfg, work, io, sh):
     """K and V once; per step the Q and dO tiles and the step's BLOCK_M entries of lse2 and delta
-    (flat descriptors over the stats, ``BwdWork.stats_row``: dense, a tile never straddles two heads;
-    packed, the consumers mask the entries past the sequence's end)."""
+    (``BwdWork.stats_row``): dense by TMA from flat descriptors (a tile never straddles two heads),
+    packed by plain loads (``_load_stats``)."""
     BLOCK_M: gl.constexpr = cfg.BLOCK_M
-    pid_n, off_b, off_hk, start_n, n_steps, m_first, m_step, q0, k0, _, seqlen_k = work.coords(cfg)
+    pid_n, off_b, off_hk, start_n, n_steps, m_first, m_step, q0, k0, seqlen_q, seqlen_k = work.coords(cfg)
     desc_b = work.packed.batch_index(off_b)
     if work.live(start_n, seqlen_k):
         mbarrier.expect(sh.kv_ready, io.k_desc.block_type.nbytes + io.v_desc.block_type.nbytes)
@@ -369,14 +388,20 @@ def _bwd_producer(cfg, work, io, sh):
             s = sh.q.index(i)
             m, off_h = _step_block(i, m_first, m_step, off_hk, work.kv_group_size)
             sh.q.acquire(i)
-            sh.q.expect(s, io.q_desc.block_type.nbytes + io.do_desc.block_type.nbytes
-                        + 2 * io.lse_desc.block_type.nbytes)
+            if work.packed.ON:
+                _load_stats(io, sh.lse.index(s), sh.delta.index(s), work.stats_row(off_b, off_h, q0 + m * BLOCK_M),
+                            seqlen_q - m * BLOCK_M, BLOCK_M)
+                sh.q.expect(s, io.q_desc.block_type.nbytes + io.do_desc.block_type.nbytes)
+            else:
+                sh.q.expect(s, io.q_desc.block_type.nbytes + io.do_desc.block_type.nbytes
+                            + 2 * io.lse_desc.block_type.nbytes)
             sh.q.load(io.q_desc, [desc_b, q0 + m * BLOCK_M, off_h, 0], s)
             tma.async_copy_global_to_shared(io.do_desc, [desc_b, q0 + m * BLOCK_M, off_h, 0], sh.q.ready.index(s),
                                             sh.do.index(s))
-            row = work.stats_row(off_b, off_h, q0 + m * BLOCK_M)
-            tma.async_copy_global_to_shared(io.lse_desc, [row], sh.q.ready.index(s), sh.lse.index(s))
-            tma.async_copy_global_to_shared(io.delta_desc, [row], sh.q.ready.index(s), sh.delta.index(s))
+            if not work.packed.ON:
+                row = work.stats_row(off_b, off_h, q0 + m * BLOCK_M)
+                tma.async_copy_global_to_shared(io.lse_desc, [row], sh.q.ready.index(s), sh.lse.index(s))
+                tma.async_copy_global_to_shared(io.delta_desc, [row], sh.q.ready.index(s), sh.delta.index(s))
 
 
 @gluon.jit
@@ -393,8 +418,8 @@ def _bwd_step(cfg, sh, WG: gl.constexpr, i, dk, dv, zero_st, zero_dq, k_smem, v_
     wgmmas, C7514.) ``scores``: softcap and ALiBi on the step's scores (query head and slope per step)
     and softcap's factor on dS. ``q_end`` (packed sequences: the sequence's seqlen_q): the block's rows
     from q_end on are the next sequence's, so their Q and dO rows are zeroed in the slot (0 * NaN is
-    NaN on the tensor cores; ``zero_tail``, in ``ld_layout``) and their lse2 / delta become +inf / 0
-    (``_stats_past_end``): p and dS are then 0 there, as for the zero rows TMA reads past a dense
+    NaN on the tensor cores; ``zero_tail``, in ``ld_layout``); their lse2 / delta came in as +inf / 0
+    (``_load_stats``): p and dS are then 0 there, as for the zero rows TMA reads past a dense
     tensor's end."""
     dtype: gl.constexpr = sh.q.mem.dtype
     s = sh.q.index(i)
@@ -407,7 +432,6 @@ def _bwd_step(cfg, sh, WG: gl.constexpr, i, dk, dv, zero_st, zero_dq, k_smem, v_
             # Both consumer partitions write the slot (the same values), each before its products.
             zero_tail(q_tile, m_tail * cfg.BLOCK_M, q_end, cfg.BLOCK_M, 16, ld_layout)
             zero_tail(do_tile, m_tail * cfg.BLOCK_M, q_end, cfg.BLOCK_M, 16, ld_layout)
-            _stats_past_end(sh.lse.index(s), sh.delta.index(s), m_tail * cfg.BLOCK_M, q_end, cfg.BLOCK_M)
             fence_async_shared()
             gl.thread_barrier()
     st_tok = warpgroup_mma(k_smem, q_tile.permute((1, 0)), zero_st, use_acc=False, is_async=True)
@@ -459,21 +483,6 @@ def _bwd_step(cfg, sh, WG: gl.constexpr, i, dk, dv, zero_st, zero_dq, k_smem, v_
         dv, dk, p_a, ds_a = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, p_a, ds_a))
         sh.q.release(s, True)                # after every warp of the partition is past its wait
     return dk, dv
-
-
-@gluon.jit
-def _stats_past_end(lse_smem, delta_smem, start, end, BLOCK_M: gl.constexpr):
-    """Packed sequences: in a step's lse2 / delta slot (query rows start ..), the entries of rows at or
-    past ``end`` (the next sequence's, or the next head's) become +inf / 0, a row that sees no key.
-    (Masking them in registers at every step kept the rows' indices live: 348 bytes of spills at head
-    dim 64, causal.)"""
-    layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
-    past = start + gl.arange(0, BLOCK_M, layout=layout) >= end
-    lse2 = lse_smem.load(layout)
-    delta = delta_smem.load(layout)
-    gl.thread_barrier()                  # every warp has read before any writes
-    lse_smem.store(gl.where(past, float("inf"), lse2))
-    delta_smem.store(gl.where(past, 0.0, delta))
 
 
 @gluon.jit
@@ -754,11 +763,11 @@ def _attn_bwd_hopper_kernel(
     NUM_WG: gl.constexpr, WRITER_REGS_: gl.constexpr, PRODUCER_REGS_: gl.constexpr,
     CONSUMER_REGS_: gl.constexpr, DQ: gl.constexpr, SOFTCAP: gl.constexpr = False, ALIBI: gl.constexpr = False,
     HAS_LEFT: gl.constexpr = False, HAS_RIGHT: gl.constexpr = False, ATOMIC: gl.constexpr = False,
-    CU_SEQLENS_Q=None, CU_SEQLENS_K=None, PACKED: gl.constexpr = False,     # packed sequences
+    CU_SEQLENS_Q=None, CU_SEQLENS_K=None, LSE2=None, DELTA=None, PACKED: gl.constexpr = False,  # packed
 ):
     """Grid: batch x KV heads x key blocks (``_bwd_coords``). PACKED: packed sequences (``Packed``;
     the descriptors over [1, total, H, D] views, seqlen_q / seqlen_k / num_m_blocks the longest
-    sequence's, lse2 / delta [1, Hq, total_q]); dK and dV only."""
+    sequence's, lse2 / delta [1, Hq, rows] also by pointer, LSE2 / DELTA); dK and dV only."""
     dtype: gl.constexpr = q_desc.dtype
     gl.static_assert(DQ_BUFS >= 2, "the ordered writer takes two steps' partials per round")
     gl.static_assert(not (DQ and (HAS_LEFT or HAS_RIGHT)), "the fused form's dQ turns follow the causal walk")
@@ -770,7 +779,7 @@ def _attn_bwd_hopper_kernel(
     scores = ScoreArgs(score_scale, tanh_scale, softcap, ALIBI_SLOPES, stride_ab, stride_ah, None, SOFTCAP, ALIBI,
                        False)
     io = BwdIO(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, DK, DV, DQW, SEM, stride_dkb, stride_dks,
-               stride_dkh, stride_dvb, stride_dvs, stride_dvh, sm_scale, qk_scale, scores)
+               stride_dkh, stride_dvb, stride_dvs, stride_dvh, sm_scale, qk_scale, scores, LSE2, DELTA)
     kv_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
     q_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], dtype)
     ds_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype)
@@ -937,8 +946,8 @@ class DqShared:
 
 @aggregate
 class DqIO:
-    """Q, K, V, dO, lse2 and delta through TMA descriptors; dQ by pointer and strides; the scales and
-    the score variants, as ``BwdIO``'s."""
+    """Q, K, V, dO, lse2 and delta through TMA descriptors (packed: lse2 and delta by pointer, LSE2 /
+    DELTA); dQ by pointer and strides; the scales and the score variants, as ``BwdIO``'s."""
     q_desc: tma.tensor_descriptor
     k_desc: tma.tensor_descriptor
     v_desc: tma.tensor_descriptor
@@ -952,35 +961,45 @@ class DqIO:
     sm_scale: gl.tensor
     qk_scale: gl.tensor
     scores: ScoreArgs
+    LSE2: SCALAR
+    DELTA: SCALAR
 
     @gluon.constexpr_function
     def __init__(self, q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, DQ, stride_dqb, stride_dqs,
-                 stride_dqh, sm_scale, qk_scale, scores):
+                 stride_dqh, sm_scale, qk_scale, scores, LSE2=None, DELTA=None):
         constexprs(self, q_desc=q_desc, k_desc=k_desc, v_desc=v_desc, do_desc=do_desc, lse_desc=lse_desc,
                    delta_desc=delta_desc, DQ=DQ, stride_dqb=stride_dqb, stride_dqs=stride_dqs, stride_dqh=stride_dqh,
-                   sm_scale=sm_scale, qk_scale=qk_scale)
+                   sm_scale=sm_scale, qk_scale=qk_scale, LSE2=LSE2, DELTA=DELTA)
         self.scores = scores
 
 
 @gluon.jit
 def _dq_producer(cfg, work, io, sh):
-    """The query side once (one barrier for all of it), then K_j and V_j into ring slot j % STAGES.
-    The tile and its key blocks are the forward's (``Tiles.walk``: every key block some row of the
-    tile sees; causal, one head after the other, the heaviest query blocks first)."""
+    """The query side once (one barrier for all of it; packed, lse2 and delta by ``_load_stats`` before
+    it is armed), then K_j and V_j into ring slot j % STAGES. The tile and its key blocks are the
+    forward's (``Tiles.walk``: every key block some row of the tile sees; causal, one head after the
+    other, the heaviest query blocks first)."""
     ROWS: gl.constexpr = cfg.ROWS
     NUM_WG: gl.constexpr = cfg.NUM_WG
-    pid_bh, off_b, off_h, off_hk, start_m, first, n_blocks, valid, q0, k0, _, _ = work.coords(cfg)
+    pid_bh, off_b, off_h, off_hk, start_m, first, n_blocks, valid, q0, k0, seqlen_q, _ = work.coords(cfg)
     desc_b = work.packed.batch_index(off_b)
     if valid:
-        mbarrier.expect(sh.q_ready, NUM_WG * (io.q_desc.block_type.nbytes + io.do_desc.block_type.nbytes
-                                              + 2 * io.lse_desc.block_type.nbytes))
+        if work.packed.ON:
+            for w in gl.static_range(NUM_WG):
+                row = work.stats_row(pid_bh, off_h, q0 + start_m + w * ROWS)
+                _load_stats(io, sh.lse.index(w), sh.delta.index(w), row, seqlen_q - (start_m + w * ROWS), ROWS)
+            mbarrier.expect(sh.q_ready, NUM_WG * (io.q_desc.block_type.nbytes + io.do_desc.block_type.nbytes))
+        else:
+            mbarrier.expect(sh.q_ready, NUM_WG * (io.q_desc.block_type.nbytes + io.do_desc.block_type.nbytes
+                                                  + 2 * io.lse_desc.block_type.nbytes))
         for w in gl.static_range(NUM_WG):
             row0 = q0 + start_m + w * ROWS
             tma.async_copy_global_to_shared(io.q_desc, [desc_b, row0, off_h, 0], sh.q_ready, sh.q.index(w))
             tma.async_copy_global_to_shared(io.do_desc, [desc_b, row0, off_h, 0], sh.q_ready, sh.do.index(w))
-            row = work.stats_row(pid_bh, off_h, row0)
-            tma.async_copy_global_to_shared(io.lse_desc, [row], sh.q_ready, sh.lse.index(w))
-            tma.async_copy_global_to_shared(io.delta_desc, [row], sh.q_ready, sh.delta.index(w))
+            if not work.packed.ON:
+                row = work.stats_row(pid_bh, off_h, row0)
+                tma.async_copy_global_to_shared(io.lse_desc, [row], sh.q_ready, sh.lse.index(w))
+                tma.async_copy_global_to_shared(io.delta_desc, [row], sh.q_ready, sh.delta.index(w))
         for j in range(first, n_blocks):
             s = sh.kv.index(j - first)
             sh.kv.acquire(j - first)
@@ -1123,7 +1142,7 @@ def _attn_bwd_dq_hopper_kernel(
     STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, PRODUCER_REGS_: gl.constexpr, CONSUMER_REGS_: gl.constexpr,
     SOFTCAP: gl.constexpr = False, ALIBI: gl.constexpr = False,
     HAS_LEFT: gl.constexpr = False, HAS_RIGHT: gl.constexpr = False,
-    CU_SEQLENS_Q=None, CU_SEQLENS_K=None, PACKED: gl.constexpr = False,     # packed sequences
+    CU_SEQLENS_Q=None, CU_SEQLENS_K=None, LSE2=None, DELTA=None, PACKED: gl.constexpr = False,  # packed
 ):
     """Grid: one program per query tile (``DqWork.coords``). PACKED: packed sequences (``Packed``),
     as ``_attn_bwd_hopper_kernel``'s."""
@@ -1134,7 +1153,7 @@ def _attn_bwd_dq_hopper_kernel(
     scores = ScoreArgs(score_scale, tanh_scale, softcap, ALIBI_SLOPES, stride_ab, stride_ah, None, SOFTCAP, ALIBI,
                        False)
     io = DqIO(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, DQ, stride_dqb, stride_dqs, stride_dqh,
-              sm_scale, qk_scale, scores)
+              sm_scale, qk_scale, scores, LSE2, DELTA)
     kv_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
     q_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, HEAD_DIM], dtype)
     row_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS], gl.float32)
@@ -1224,6 +1243,8 @@ def backward_hopper(dout, q, k, v, lse2, delta, sm_scale: float, causal: bool, d
     else:
         dq_work, sem = lse2, delta           # not read without the writer
     _check_stats(lse2, delta, padded_rows(seqlen_q) if varlen is None else padded_rows(q.shape[1], True))
+    if varlen is not None:
+        packed.update(LSE2=lse2, DELTA=delta)
     if batch * heads_k * num_n_blocks == 0:
         return dq, dk, dv                    # packed: no sequence has a key (dk, dv are empty)
     lse_desc = _row_descriptor(lse2, block_m)
@@ -1283,6 +1304,8 @@ def dq_hopper(dout, q, k, v, lse2, delta, sm_scale: float, causal: bool, dq, *, 
     block_n, stages, rows = cfg["dq_block_n"], cfg["dq_stages"], DQ_ROWS
     num_m_blocks = cdiv(seqlen_q, rows * DQ_WG)
     _check_stats(lse2, delta, padded_rows(seqlen_q) if varlen is None else padded_rows(q.shape[1], True))
+    if varlen is not None:
+        packed.update(LSE2=lse2, DELTA=delta)
     if batch * heads_q * num_m_blocks == 0:
         return dq                            # packed: no sequence has a query (dq is empty)
     launch.run(
