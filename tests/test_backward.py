@@ -539,8 +539,9 @@ def test_hopper_launchers_pass_the_problem_sizes(monkeypatch):
                 assert kw["num_n_blocks"] == -(-sk_ // backward_hopper.BLOCK_N)
                 assert grid == (b_ * hk * kw["num_n_blocks"],)
                 assert kw.get("PACKED", False) == (varlen is not None)
-                if varlen is not None:
+                if varlen is not None:         # packed: the stats by pointer too (plain loads)
                     assert kw["CU_SEQLENS_Q"] is cu_q and kw["CU_SEQLENS_K"] is cu_k
+                    assert kw["LSE2"] is st and kw["DELTA"] is st
                 if dq_k and backward_hopper.dq_on_gluon(variant, d):
                     calls.clear()
                     backward_hopper.dq_hopper(do_, q_, k_, v_, st, st, 0.1, True, torch.empty_like(q_),
@@ -550,6 +551,7 @@ def test_hopper_launchers_pass_the_problem_sizes(monkeypatch):
                     assert kw["k_desc"].base.data_ptr() == k_.data_ptr() and kw["DQ"].shape == view(q_).shape
                     assert (kw["seqlen_q"], kw["seqlen_k"]) == (sq_, sk_), (variant, name)
                     assert grid == (b_ * hq * kw["num_m_blocks"],)
+                    assert kw.get("LSE2") is (st if varlen is not None else None)
         for variant in forward_hopper.VARIANTS:
             if d not in forward_hopper.VARIANTS[variant] or forward_hopper.variant_config(variant, d)["ltc"]:
                 continue
