@@ -24,6 +24,10 @@ Partitions: two consumer warpgroups (``_bwd_consumer``, 64 of the block's keys e
 writer (``_bwd_writer``). Numerics are backward.py's fp16/bf16 path: P recomputed from the base-2 LSE
 (+inf for rows that saw no key, so their gradients are 0), fp32 accumulators, P and dS rounded to the
 input dtype for their products. Rows past the ends read as zeros and are never stored.
+
+Packed sequences (``varlen``, PACKED; the dK/dV-only variants and the dQ kernel): the forward's
+layout (``sm90_common.Packed``), per-sequence lengths and first rows, rows of the next sequence zeroed
+or masked where a tile runs past the end (docs/hopper.md#packed-sequences).
 """
 
 import torch

@@ -182,9 +182,8 @@ def forward_variant(*, head_dim: int, dtype, device, causal: bool, seqlen_q: int
       steps spill there, 88 bytes);
     * packed sequences (``packed``; seqlen_q / seqlen_k the longest): at head dim 128 ``pp`` (one tile
       per CTA: the tiles past a sequence's end cost a launch slot each, where the persistent orders
-      balance the longest lengths' costs; H100, causal: 1.17x ``pp_persist``, 1.18x the Triton kernel),
-      ``pp_persist`` with a window; at 64 the dense rule, never the ``_ltc`` form (it spills 312-740
-      bytes there, sm_90 compile).
+      balance the longest lengths' costs; docs/performance.md#packed-sequences-on-the-hopper-kernels),
+      ``pp_persist`` with a window; at 64 the dense rule, never the ``_ltc`` form (it spills there).
     """
     if not configs.gluon_hopper_applies(head_dim=head_dim, dtype=dtype, device=device):
         return TRITON
