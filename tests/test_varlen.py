@@ -25,6 +25,7 @@ from helpers import (
 
 import triflash
 from triflash import api
+from triflash.kernels import dispatch
 from triflash.kernels.common import Varlen
 
 # (queries, keys) per sequence.
@@ -169,7 +170,7 @@ def test_which_forward_takes_packed_sequences(device, monkeypatch):
     pick at the longest lengths while dispatch.GLUON_PACKED is on (head dim 128: ``pp``; 64, causal
     below 2k queries: the Triton kernel, as dense; never an _ltc form), the Triton kernel with it off
     unless a Gluon variant is forced; an explicit config keeps Triton."""
-    from triflash.kernels import configs, dispatch, forward_hopper, sm90_common
+    from triflash.kernels import configs, forward_hopper, sm90_common
     from triflash.kernels.configs import FwdConfig
 
     taken = []
@@ -212,49 +213,66 @@ HOPPER = ON_GPU and torch.cuda.get_device_capability() == (9, 0)
 HOPPER_LENGTHS = [(300, 250), (0, 9), (17, 17), (200, 471), (5, 0), (700, 700), (129, 128), (1, 300)]
 
 
-def _hopper_cases():
-    from triflash.kernels import configs, dispatch
+HOPPER_EXTRAS = ("plain", "gqa", "window", "scores", "nan")
+
+
+def _hopper_cases(candidates):
+    """(variant, causal, head_dim, dtype, extra) for each variant ``candidates(head_dim, dtype)`` names
+    where the Gluon kernels run (an sm_90 GPU), else one skipped case."""
+    from triflash.kernels import configs
 
     cases = []
     for head_dim, dtype in ((64, torch.float16), (64, torch.bfloat16), (128, torch.float16), (128, torch.bfloat16)):
         if not (HOPPER and configs.gluon_hopper_applies(head_dim=head_dim, dtype=dtype, device="cuda")):
             continue
-        for variant in dispatch.forward_candidates(head_dim, dtype, packed=True):
+        for variant in candidates(head_dim, dtype):
             for causal in (False, True):
-                for extra in ("plain", "gqa", "window", "scores", "nan"):
+                for extra in HOPPER_EXTRAS:
                     cases.append(pytest.param(variant, causal, head_dim, dtype, extra,
                                               id=f"{variant}-{'causal' if causal else 'full'}-D{head_dim}-"
                                                  f"{DTYPE_ID[dtype]}-{extra}"))
-    return cases
+    return cases or [pytest.param(*[None] * 5, marks=pytest.mark.skip(reason="needs an sm_90 GPU (Gluon kernels)"))]
 
 
-HOPPER_CASES = _hopper_cases() or [
-    pytest.param(*[None] * 5, marks=pytest.mark.skip(reason="needs an sm_90 GPU (Gluon kernels)"))]
+def _hopper_inputs(extra, causal, head_dim, dtype, device):
+    """The Hopper packed cases' call: (q, k, v, cu_q, cu_k, max_q, max_k, window, score variants,
+    sequences not checked, the poisoned query rows or None). "gqa": 8 query heads over 2; "window":
+    a window; "scores": softcap, [B, Hq] ALiBi and sinks; "nan": NaN in sequence 3's q, k, v."""
+    heads = (8, 2) if extra == "gqa" else (4, 4)
+    q, k, v, cu_q, cu_k, max_q, max_k = packed_sequences(HOPPER_LENGTHS, heads, head_dim, dtype, device)
+    skip, poisoned = (), None
+    if extra == "nan":
+        (poisoned, rk), = sequence_slices(cu_q, cu_k)[3:4]
+        q, k, v, skip = _poison(q, poisoned), _poison(k, rk), _poison(v, rk), (3,)
+    window = ((64, 0) if causal else (100, 37)) if extra == "window" else (-1, -1)
+    variants = {}
+    if extra == "scores":
+        variants = dict(softcap=5.0, alibi_slopes=torch.rand(len(HOPPER_LENGTHS), heads[0], device=device),
+                        sinks=torch.randn(heads[0], device=device))
+    return q, k, v, cu_q, cu_k, max_q, max_k, window, variants, skip, poisoned
 
 
-@pytest.mark.parametrize("variant,causal,head_dim,dtype,extra", HOPPER_CASES)
+def _taken(monkeypatch, module, name):
+    """Record (variant, packed) of each call of ``module.name`` (the Gluon launcher), then run it."""
+    taken = []
+    real = getattr(module, name)
+    monkeypatch.setattr(module, name,
+                        lambda *a, **kw: taken.append((kw["variant"], kw.get("varlen") is not None)) or real(*a, **kw))
+    return taken
+
+
+@pytest.mark.parametrize("variant,causal,head_dim,dtype,extra",
+                         _hopper_cases(lambda d, dtype: dispatch.forward_candidates(d, dtype, packed=True)))
 def test_hopper_forward_on_packed_sequences(device, force_kernels, monkeypatch, variant, causal, head_dim, dtype,
                                             extra):
     """Each Gluon forward variant, forced, on packed sequences: every sequence against its own reference
     (2x rule), and the forced kernel is the one that ran."""
     from triflash.kernels import forward_hopper
 
-    taken = []
-    real = forward_hopper.forward_hopper
-    monkeypatch.setattr(forward_hopper, "forward_hopper",
-                        lambda *a, **kw: taken.append((kw["variant"], kw.get("varlen") is not None)) or real(*a, **kw))
+    taken = _taken(monkeypatch, forward_hopper, "forward_hopper")
     force_kernels(forward=variant)
-    heads = (8, 2) if extra == "gqa" else (4, 4)
-    q, k, v, cu_q, cu_k, max_q, max_k = packed_sequences(HOPPER_LENGTHS, heads, head_dim, dtype, device)
-    skip = ()
-    if extra == "nan":
-        (rq, rk), = sequence_slices(cu_q, cu_k)[3:4]
-        q, k, v, skip = _poison(q, rq), _poison(k, rk), _poison(v, rk), (3,)
-    window = ((64, 0) if causal else (100, 37)) if extra == "window" else (-1, -1)
-    variants = {}
-    if extra == "scores":
-        variants = dict(softcap=5.0, alibi_slopes=torch.rand(len(HOPPER_LENGTHS), heads[0], device=device),
-                        sinks=torch.randn(heads[0], device=device))
+    q, k, v, cu_q, cu_k, max_q, max_k, window, variants, skip, _ = _hopper_inputs(extra, causal, head_dim, dtype,
+                                                                                   device)
     out, lse = triflash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, causal=causal, window_size=window,
                                                return_lse=True, **variants)
     assert_packed_matches_reference(out, lse, q, k, v, cu_q, cu_k, causal, skip, window_size=window, **variants)
@@ -269,7 +287,7 @@ def test_which_backward_takes_packed_sequences(device, monkeypatch):
     multiple of 4], TMA's alignment) and ``varlen``;
     at head dim 64 dQ then comes from the Triton dQ kernel on those stats, bit-equal to the Triton
     path's dQ."""
-    from triflash.kernels import backward_hopper, configs, dispatch
+    from triflash.kernels import backward_hopper, configs
 
     taken = []
 
@@ -319,27 +337,8 @@ def test_which_backward_takes_packed_sequences(device, monkeypatch):
         monkeypatch.setattr(dispatch, "GLUON_PACKED_BACKWARD", False)
 
 
-def _hopper_backward_cases():
-    from triflash.kernels import configs, dispatch
-
-    cases = []
-    for head_dim, dtype in ((64, torch.float16), (64, torch.bfloat16), (128, torch.float16), (128, torch.bfloat16)):
-        if not (HOPPER and configs.gluon_hopper_applies(head_dim=head_dim, dtype=dtype, device="cuda")):
-            continue
-        for variant in dispatch.backward_candidates(head_dim):
-            for causal in (False, True):
-                for extra in ("plain", "gqa", "window", "scores", "nan"):
-                    cases.append(pytest.param(variant, causal, head_dim, dtype, extra,
-                                              id=f"{variant}-{'causal' if causal else 'full'}-D{head_dim}-"
-                                                 f"{DTYPE_ID[dtype]}-{extra}"))
-    return cases
-
-
-HOPPER_BACKWARD_CASES = _hopper_backward_cases() or [
-    pytest.param(*[None] * 5, marks=pytest.mark.skip(reason="needs an sm_90 GPU (Gluon kernels)"))]
-
-
-@pytest.mark.parametrize("variant,causal,head_dim,dtype,extra", HOPPER_BACKWARD_CASES)
+@pytest.mark.parametrize("variant,causal,head_dim,dtype,extra",
+                         _hopper_cases(lambda d, dtype: dispatch.backward_candidates(d)))
 def test_hopper_backward_on_packed_sequences(device, force_kernels, monkeypatch, variant, causal, head_dim, dtype,
                                              extra):
     """Each Gluon backward variant the chooser takes, forced, on packed sequences
@@ -349,24 +348,11 @@ def test_hopper_backward_on_packed_sequences(device, force_kernels, monkeypatch,
     (a tile past a sequence's end reads the next one's rows)."""
     from triflash.kernels import backward_hopper
 
-    taken = []
-    real = backward_hopper.backward_hopper
-    monkeypatch.setattr(backward_hopper, "backward_hopper",
-                        lambda *a, **kw: taken.append((kw["variant"], kw.get("varlen") is not None)) or real(*a, **kw))
+    taken = _taken(monkeypatch, backward_hopper, "backward_hopper")
     force_kernels(backward=variant)
-    heads = (8, 2) if extra == "gqa" else (4, 4)
-    q, k, v, cu_q, cu_k, max_q, max_k = packed_sequences(HOPPER_LENGTHS, heads, head_dim, dtype, device)
-    skip = ()
-    poisoned = None
-    if extra == "nan":
-        (poisoned, rk), = sequence_slices(cu_q, cu_k)[3:4]
-        q, k, v, skip = _poison(q, poisoned), _poison(k, rk), _poison(v, rk), (3,)
+    q, k, v, cu_q, cu_k, max_q, max_k, window, variants, skip, poisoned = _hopper_inputs(extra, causal, head_dim,
+                                                                                          dtype, device)
     q, k, v = (t.requires_grad_() for t in (q, k, v))
-    window = ((64, 0) if causal else (100, 37)) if extra == "window" else (-1, -1)
-    variants = {}
-    if extra == "scores":
-        variants = dict(softcap=5.0, alibi_slopes=torch.rand(len(HOPPER_LENGTHS), heads[0], device=device),
-                        sinks=torch.randn(heads[0], device=device))
     out, lse = triflash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, causal=causal, window_size=window,
                                                return_lse=True, **variants)
     dout = torch.randn_like(out)
