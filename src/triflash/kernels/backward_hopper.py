@@ -74,7 +74,7 @@ from .sm90_common import (
     sequences,
     shared_layout,
     tma_supported,
-    zero_tail,
+    zero_rows_past,
 )
 
 BLOCK_N = 128              # keys per CTA: 64 per consumer partition
@@ -422,7 +422,7 @@ def _bwd_step(cfg, sh, WG: gl.constexpr, i, dk, dv, zero_st, zero_dq, k_smem, v_
     wgmmas, C7514.) ``scores``: softcap and ALiBi on the step's scores (query head and slope per step)
     and softcap's factor on dS. ``q_end`` (packed sequences: the sequence's seqlen_q): the block's rows
     from q_end on are the next sequence's, so their Q and dO rows are zeroed in the slot (0 * NaN is
-    NaN on the tensor cores; ``zero_tail``, in ``ld_layout``); their lse2 / delta came in as +inf / 0
+    NaN on the tensor cores; ``zero_rows_past``, in ``ld_layout``); their lse2 / delta came in as +inf / 0
     (``_load_stats``): p and dS are then 0 there, as for the zero rows TMA reads past a dense
     tensor's end."""
     dtype: gl.constexpr = sh.q.mem.dtype
@@ -432,12 +432,8 @@ def _bwd_step(cfg, sh, WG: gl.constexpr, i, dk, dv, zero_st, zero_dq, k_smem, v_
     sh.q.wait(i)
     if q_end is not None:
         m_tail, _ = _step_block(i, m_first, m_step, off_hk, kv_group_size)
-        if (m_tail + 1) * cfg.BLOCK_M > q_end:
-            # Both consumer partitions write the slot (the same values), each before its products.
-            zero_tail(q_tile, m_tail * cfg.BLOCK_M, q_end, cfg.BLOCK_M, 16, ld_layout)
-            zero_tail(do_tile, m_tail * cfg.BLOCK_M, q_end, cfg.BLOCK_M, 16, ld_layout)
-            fence_async_shared()
-            gl.thread_barrier()
+        # Both consumer partitions zero the slot's rows (the same values), each before its products.
+        zero_rows_past(q_tile, m_tail, q_end, cfg.BLOCK_M, ld_layout, do_tile)
     st_tok = warpgroup_mma(k_smem, q_tile.permute((1, 0)), zero_st, use_acc=False, is_async=True)
     dpt_tok = warpgroup_mma(v_smem, do_tile.permute((1, 0)), zero_st, use_acc=False, is_async=True)
     m, off_h = _step_block(i, m_first, m_step, off_hk, kv_group_size)
@@ -1022,18 +1018,14 @@ def _dq_step(cfg, sh, j, c, dq, q_tile, do_tile, zero_s, lse2, delta, cols0, col
     seqlen_k) and, with ``col_start``, before a window's left edge get p = 0. ``mod``: the tile's
     ``Scores`` (softcap, ALiBi; softcap's factor on dS). ``k_end`` (packed sequences, masked steps:
     the sequence's seqlen_k): K and V rows from k_end on are the next sequence's, zeroed in the slot
-    before the products (``zero_tail``, in ``ld_layout``), so that p = 0 there meets zeros, not NaN."""
+    before the products (``zero_rows_past``, in ``ld_layout``), so that p = 0 there meets zeros, not NaN."""
     dtype: gl.constexpr = q_tile.dtype
     s = sh.kv.index(c)
     sh.kv.wait(c)
     k_tile = sh.kv.tile(s)
     if k_end is not None:
-        if (j + 1) * cfg.BLOCK_N > k_end:
-            # Both consumer partitions zero the slot's rows (the same values), each before its products.
-            zero_tail(k_tile, j * cfg.BLOCK_N, k_end, cfg.BLOCK_N, 16, ld_layout)
-            zero_tail(sh.v.index(s), j * cfg.BLOCK_N, k_end, cfg.BLOCK_N, 16, ld_layout)
-            fence_async_shared()
-            gl.thread_barrier()
+        # Both consumer partitions zero the slot's rows (the same values), each before its products.
+        zero_rows_past(k_tile, j, k_end, cfg.BLOCK_N, ld_layout, sh.v.index(s))
     s_tok = warpgroup_mma(q_tile, k_tile.permute((1, 0)), zero_s, use_acc=False, is_async=True)
     dp_tok = warpgroup_mma(do_tile, sh.v.index(s).permute((1, 0)), zero_s, use_acc=False, is_async=True)
     s_ij = warpgroup_mma_wait(1, deps=(s_tok,))

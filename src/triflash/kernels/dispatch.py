@@ -253,7 +253,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float, 
         if variant != TRITON and configs.gluon_hopper_applies(head_dim=head_dim, dtype=q.dtype, device=q.device):
             from . import forward_hopper, sm90_common
 
-            views = (q, k, v, out) if varlen is None else (q[None], k[None], v[None], out[None])
+            views = sm90_common.sequences(varlen, q, k, v, out)[3]
             if sm90_common.tma_supported(*views):
                 return forward_hopper.forward_hopper(q, k, v, sm_scale, causal, out=out, variant=variant,
                                                      scores=scores, window=window, varlen=varlen)
@@ -394,9 +394,9 @@ def backward(dout, q, k, v, out, lse, sm_scale: float, causal: bool, *, dlse=Non
         variant = forced or backward_variant(head_dim=head_dim, dtype=q.dtype, device=q.device, causal=causal,
                                              seqlen_q=max_q, seqlen_k=max_k, deterministic=deterministic)
         if variant not in (TRITON, ATOMIC) and configs.gluon_available():
-            from . import backward_hopper
+            from . import backward_hopper, sm90_common
 
-            views = (q, k, v, dout) if varlen is None else (q[None], k[None], v[None], dout[None])
+            views = sm90_common.sequences(varlen, q, k, v, dout)[3]
             # The fused variants' dQ turns follow the dense causal walk: no window, no packed sequences.
             if backward_hopper.supported(*views, variant) and (
                     (window is None and varlen is None) or not backward_hopper.computes_dq(variant)):

@@ -71,7 +71,7 @@ from .sm90_common import (
     sequences,
     softmax,
     to_operand,
-    zero_tail,
+    zero_rows_past,
 )
 
 # --------------------------------------------------------------------------------------------------
@@ -430,16 +430,6 @@ def _pass_blocks(cfg, sh, WG: gl.constexpr, kv, turn, n_mine, n_blocks):
 
 
 @gluon.jit
-def _zero_keys_past(cfg, v_tile, j, seqlen_k):
-    """Packed sequences: before P V of key block j, zero the rows of its V tile past the sequence's
-    keys (``zero_tail``; a no-op unless the block reaches past seqlen_k), visible to wgmma."""
-    if (j + 1) * cfg.BLOCK_N > seqlen_k:
-        zero_tail(v_tile, j * cfg.BLOCK_N, seqlen_k, cfg.BLOCK_N, 16, cfg.ld_layout)
-        fence_async_shared()
-        gl.thread_barrier()
-
-
-@gluon.jit
 def _store_packed(cfg, io, o_tile, out, row, off_h, n_rows):
     """Packed sequences: write a warpgroup's output rows, the first at ``row`` of the packed out, the
     ones from ``n_rows`` on (past the sequence's end: the next sequence's rows) not at all. Through
@@ -604,7 +594,7 @@ def _consumer(cfg, WG: gl.constexpr, tiles, io, sh):
                         lst = sh.v.index(lc)
                         sh.v.wait(lc)
                         if tiles.packed.ON:   # (only the last block can reach past the sequence's keys)
-                            _zero_keys_past(cfg, sh.v.tile(lst), n_mine - 1, seqlen_k)
+                            zero_rows_past(sh.v.tile(lst), n_mine - 1, seqlen_k, BLOCK_N, cfg.ld_layout)
                         sh.turns.begin(turn + n_mine - first, WG)
                         o_tok, l_tok, p_l = _pv_issue(cfg, sh, p, sh.v.tile(lst), acc, l_acc)
                         sh.turns.end(WG)
@@ -642,7 +632,7 @@ def _consumer(cfg, WG: gl.constexpr, tiles, io, sh):
                             p = gl.convert_layout(p.to(dtype), cfg.p_layout)
                             sh.v.wait_at(st, ph)
                             if tiles.packed.ON:
-                                _zero_keys_past(cfg, sh.v.tile(st), j, seqlen_k)
+                                zero_rows_past(sh.v.tile(st), j, seqlen_k, BLOCK_N, cfg.ld_layout)
                             sh.turns.begin(turn + 2 * (j - first) + 1, WG)
                             o_tok = warpgroup_mma(p, sh.v.tile(st), acc, is_async=True)
                             sh.turns.end(WG)

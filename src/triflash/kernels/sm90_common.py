@@ -13,7 +13,7 @@ import functools
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTensorDescriptor
 from triton.language.core import _aggregate as aggregate
 from triton.language.core import base_value  # Triton 3.5/3.6's name (later gluon.aggregate)
@@ -592,6 +592,20 @@ def zero_tail(tile, start, hi, N: gl.constexpr, CHUNK: gl.constexpr, ld_layout: 
             keys = start + r + gl.arange(0, CHUNK, layout=gl.SliceLayout(1, ld_layout))
             v = part.load(ld_layout)
             part.store(gl.where((keys < hi)[:, None], v, gl.zeros_like(v)))
+
+
+@gluon.jit
+def zero_rows_past(tile, j, end, N: gl.constexpr, ld_layout: gl.constexpr, other=None):
+    """Packed sequences: when block j of N rows (a landed ring slot, and ``other``, a second slot of
+    the same rows) reaches past ``end``, the sequence's end, zero those rows (``zero_tail``, pieces of
+    16 rows) and make the writes visible to wgmma. They are the next sequence's rows, in a product's
+    reduction dimension: their p or dS is 0, but 0 * NaN is NaN."""
+    if (j + 1) * N > end:
+        zero_tail(tile, j * N, end, N, 16, ld_layout)
+        if other is not None:
+            zero_tail(other, j * N, end, N, 16, ld_layout)
+        fence_async_shared()
+        gl.thread_barrier()
 
 
 @gluon.jit
