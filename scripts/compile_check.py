@@ -127,12 +127,21 @@ class Recorder:
 DIVISIBLE = [["tt.divisibility", 16]]
 
 
-def signature(fn, args, kwargs):
+def _host_descriptor(v):
+    """The signature type of a host TMA descriptor, or None for any other value."""
+    if isinstance(v, TensorDescriptor):
+        return f"tensordesc<{TYPES[v.base.dtype]}[{','.join(str(b) for b in v.block_shape)}]>"
+    return None
+
+
+def signature(fn, args, kwargs, descriptor=_host_descriptor, option_names=("num_warps", "num_stages")):
     """The signature, constants, attributes and options Triton's launcher would compile these
     arguments with. Like a real launch (JITFunction.run), an int argument equal to 1 becomes a
     constant and one divisible by 16 (or a pointer aligned to 16 bytes) carries tt.divisibility = 16,
     unless the parameter is in do_not_specialize. Without those hints the compiler cannot prove
-    16-byte alignment, loads fall back to scalars, and the register and spill figures are wrong."""
+    16-byte alignment, loads fall back to scalars, and the register and spill figures are wrong.
+    ``descriptor``: a TMA descriptor argument's signature type (None: not a descriptor);
+    ``option_names``: the launch options passed on (scripts/gluon_check.py adds maxnreg)."""
     sig, const, attrs = {}, {}, {}
     values = dict(zip(fn.arg_names, args))
     values.update({k: v for k, v in kwargs.items() if k in fn.arg_names})
@@ -142,8 +151,8 @@ def signature(fn, args, kwargs):
         if param.is_constexpr or v is None:
             sig[name] = "constexpr"
             const[name] = v
-        elif isinstance(v, TensorDescriptor):
-            sig[name] = f"tensordesc<{TYPES[v.base.dtype]}[{','.join(str(b) for b in v.block_shape)}]>"
+        elif descriptor(v) is not None:
+            sig[name] = descriptor(v)
         elif isinstance(v, torch.Tensor):
             sig[name] = "*" + TYPES[v.dtype]
             if not param.do_not_specialize_on_alignment and v.data_ptr() % 16 == 0:
@@ -162,7 +171,7 @@ def signature(fn, args, kwargs):
             sig[name] = "fp32"
         else:
             raise TypeError(f"{name}: cannot type {type(v)}")
-    options = {k: kwargs[k] for k in ("num_warps", "num_stages") if k in kwargs}
+    options = {k: kwargs[k] for k in option_names if k in kwargs}
     return sig, const, attrs, options
 
 

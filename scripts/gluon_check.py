@@ -21,9 +21,10 @@ import traceback
 
 os.environ.pop("TRITON_INTERPRET", None)
 
+import compile_check  # noqa: E402  (scripts/ is on sys.path when run as a script)
 import torch  # noqa: E402
 import triton  # noqa: E402
-from compile_check import Recorder  # noqa: E402  (scripts/ is on sys.path when run as a script)
+from compile_check import Recorder  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.experimental.gluon._runtime import GluonASTSource  # noqa: E402
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTensorDescriptor  # noqa: E402
@@ -36,46 +37,21 @@ from triflash.kernels.common import ScoreVariant, Varlen  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)      # (backend, compute capability, warp size)
 TYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.int32: "i32"}
-DIVISIBLE = [["tt.divisibility", 16]]
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 
 
+def _gluon_descriptor(v):
+    """A Gluon descriptor's signature type: its block shape and shared layout."""
+    if isinstance(v, GluonTensorDescriptor):
+        return f"tensordesc<{TYPES[v.base.dtype]}[{','.join(str(b) for b in v.block_shape)}],{v.layout!r}>"
+    return None
+
+
 def signature(fn, args, kwargs):
-    """Signature, constants and attributes a real launch would compile with (see compile_check.py):
-    ints equal to 1 become constants, ints divisible by 16 and 16-byte aligned pointers carry
-    tt.divisibility = 16; Gluon descriptors are typed with their block shape and shared layout."""
-    sig, const, attrs = {}, {}, {}
-    values = dict(zip(fn.arg_names, args))
-    values.update({k: v for k, v in kwargs.items() if k in fn.arg_names})
-    for index, name in enumerate(fn.arg_names):
-        param = fn.params[index]
-        v = values[name] if name in values else param.default      # a parameter left at its default
-        if param.is_constexpr or v is None:
-            sig[name] = "constexpr"
-            const[name] = v
-        elif isinstance(v, GluonTensorDescriptor):
-            block = ",".join(str(b) for b in v.block_shape)
-            sig[name] = f"tensordesc<{TYPES[v.base.dtype]}[{block}],{v.layout!r}>"
-        elif isinstance(v, torch.Tensor):
-            sig[name] = "*" + TYPES[v.dtype]
-            if not param.do_not_specialize_on_alignment and v.data_ptr() % 16 == 0:
-                attrs[(index,)] = DIVISIBLE
-        elif isinstance(v, bool):
-            sig[name] = "i1"
-        elif isinstance(v, int):
-            if v == 1 and not param.do_not_specialize:
-                sig[name] = "constexpr"
-                const[name] = 1
-                continue
-            sig[name] = "i64" if abs(v) >= 2**31 else "i32"
-            if not param.do_not_specialize and v % 16 == 0:
-                attrs[(index,)] = DIVISIBLE
-        elif isinstance(v, float):
-            sig[name] = "fp32"
-        else:
-            raise TypeError(f"{name}: cannot type {type(v)}")
-    options = {k: kwargs[k] for k in ("num_warps", "num_stages", "maxnreg") if k in kwargs}
-    return sig, const, attrs, options
+    """compile_check's signature (the hints a real launch adds), Gluon descriptors typed with their
+    block shape and shared layout, and maxnreg passed on."""
+    return compile_check.signature(fn, args, kwargs, descriptor=_gluon_descriptor,
+                                   option_names=("num_warps", "num_stages", "maxnreg"))
 
 
 def tool(name, *argv, data=None, suffix=".cubin"):
