@@ -9,11 +9,14 @@
 #   bash scripts/gpu_checks.sh rest  # decode, merge, SDPA routing, compile, validation, layouts
 #   bash scripts/gpu_checks.sh variants  # score variants (the Hopper kernels' too), atomic dQ, the
 #                                        # single-launch backward, deterministic=, call plans
+#   bash scripts/gpu_checks.sh pending   # what no GPU has run yet, first: the Gluon backward on packed
+#                                        # sequences, and the Gluon backward at Sq != Sk since its
+#                                        # launchers' argument order was fixed (about 4 minutes)
 #
 # Logs go to $OUT (the device tool's folder that comes back), a short summary to stdout. The hang
 # guard (tests/conftest.py) ends a test that runs past TRIFLASH_TEST_TIMEOUT seconds.
 set -u
-part=${1:?usage: gpu_checks.sh fwd|bwd|rest|variants}
+part=${1:?usage: gpu_checks.sh fwd|bwd|rest|variants|pending}
 OUT=${OUT:-/tmp/gpu_checks}
 mkdir -p "$OUT"
 export PYTHONPATH=src TRIFLASH_TEST_TIMEOUT=${TRIFLASH_TEST_TIMEOUT:-240}
@@ -51,8 +54,12 @@ variants)
     run variants -n 16 tests/test_variants.py tests/test_backward_atomic.py tests/test_backward_single.py \
         tests/test_deterministic.py tests/test_launch.py
     ;;
+pending)
+    run pending_packed -n 16 tests/test_varlen.py -k hopper_backward
+    run pending_dense -n 16 tests/test_backward.py -k hopper
+    ;;
 *)
-    echo "unknown part $part (fwd, bwd, rest or variants)" >&2
+    echo "unknown part $part (fwd, bwd, rest, variants or pending)" >&2
     exit 2
     ;;
 esac
