@@ -1189,11 +1189,17 @@ def _row_descriptor(t: torch.Tensor, rows: int) -> GluonTensorDescriptor:
     return desc
 
 
-def _check_stats(lse2, delta, rows: int):
+def _check_stats(lse2, delta, rows_q: int, packed: dict):
+    """Checks lse2 / delta against the rows the kernels read (``padded_rows`` of ``rows_q``: the query
+    length, packed the total) and, for packed sequences, adds them to the launch's ``packed``
+    arguments (``LSE2`` / ``DELTA``: the producers load them by pointer, ``_load_stats``)."""
+    rows = padded_rows(rows_q, packed=bool(packed))
     if (lse2.shape[-1] != rows or not lse2.is_contiguous() or not delta.is_contiguous()
             or lse2.data_ptr() % 16 or delta.data_ptr() % 16):
         raise ValueError(f"lse2 / delta must be contiguous, 16-byte aligned [B, Hq, {rows}] (padded_rows); got "
                          f"{tuple(lse2.shape)}")
+    if packed:
+        packed.update(LSE2=lse2, DELTA=delta)
 
 
 def supported(q, k, v, dout, variant: str) -> bool:
@@ -1238,9 +1244,7 @@ def backward_hopper(dout, q, k, v, lse2, delta, sm_scale: float, causal: bool, d
                           device=q.device)
     else:
         dq_work, sem = lse2, delta           # not read without the writer
-    _check_stats(lse2, delta, padded_rows(seqlen_q) if varlen is None else padded_rows(q.shape[1], True))
-    if varlen is not None:
-        packed.update(LSE2=lse2, DELTA=delta)
+    _check_stats(lse2, delta, q.shape[1], packed)
     if batch * heads_k * num_n_blocks == 0:
         return dq, dk, dv                    # packed: no sequence has a key (dk, dv are empty)
     lse_desc = _row_descriptor(lse2, block_m)
@@ -1299,9 +1303,7 @@ def dq_hopper(dout, q, k, v, lse2, delta, sm_scale: float, causal: bool, dq, *, 
     cfg = VARIANTS[variant][head_dim]
     block_n, stages, rows = cfg["dq_block_n"], cfg["dq_stages"], DQ_ROWS
     num_m_blocks = cdiv(seqlen_q, rows * DQ_WG)
-    _check_stats(lse2, delta, padded_rows(seqlen_q) if varlen is None else padded_rows(q.shape[1], True))
-    if varlen is not None:
-        packed.update(LSE2=lse2, DELTA=delta)
+    _check_stats(lse2, delta, q.shape[1], packed)
     if batch * heads_q * num_m_blocks == 0:
         return dq                            # packed: no sequence has a query (dq is empty)
     launch.run(
