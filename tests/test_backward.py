@@ -562,4 +562,11 @@ def test_hopper_launchers_pass_the_problem_sizes(monkeypatch):
                 kernel, grid, kw = calls[0]
                 assert kw["q_desc"].base.data_ptr() == q_.data_ptr() and kw["k_desc"].base.data_ptr() == k_.data_ptr()
                 assert (kw["seqlen_q"], kw["seqlen_k"]) == (sq_, sk_), (variant, name)
-                assert kw["num_items"] >= b_ * hq and kw.get("PACKED", False) == (varlen is not None)
+                assert kw.get("PACKED", False) == (varlen is not None)
+                cfg = forward_hopper.variant_config(variant, d)
+                m_blocks = -(-sq_ // cfg["block_m"])
+                order = forward_hopper.tile_order(True, cfg["persistent"], cfg["block_m"])
+                items = b_ * hq * ((m_blocks + 1) // 2 if order == "paired" else m_blocks)
+                assert (kw["num_m_blocks"], kw["num_items"]) == (m_blocks, items), (variant, name)
+                assert grid == (min(items, 132) if cfg["persistent"] else items,), (variant, name)
+                assert kw["LSE"].shape == ((hq, 917) if varlen is not None else (batch, hq, sq)), (variant, name)
