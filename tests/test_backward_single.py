@@ -21,7 +21,6 @@ from helpers import (
     BACKWARD_PATH_CASES,
     assert_20_backward_passes_equal,
     assert_grads_3x,
-    assert_no_nan,
     assert_packed_grads_3x,
     assert_within,
     backward_path_case,
@@ -154,20 +153,23 @@ def test_single_not_taken_where_it_cannot_run(device, force_kernels, launched):
     launched.clear()
     (dq,) = torch.autograd.grad(plain, (q,), dout)
     assert launched == ["_bwd_preprocess_kernel", "_bwd_dq_kernel"]
-    assert_no_nan("dq", dq)
-    # An explicit config asks for the three kernels with those tiles.
     qd, kd, vd = q.detach(), k.detach(), v.detach()
-    o, lse = dispatch.forward(qd, kd, vd, 0.125, True)
+    scale = 32 ** -0.5                      # flash_attn_func's default at head dim 32
+    o, lse = dispatch.forward(qd, kd, vd, scale, True)
+    three = dispatch.backward(dout, qd, kd, vd, o, lse, scale, True, variant=dispatch.TRITON)
+    assert torch.equal(dq, three[0])        # the same preprocess and dQ kernel as all three gradients
+    # An explicit config asks for the three kernels with those tiles.
     launched.clear()
-    dispatch.backward(dout, qd, kd, vd, o, lse, 0.125, True, variant=dispatch.SINGLE,
-                      config=(BwdConfig(16, 32, 4, 1), BwdConfig(32, 16, 4, 1)))
+    tiled = dispatch.backward(dout, qd, kd, vd, o, lse, scale, True, variant=dispatch.SINGLE,
+                              config=(BwdConfig(16, 32, 4, 1), BwdConfig(32, 16, 4, 1)))
     assert launched == THREE_RUN
+    assert_grads_3x(tiled, qd, kd, vd, dout, True, torch.float16)
 
 
 @pytest.mark.parametrize("limit", [1 << 30, 1 << 24])
 def test_chooser_takes_single_for_short_gpu_problems(monkeypatch, limit):
     """The rule: a GPU problem of at most SINGLE_MAX_WORK (causal counted as half), never the CPU (at
-    two limits: the shipped one is 0, the single launch only when forced, until measured)."""
+    two limits, neither of them the shipped one: the rule, not the measured crossover)."""
     monkeypatch.setattr(dispatch, "SINGLE_MAX_WORK", limit)
     cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
 
@@ -181,6 +183,21 @@ def test_chooser_takes_single_for_short_gpu_problems(monkeypatch, limit):
     assert suits(1, full, 1, 64, False) and not suits(1, full + 1, 1, 64, False)
     causal = math.isqrt(limit // 32)        # with one: half the work
     assert suits(1, causal, 1, 64, True) and not suits(1, causal + 1, 1, 64, True)
+
+
+def test_shipped_rule_follows_the_measured_crossover():
+    """The shipped limit against the H100 table (docs/performance.md, one launch for a short
+    backward): the single launch where it was ahead eagerly, three launches where it was behind."""
+    cuda = torch.device("cuda", 0)
+
+    def suits(batch, seqlen, heads, dim, causal):
+        return dispatch.single_launch_suits(batch=batch, heads_q=heads, seqlen_q=seqlen, seqlen_k=seqlen,
+                                            head_dim=dim, causal=causal, device=cuda)
+    for ahead in ((1, 128, 8, 64, False), (2, 512, 16, 128, False), (4, 512, 16, 128, False),
+                  (2, 1024, 16, 128, True), (4, 1024, 16, 64, True)):
+        assert suits(*ahead), ahead
+    for behind in ((2, 1024, 16, 128, False), (8, 1024, 16, 128, True), (2, 2048, 16, 128, True)):
+        assert not suits(*behind), behind
 
 
 def test_unforced_backward_takes_single_where_the_rule_says(device, monkeypatch, launched):
@@ -205,6 +222,8 @@ def test_unforced_backward_takes_single_where_the_rule_says(device, monkeypatch,
     _assert_same_as_three_launches(single, three, grad_bounds(q, k, v, dout, True))
 
 
+@pytest.mark.skipif(not ON_GPU, reason="the interpreter runs a grid's programs one after another: only a "
+                                         "GPU can tell")
 def test_single_runs_are_bit_identical(device, force_kernels, launched):
     """Deterministic: no atomics, a fixed order in every sum (a GPU matter: the interpreter runs the
     programs one after another)."""

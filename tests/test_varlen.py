@@ -281,10 +281,10 @@ def test_hopper_forward_on_packed_sequences(device, force_kernels, monkeypatch, 
 
 def test_which_backward_takes_packed_sequences(device, monkeypatch):
     """The backward's dispatch of packed sequences, with the Gluon kernels stubbed in (any machine): the
-    Triton kernels while dispatch.GLUON_PACKED_BACKWARD is off, unless a dK/dV-only Gluon variant is
-    forced (a fused one, which cannot take them, falls back); with it on, the chooser's pick at the
-    longest lengths. The Gluon kernels get the packed rows' stats ([1, Hq, total_q rounded up to a
-    multiple of 4], TMA's alignment) and ``varlen``;
+    Triton kernels at head dims outside dispatch.GLUON_PACKED_BACKWARD (64 as shipped), unless a
+    dK/dV-only Gluon variant is forced (a fused one, which cannot take them, falls back); inside it
+    (128 as shipped), the chooser's pick at the longest lengths. The Gluon kernels get the packed
+    rows' stats ([1, Hq, total_q rounded up to a multiple of 4], TMA's alignment) and ``varlen``;
     at head dim 64 dQ then comes from the Triton dQ kernel on those stats, bit-equal to the Triton
     path's dQ."""
     from triflash.kernels import backward_hopper, configs
@@ -304,6 +304,7 @@ def test_which_backward_takes_packed_sequences(device, monkeypatch):
         dq.zero_()
 
     monkeypatch.setattr(configs, "gluon_hopper_applies", lambda *, head_dim, dtype, device: head_dim in (64, 128))
+    monkeypatch.setattr(dispatch, "SINGLE_MAX_WORK", -1)         # on a GPU these sizes take the single launch
     monkeypatch.setattr(backward_hopper, "supported", lambda q, k, v, dout, variant: q.dim() == 4)
     monkeypatch.setattr(backward_hopper, "backward_hopper", stub_dkdv)
     monkeypatch.setattr(backward_hopper, "dq_hopper", stub_dq)
@@ -320,6 +321,9 @@ def test_which_backward_takes_packed_sequences(device, monkeypatch):
 
         dq_triton, _, _ = backward(variant="triton")
         assert taken == []
+        backward()                             # unforced: Gluon at the head dims GLUON_PACKED_BACKWARD names
+        assert taken[:1] == ([("dkdv", "dkdv")] if head_dim == 128 else [])
+        monkeypatch.setattr(dispatch, "GLUON_PACKED_BACKWARD", frozenset())
         backward()
         assert taken == []
         backward(variant="split")              # fused: dQ in the same pass, no packed sequences
@@ -329,12 +333,12 @@ def test_which_backward_takes_packed_sequences(device, monkeypatch):
             assert taken == [("dkdv", "dkdv")] and torch.equal(dq, dq_triton)
         else:
             assert taken == [("dkdv", "dkdv"), ("dq", "dkdv")]
-        monkeypatch.setattr(dispatch, "GLUON_PACKED_BACKWARD", True)
+        monkeypatch.setattr(dispatch, "GLUON_PACKED_BACKWARD", frozenset({64, 128}))
         backward()
         assert taken[0] == ("dkdv", "dkdv")
         backward(config=configs.backward_config(head_dim=head_dim, dtype=q.dtype, device=q.device))
         assert taken == []
-        monkeypatch.setattr(dispatch, "GLUON_PACKED_BACKWARD", False)
+        monkeypatch.setattr(dispatch, "GLUON_PACKED_BACKWARD", frozenset({128}))
 
 
 @pytest.mark.parametrize("variant,causal,head_dim,dtype,extra",
@@ -421,9 +425,9 @@ def test_varlen_torch_func_transforms_raise(device):
 def test_varlen_rejects_bad_tensors(device):
     q, k, v, cu_q, cu_k, max_q, max_k = _good(device)
     f = triflash.flash_attn_varlen_func
-    assert_raises_naming(ValueError, ["q", "3-D", "[total_q, heads_q, head_dim]", "4-D"],
+    assert_raises_naming(ValueError, ["q must", "3-D", "[total_q, heads_q, head_dim]", "4-D"],
                          f, q[None], k, v, cu_q, cu_k, max_q, max_k)
-    assert_raises_naming(ValueError, ["v", "same shape as k"], f, q, k, v[:, :, :8], cu_q, cu_k, max_q, max_k)
+    assert_raises_naming(ValueError, ["v must", "same shape as k"], f, q, k, v[:, :, :8], cu_q, cu_k, max_q, max_k)
     assert_raises_naming(TypeError, ["k.dtype", "float16", "float32"], f, q, k.float(), v, cu_q, cu_k, max_q, max_k)
     assert_raises_naming(ValueError, ["multiple", "Hq=2", "Hkv=3"],
                          f, q, k.expand(-1, 3, -1), v.expand(-1, 3, -1), cu_q, cu_k, max_q, max_k)

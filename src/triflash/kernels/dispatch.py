@@ -12,7 +12,7 @@ Kernel families:
   picks; else the portable Triton kernel (``forward``) with ``configs.forward_config``'s tiles;
 * backward: ``preprocess`` (delta, lse2), then dK/dV and dQ from the Gluon kernels
   (``backward_variant``; with a window or packed sequences the dK/dV-only variants, packed
-  sequences only when forced, ``GLUON_PACKED_BACKWARD``) or the Triton ones
+  sequences at the head dims of ``GLUON_PACKED_BACKWARD`` or when forced) or the Triton ones
   (``configs.backward_config``); short problems on a GPU take the single-launch backward where
   ``single_launch_suits`` says so (the Triton kernels' programs in one launch, no preprocess; off
   until measured, ``SINGLE_MAX_WORK``);
@@ -210,10 +210,11 @@ def forward_variant(*, head_dim: int, dtype, device, causal: bool, seqlen_q: int
 # sequence's lengths (tests/test_varlen.py's Hopper cases pass on the H100;
 # docs/performance.md#packed-sequences-on-the-hopper-kernels).
 GLUON_PACKED = True
-# The same for the backward (the Gluon dK/dV-only variants and dQ kernel on packed sequences): only
-# when forced until checked and timed on a GPU; the rule then is ``backward_variant``'s at the longest
-# sequence's lengths.
-GLUON_PACKED_BACKWARD = False
+# The same for the backward (the Gluon dK/dV-only variants and dQ kernel on packed sequences): the head
+# dims where it is taken unforced, with ``backward_variant``'s rule at the longest sequence's lengths.
+# Head dim 128 only: there it beat the Triton kernels by 25% on the H100; at 64 the two were level
+# (docs/performance.md#packed-sequences-on-the-hopper-kernels).
+GLUON_PACKED_BACKWARD = frozenset({128})
 
 
 @on_input_device
@@ -283,9 +284,10 @@ ATOMIC_BY_DEFAULT = False
 # The single-launch backward takes a GPU problem of at most this much work: batch x query heads x
 # query rows x keys x head dim, counting only the keys a row sees under a causal mask (about half).
 # It pays where the backward's host time (three launches and their buffers against one) is longer
-# than what the three kernels save on the GPU. 0 (only when forced) until scripts/single_launch.py
-# has measured that on a GPU (docs/performance.md#one-launch-for-a-short-backward).
-SINGLE_MAX_WORK = 0
+# than what the three kernels save on the GPU: on the H100 (scripts/single_launch.py gpu) the single
+# launch was ahead eagerly at every timed problem up to 2^31 and behind from 2^33; at 2^32 ahead at
+# head dim 64 and 5% behind at 128 (docs/performance.md#one-launch-for-a-short-backward).
+SINGLE_MAX_WORK = 1 << 31
 
 
 def single_launch_suits(*, batch: int, heads_q: int, seqlen_q: int, seqlen_k: int, head_dim: int,
@@ -351,9 +353,9 @@ def backward(dout, q, k, v, out, lse, sm_scale: float, causal: bool, *, dlse=Non
     wins; a problem the single launch takes, ``single_launch_suits``, is deterministic either way).
     ``varlen``: packed
     sequences (q / out / dout [total_q, Hq, D], k / v [total_k, Hkv, D], lse / dlse [Hq, total_q]);
-    ``window`` as the forward's. Packed sequences run on the Triton kernels unless a Gluon variant
-    is forced (``GLUON_PACKED_BACKWARD``; the dK/dV-only variants), windows and packed sequences on
-    them under the fused variants (``split``, ``split_atomic``), and score variants (``scores``, the
+    ``window`` as the forward's. Packed sequences run on the Triton kernels outside the head dims of
+    ``GLUON_PACKED_BACKWARD`` unless a Gluon variant is forced (the dK/dV-only variants), windows and
+    packed sequences on them under the fused variants (``split``, ``split_atomic``), and score variants (``scores``, the
     forward's) outside ``GLUON_BACKWARD_SCORES`` unless a Gluon variant is forced; with sinks,
     their gradient [Hq] float32 is written into ``dsink`` (allocated by the caller;
     ``backward.preprocess``)."""
@@ -389,7 +391,7 @@ def backward(dout, q, k, v, out, lse, sm_scale: float, causal: bool, *, dlse=Non
                   batch=batch, heads_q=heads_q, seqlen_q=seqlen_q, seqlen_k=seqlen_k, head_dim=head_dim,
                   causal=causal, device=q.device)))
     hopper = None
-    if (config is None and not single and (varlen is None or GLUON_PACKED_BACKWARD or forced is not None)
+    if (config is None and not single and (varlen is None or head_dim in GLUON_PACKED_BACKWARD or forced is not None)
             and (forced not in (None, TRITON, ATOMIC) or gluon_takes(scores, GLUON_BACKWARD_SCORES, head_dim))):
         variant = forced or backward_variant(head_dim=head_dim, dtype=q.dtype, device=q.device, causal=causal,
                                              seqlen_q=max_q, seqlen_k=max_k, deterministic=deterministic)
