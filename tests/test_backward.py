@@ -506,16 +506,27 @@ def test_hopper_launchers_pass_the_problem_sizes(monkeypatch):
     calls = []
     monkeypatch.setattr(launch, "run", lambda kernel, grid, **kw: calls.append((kernel.fn.__name__, grid, kw)))
     batch, sq, sk, hq, hk = 2, 1000, 1500, 8, 2
+    # Expected block counts, worked out by hand: dense Sq 1000 / Sk 1500, packed longest 617 / 500.
+    kv_blocks = {"dense": 12, "packed": 4}             # 128-key blocks of the dK/dV kernel
+    dq_blocks = {"dense": 8, "packed": 5}              # 128-row CTAs of the Gluon dQ kernel
+    # Forward: (query blocks, work items) per tile height; causal persistent launches take 128-row
+    # tiles in pairs (a block and its mirror) and 192-row ones one at a time (snake order).
+    fwd_items = {("dense", 128, False): (8, 128), ("packed", 128, False): (5, 120),
+                 ("dense", 128, True): (8, 64), ("packed", 128, True): (5, 72),
+                 ("dense", 192, True): (6, 96), ("packed", 192, True): (4, 96)}
     for d in (64, 128):
         q = torch.randn(batch, sq, hq, d, dtype=torch.float16)
         k, v = torch.randn(batch, sk, hk, d, dtype=torch.float16), torch.randn(batch, sk, hk, d, dtype=torch.float16)
         do = torch.randn_like(q)
-        stats = torch.zeros(batch, hq, backward_hopper.padded_rows(sq))
+        # lse2 and delta are distinct tensors so that a swap of the two shows.
+        stats = (torch.zeros(batch, hq, backward_hopper.padded_rows(sq)),
+                 torch.zeros(batch, hq, backward_hopper.padded_rows(sq)))
         cu_q = torch.tensor([0, 300, 300, 917], dtype=torch.int32)
         cu_k = torch.tensor([0, 500, 600, 1000], dtype=torch.int32)
         vl = Varlen(cu_q, cu_k, 617, 500)
         packed = (q[0, :917], k[0, :1000], v[0, :1000], do[0, :917])
-        pstats = torch.zeros(1, hq, backward_hopper.padded_rows(917, packed=True))
+        pstats = (torch.zeros(1, hq, backward_hopper.padded_rows(917, packed=True)),
+                  torch.zeros(1, hq, backward_hopper.padded_rows(917, packed=True)))
         for variant in backward_hopper.VARIANTS:
             if d not in backward_hopper.VARIANTS[variant]:
                 continue
@@ -523,9 +534,9 @@ def test_hopper_launchers_pass_the_problem_sizes(monkeypatch):
             cases = [("dense", (q, k, v, do), stats, None, (batch, sq, sk))]
             if dq_k:
                 cases.append(("packed", packed, pstats, vl, (3, 617, 500)))
-            for name, (q_, k_, v_, do_), st, varlen, (b_, sq_, sk_) in cases:
+            for name, (q_, k_, v_, do_), (lse2, delta), varlen, (b_, sq_, sk_) in cases:
                 calls.clear()
-                backward_hopper.backward_hopper(do_, q_, k_, v_, st, st, 0.1, True, torch.empty_like(q_),
+                backward_hopper.backward_hopper(do_, q_, k_, v_, lse2, delta, 0.1, True, torch.empty_like(q_),
                                                 torch.empty_like(k_), torch.empty_like(v_), variant=variant,
                                                 varlen=varlen)
                 kernel, grid, kw = calls[0]
@@ -534,39 +545,72 @@ def test_hopper_launchers_pass_the_problem_sizes(monkeypatch):
                 for desc, t in (("q_desc", q_), ("k_desc", k_), ("v_desc", v_), ("do_desc", do_)):
                     assert kw[desc].base.shape == view(t).shape and kw[desc].base.data_ptr() == t.data_ptr(), \
                         (variant, name, desc)
+                assert kw["lse_desc"].base.data_ptr() == lse2.data_ptr(), (variant, name)
+                assert kw["delta_desc"].base.data_ptr() == delta.data_ptr(), (variant, name)
                 assert (kw["batch"], kw["seqlen_q"], kw["seqlen_k"]) == (b_, sq_, sk_), (variant, name)
                 assert (kw["num_heads_q"], kw["num_heads_k"], kw["kv_group_size"]) == (hq, hk, hq // hk)
-                assert kw["num_n_blocks"] == -(-sk_ // backward_hopper.BLOCK_N)
-                assert grid == (b_ * hk * kw["num_n_blocks"],)
+                assert kw["num_n_blocks"] == kv_blocks[name], (variant, name)
+                assert grid == (b_ * hk * kv_blocks[name],), (variant, name)
                 assert kw.get("PACKED", False) == (varlen is not None)
                 if varlen is not None:         # packed: the stats by pointer too (plain loads)
                     assert kw["CU_SEQLENS_Q"] is cu_q and kw["CU_SEQLENS_K"] is cu_k
-                    assert kw["LSE2"] is st and kw["DELTA"] is st
+                    assert kw["LSE2"] is lse2 and kw["DELTA"] is delta
                 if dq_k and backward_hopper.dq_on_gluon(variant, d):
                     calls.clear()
-                    backward_hopper.dq_hopper(do_, q_, k_, v_, st, st, 0.1, True, torch.empty_like(q_),
+                    backward_hopper.dq_hopper(do_, q_, k_, v_, lse2, delta, 0.1, True, torch.empty_like(q_),
                                               variant=variant, varlen=varlen)
                     kernel, grid, kw = calls[0]
                     assert kernel == "_attn_bwd_dq_hopper_kernel"
                     assert kw["k_desc"].base.data_ptr() == k_.data_ptr() and kw["DQ"].shape == view(q_).shape
+                    assert kw["v_desc"].base.data_ptr() == v_.data_ptr()
+                    assert kw["q_desc"].base.data_ptr() == q_.data_ptr()
+                    assert kw["do_desc"].base.data_ptr() == do_.data_ptr()
+                    assert kw["lse_desc"].base.data_ptr() == lse2.data_ptr(), (variant, name)
+                    assert kw["delta_desc"].base.data_ptr() == delta.data_ptr(), (variant, name)
                     assert (kw["seqlen_q"], kw["seqlen_k"]) == (sq_, sk_), (variant, name)
-                    assert grid == (b_ * hq * kw["num_m_blocks"],)
-                    assert kw.get("LSE2") is (st if varlen is not None else None)
+                    assert kw["num_m_blocks"] == dq_blocks[name], (variant, name)
+                    assert grid == (b_ * hq * dq_blocks[name],), (variant, name)
+                    assert kw.get("LSE2") is (lse2 if varlen is not None else None)
+                    assert kw.get("DELTA") is (delta if varlen is not None else None)
         for variant in forward_hopper.VARIANTS:
-            if d not in forward_hopper.VARIANTS[variant] or forward_hopper.variant_config(variant, d)["ltc"]:
+            if d not in forward_hopper.VARIANTS[variant]:
                 continue
-            for name, (q_, k_, v_), varlen, (b_, sq_, sk_) in (("dense", (q, k, v), None, (batch, sq, sk)),
+            cfg = forward_hopper.variant_config(variant, d)
+            for name, (q_, k_, v_), varlen, (_, sq_, sk_) in (("dense", (q, k, v), None, (batch, sq, sk)),
                                                                ("packed", packed[:3], vl, (3, 617, 500))):
                 calls.clear()
-                forward_hopper.forward_hopper(q_, k_, v_, 0.1, True, variant=variant, varlen=varlen)
+                out, lse = forward_hopper.forward_hopper(q_, k_, v_, 0.1, True, variant=variant, varlen=varlen)
                 kernel, grid, kw = calls[0]
-                assert kw["q_desc"].base.data_ptr() == q_.data_ptr() and kw["k_desc"].base.data_ptr() == k_.data_ptr()
+                assert kw["LSE"] is lse and kw.get("O") is (out if varlen is not None else None)
+                for desc, t in (("q_desc", q_), ("k_desc", k_), ("v_desc", v_), ("o_desc", out)):
+                    assert kw[desc].base.data_ptr() == t.data_ptr(), (variant, name, desc)
                 assert (kw["seqlen_q"], kw["seqlen_k"]) == (sq_, sk_), (variant, name)
                 assert kw.get("PACKED", False) == (varlen is not None)
-                cfg = forward_hopper.variant_config(variant, d)
-                m_blocks = -(-sq_ // cfg["block_m"])
-                order = forward_hopper.tile_order(True, cfg["persistent"], cfg["block_m"])
-                items = b_ * hq * ((m_blocks + 1) // 2 if order == "paired" else m_blocks)
+                m_blocks, items = fwd_items[(name, cfg["block_m"], cfg["persistent"])]
                 assert (kw["num_m_blocks"], kw["num_items"]) == (m_blocks, items), (variant, name)
                 assert grid == (min(items, 132) if cfg["persistent"] else items,), (variant, name)
                 assert kw["LSE"].shape == ((hq, 917) if varlen is not None else (batch, hq, sq)), (variant, name)
+
+
+@pytest.mark.skipif(not __import__("triflash.kernels.configs", fromlist=["x"]).gluon_available(),
+                    reason="this Triton has no Gluon (the Hopper launchers import it)")
+@pytest.mark.parametrize("bad", ["rows", "delta-shape", "strided"])
+def test_hopper_launchers_reject_wrong_stats(monkeypatch, bad):
+    """lse2 / delta the Gluon kernels would read out of bounds (too few rows, a delta of another
+    shape, a strided view) fail before any launch, naming both and their shapes."""
+    from triflash.kernels import backward_hopper, launch
+
+    monkeypatch.setattr(launch, "run", lambda *a, **kw: pytest.fail("launched with bad stats"))
+    q = torch.randn(1, 200, 4, 64, dtype=torch.float16)
+    k, v = torch.randn_like(q), torch.randn_like(q)
+    rows = backward_hopper.padded_rows(200)
+    lse2, delta = torch.zeros(1, 4, rows), torch.zeros(1, 4, rows)
+    if bad == "rows":
+        lse2, delta = torch.zeros(1, 4, 200), torch.zeros(1, 4, 200)
+    elif bad == "delta-shape":
+        delta = torch.zeros(1, 4, rows // 2)
+    else:
+        delta = torch.zeros(1, 4, 2 * rows)[..., ::2]
+    with pytest.raises(ValueError, match=r"lse2 / delta must be contiguous.*got lse2 \(.*\), delta \("):
+        backward_hopper.backward_hopper(q, q, k, v, lse2, delta, 0.1, True, torch.empty_like(q),
+                                        torch.empty_like(k), torch.empty_like(v), variant="dkdv")

@@ -99,6 +99,7 @@ def test_providers_flag(capsys):
     assert "unknown provider(s) for --mode fwd: nope" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         cli.parse_args(["--mode", "decode", "--providers", "naive"])
+    assert "unknown provider(s) for --mode decode: naive" in capsys.readouterr().err
 
 
 def test_invalid_combinations_are_rejected(capsys):
@@ -107,8 +108,10 @@ def test_invalid_combinations_are_rejected(capsys):
     assert "--heads-kv must divide" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         cli.parse_args(["--mode", "decode", "--sweep"])
+    assert "--sweep is for fwd/bwd/fwdbwd" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         cli.parse_args(["--seqlen", "0"])
+    assert "argument --seqlen: expected a positive integer, got 0" in capsys.readouterr().err
 
 
 def test_decode_grid():
@@ -618,7 +621,7 @@ def test_version_fp32_and_progress_clock(capsys):
 # --window
 # --------------------------------------------------------------------------------------------------
 
-def test_window_workloads_count_the_visible_scores():
+def test_window_workloads_count_the_visible_scores(capsys):
     """--window LEFT,RIGHT: the workloads carry it, TFLOP/s count exactly the visible score entries
     (brute force over the mask), a causal workload refuses a right bound > 0, decode/host refuse it."""
     from triflash.reference import causal_visible
@@ -633,10 +636,13 @@ def test_window_workloads_count_the_visible_scores():
     assert wl.flops == pytest.approx(4 * 4 * 16 * W.visible_entries(40, 40, (3, 0), True) * 64 * 2.5)
     with pytest.raises(SystemExit):
         cli.parse_args(["--window", "3,2", "--causal", "yes"])
+    assert "--window 3,2 with a causal workload" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         cli.parse_args(["--window", "3", "--causal", "no"])
+    assert "argument --window: expected LEFT,RIGHT" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         cli.parse_args(["--window", "3,0", "--mode", "decode"])
+    assert "--window is for fwd/bwd/fwdbwd; got --mode decode" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("mode", ["fwd", "bwd"])
@@ -697,7 +703,7 @@ def test_varlen_lengths_are_seeded_and_sum_to_total():
     lengths = W.varlen_lengths(100_000, 1, 100, 5)
     assert min(lengths[:-1]) <= 5 and max(lengths) >= 95      # drawn over the whole range, not one value
     assert cli._varlen("32k:512-4k") == W.varlen_lengths(32768, 512, 4096, 0)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="1 <= MIN <= MAX, got 10:5-4"):
         W.varlen_lengths(10, 5, 4)
 
 

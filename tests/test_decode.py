@@ -428,11 +428,11 @@ def _bad_inputs(device):
         ("k-heads", (q, kc, kc), dict(k=new[:, :, :1], v=new[:, :, :1], cache_seqlens=sl),
          ValueError, ["k and v", "heads_kv=2", "(2, 1, 1, 32)"]),
         ("k-rank", (q, kc, kc), dict(k=new[0], v=new[0], cache_seqlens=sl), ValueError,
-         ["k", "4-D", "3-D"]),
+         ["k must", "4-D", "3-D"]),
         ("k-dtype", (q, kc, kc), dict(k=new.float(), v=new, cache_seqlens=sl), TypeError,
          ["k.dtype", "torch.float16", "torch.float32"]),
         ("v-shape", (q, kc, kc), dict(k=new, v=torch.cat([new, new], 1), cache_seqlens=sl),
-         ValueError, ["v", "same shape as k"]),
+         ValueError, ["v must", "same shape as k"]),
         ("heads-not-multiple", (torch.randn(2, 1, 3, 32, dtype=f16, device=device), kc, kc), {},
          ValueError, ["multiple", "Hq=3", "Hkv=2"]),
         ("head-dim-mismatch", (q, kc[..., :16], kc[..., :16]), {}, ValueError,
@@ -441,7 +441,7 @@ def _bad_inputs(device):
                               torch.randn(2, 4, 2, 272, dtype=f16, device=device),
                               torch.randn(2, 4, 2, 272, dtype=f16, device=device)), {},
          ValueError, ["head_dim", "256", "272"]),
-        ("q-rank", (q[0], kc, kc), {}, ValueError, ["q", "4-D", "3-D"]),
+        ("q-rank", (q[0], kc, kc), {}, ValueError, ["q must", "4-D", "3-D"]),
         ("cache-rank", (q, kc[None], kc[None]), {}, ValueError, ["k_cache", "4-D", "5-D"]),
         ("v-cache-shape", (q, kc, kc[:, :5]), {}, ValueError, ["v_cache", "same shape as k_cache"]),
         ("cache-batch", (q, kc[:1], kc[:1]), {}, ValueError, ["k_cache.shape[0]", "2", "1"]),
@@ -547,7 +547,7 @@ def test_append_refuses_caches_that_share_memory(device):
 def test_decode_has_no_backward_and_says_so(device):
     q = torch.randn(1, 1, 2, 16, dtype=torch.float32, device=device, requires_grad=True)
     kc = torch.randn(1, 8, 1, 16, dtype=torch.float32, device=device)
-    assert_raises_naming(ValueError, ["q", "requires grad", "no backward", "torch.no_grad()"],
+    assert_raises_naming(ValueError, ["q requires grad", "requires grad", "no backward", "torch.no_grad()"],
                          flash_attn_with_kvcache, q, kc, kc, cache_seqlens=3)
     assert_raises_naming(ValueError, ["k_cache", "requires grad", "no backward"],
                          flash_attn_with_kvcache, q.detach(), kc.clone().requires_grad_(), kc, cache_seqlens=3)

@@ -184,11 +184,11 @@ def test_bad_inputs_raise_naming_the_argument(device):
     q = torch.randn(1, 8, 2, 16, device=device)
     kv = torch.randn(1, 8, 2, 16, device=device)
     ring = cp.ring_flash_attn_func
-    assert_raises_naming(TypeError, ["q", "Tensor", "list"], ring, [1.0], kv, kv)
+    assert_raises_naming(TypeError, ["q must", "Tensor", "list"], ring, [1.0], kv, kv)
     assert_raises_naming(TypeError, ["k.dtype", "float16"], ring, q, kv.half(), kv)
     assert_raises_naming(ValueError, ["k and v", "seqlen 8", "seqlen 4"], ring, q, kv[:, :4], kv[:, :4])
     assert_raises_naming(ValueError, ["sharding", "zigzag", "'striped'"], ring, q, kv, kv, sharding="striped")
-    assert_raises_naming(ValueError, ["q", "even", "seqlen 7"], ring, q[:, :7], kv[:, :7], kv[:, :7])
+    assert_raises_naming(ValueError, ["q must", "even", "seqlen 7"], ring, q[:, :7], kv[:, :7], kv[:, :7])
     assert_raises_naming(TypeError, ["window_size", "pair"], ring, q, kv, kv, window_size=3)
     assert_raises_naming(ValueError, ["window_size[1]", "causal"], ring, q, kv, kv, causal=True, window_size=(2, 2))
     assert_raises_naming(TypeError, ["return_lse", "bool"], ring, q, kv, kv, return_lse=1)

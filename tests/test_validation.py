@@ -32,9 +32,9 @@ def no_launch(monkeypatch):
 def _bad_inputs(device):
     q, k, v = _qkv(device)
     return [
-        ("rank", (q[0], k, v), {}, ValueError, ["q", "4-D", "3-D"]),
-        ("rank-k", (q, k[..., None], v), {}, ValueError, ["k", "4-D", "5-D"]),
-        ("not-a-tensor", (q.tolist(), k, v), {}, TypeError, ["q", "torch.Tensor", "list"]),
+        ("rank", (q[0], k, v), {}, ValueError, ["q must", "4-D", "3-D"]),
+        ("rank-k", (q, k[..., None], v), {}, ValueError, ["k must", "4-D", "5-D"]),
+        ("not-a-tensor", (q.tolist(), k, v), {}, TypeError, ["q must", "torch.Tensor", "list"]),
         ("dtype-mismatch", (q, k.float(), v), {}, TypeError, ["k.dtype", "torch.float16", "torch.float32"]),
         ("dtype-mismatch-v", (q, k, v.to(torch.bfloat16)), {}, TypeError, ["v.dtype", "torch.bfloat16"]),
         ("unsupported-dtype", (q.double(), k.double(), v.double()), {}, TypeError,
@@ -46,9 +46,9 @@ def _bad_inputs(device):
                               torch.randn(1, 8, 2, 16, dtype=q.dtype, device=device)), {}, ValueError,
          ["head_dim", "32", "16"]),
         ("head-dim-too-big", _qkv(device, d=272), {}, ValueError, ["head_dim", "256", "272"]),
-        ("kv-shapes-differ", (q, k, v[:, :5]), {}, ValueError, ["v", "same shape as k", "(1, 8, 2, 32)",
+        ("kv-shapes-differ", (q, k, v[:, :5]), {}, ValueError, ["v must", "same shape as k", "(1, 8, 2, 32)",
                                                                "(1, 5, 2, 32)"]),
-        ("batch-mismatch", (q, torch.cat([k, k]), torch.cat([v, v])), {}, ValueError, ["batch", "1", "2"]),
+        ("batch-mismatch", (q, torch.cat([k, k]), torch.cat([v, v])), {}, ValueError, ["k and v", "batch", "1", "2"]),
         ("scale-type", (q, k, v), {"softmax_scale": "0.1"}, TypeError, ["softmax_scale", "str"]),
         ("scale-nan", (q, k, v), {"softmax_scale": float("nan")}, ValueError, ["softmax_scale", "nan"]),
         ("scale-negative", (q, k, v), {"softmax_scale": -1.0}, ValueError, ["softmax_scale", "-1.0"]),

@@ -322,6 +322,13 @@ def test_compiled_call_with_variants_matches_eager(device):
         out = fn(q, k, v, sinks)
         outs.append(out)
         grads.append(torch.autograd.grad(out.square().sum(), (q, k, v, sinks)))
+    if not ON_GPU:
+        # aot_eager runs the same kernels in the same order: the same bits.
+        assert torch.equal(outs[0], outs[1])
+        for name, a, b in zip(("dq", "dk", "dv", "dsink"), *grads):
+            assert torch.equal(a, b), name
+        return
+    # Inductor may fuse the surrounding square().sum() differently, which rounds differently.
     torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)
     for a, b in zip(*grads):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)

@@ -13,6 +13,8 @@ from helpers import (
     assert_20_backward_passes_equal,
     assert_grads_3x,
     assert_matches_reference,
+    assert_packed_grads_3x,
+    assert_packed_matches_reference,
     assert_raises_naming,
     make_qkv,
 )
@@ -70,25 +72,29 @@ def test_window_in_the_seeds_layout(device):
 
 
 def test_window_on_packed_sequences(device):
+    """A window over packed sequences (with one that has no queries and one short of keys): each
+    sequence's out, lse and gradients against its own float64 reference, zeros for the empty one, and
+    on the CPU the same bits as the sequence run alone (the same kernel and tiles)."""
     lengths = [(70, 70), (0, 5), (33, 90), (5, 1)]
     lq, lk = zip(*lengths)
     cu = [torch.tensor([0] + torch.tensor(x).cumsum(0).tolist(), dtype=torch.int32, device=device) for x in (lq, lk)]
     q = torch.randn(sum(lq), 4, 32, dtype=torch.float16, device=device, requires_grad=True)
     k = torch.randn(sum(lk), 2, 32, dtype=torch.float16, device=device, requires_grad=True)
     v = torch.randn(sum(lk), 2, 32, dtype=torch.float16, device=device, requires_grad=True)
-    out = triflash.flash_attn_varlen_func(q, k, v, *cu, max(lq), max(lk), causal=True, window_size=(12, 0))
+    out, lse = triflash.flash_attn_varlen_func(q, k, v, *cu, max(lq), max(lk), causal=True, window_size=(12, 0),
+                                               return_lse=True)
     dout = torch.randn_like(out)
     grads = torch.autograd.grad(out, (q, k, v), dout)
-    for b in range(len(lengths)):
-        rows, keys = slice(cu[0][b], cu[0][b + 1]), slice(cu[1][b], cu[1][b + 1])
-        if lq[b] == 0 or lk[b] == 0:
-            continue
-        dense = triflash.flash_attn_func(q[None, rows], k[None, keys], v[None, keys], causal=True,
-                                         window_size=(12, 0))
-        if not ON_GPU:
-            assert torch.equal(out[rows], dense[0])            # the same kernel and tiles
-        assert_grads_3x((grads[0][None, rows], grads[1][None, keys], grads[2][None, keys]), q[None, rows],
-                        k[None, keys], v[None, keys], dout[None, rows], True, torch.float16, window_size=(12, 0))
+    qd, kd, vd = q.detach(), k.detach(), v.detach()
+    assert_packed_matches_reference(out, lse, qd, kd, vd, *cu, True, window_size=(12, 0))
+    assert_packed_grads_3x(grads, qd, kd, vd, dout, *cu, True, torch.float16, window_size=(12, 0))
+    if not ON_GPU:
+        for b in range(len(lengths)):
+            rows, keys = slice(cu[0][b], cu[0][b + 1]), slice(cu[1][b], cu[1][b + 1])
+            if lq[b] and lk[b]:
+                dense = triflash.flash_attn_func(qd[None, rows], kd[None, keys], vd[None, keys], causal=True,
+                                                 window_size=(12, 0))
+                assert torch.equal(out[rows], dense[0])
 
 
 @pytest.mark.skipif(not ON_GPU, reason="the interpreter runs a grid's programs one after another: only a "
@@ -110,15 +116,22 @@ def test_huge_windows_are_unbounded(device):
                        triflash.flash_attn_func(q, k, v, causal=True))
 
 
-def test_the_fused_gluon_variant_given_with_a_window_is_not_taken(device):
+@pytest.mark.skipif(not __import__("triflash.kernels.configs", fromlist=["x"]).gluon_available(),
+                    reason="this Triton has no Gluon (the Hopper launchers import it)")
+def test_the_fused_gluon_variant_given_with_a_window_is_not_taken(device, monkeypatch):
     """backward(..., variant="split") with a window runs the Triton kernels (the fused Gluon kernel's dQ
-    turns follow the causal walk: no windows): the same bits as the Triton kernels forced."""
+    turns follow the causal walk: no windows): the same bits as the Triton kernels forced. The Gluon
+    kernel is made to look supported (as on an sm_90 GPU) and fails the test if it is launched."""
+    from triflash.kernels import backward_hopper
     from triflash.kernels.dispatch import backward, forward
 
     q, k, v = make_qkv(1, 40, 40, 2, 1, 64, torch.float16, device)
     out, lse = forward(q, k, v, 0.125, True, window=(8, 0), variant="triton")
     dout = torch.randn_like(out)
     plain = backward(dout, q, k, v, out, lse, 0.125, True, window=(8, 0), variant="triton")
+    monkeypatch.setattr(backward_hopper, "supported", lambda *args: True)
+    monkeypatch.setattr(backward_hopper, "backward_hopper",
+                        lambda *a, **kw: pytest.fail("the fused Gluon backward ran with a window"))
     forced = backward(dout, q, k, v, out, lse, 0.125, True, window=(8, 0), variant="split")
     for a, b in zip(plain, forced):
         assert torch.equal(a, b)

@@ -1194,10 +1194,10 @@ def _check_stats(lse2, delta, rows_q: int, packed: dict):
     length, packed the total) and, for packed sequences, adds them to the launch's ``packed``
     arguments (``LSE2`` / ``DELTA``: the producers load them by pointer, ``_load_stats``)."""
     rows = padded_rows(rows_q, packed=bool(packed))
-    if (lse2.shape[-1] != rows or not lse2.is_contiguous() or not delta.is_contiguous()
-            or lse2.data_ptr() % 16 or delta.data_ptr() % 16):
+    if (lse2.shape[-1] != rows or delta.shape != lse2.shape or not lse2.is_contiguous()
+            or not delta.is_contiguous() or lse2.data_ptr() % 16 or delta.data_ptr() % 16):
         raise ValueError(f"lse2 / delta must be contiguous, 16-byte aligned [B, Hq, {rows}] (padded_rows); got "
-                         f"{tuple(lse2.shape)}")
+                         f"lse2 {tuple(lse2.shape)}, delta {tuple(delta.shape)}")
     if packed:
         packed.update(LSE2=lse2, DELTA=delta)
 
