@@ -281,9 +281,9 @@ def test_hopper_forward_on_packed_sequences(device, force_kernels, monkeypatch, 
 
 def test_which_backward_takes_packed_sequences(device, monkeypatch):
     """The backward's dispatch of packed sequences, with the Gluon kernels stubbed in (any machine): the
-    Triton kernels at head dims outside dispatch.GLUON_PACKED_BACKWARD (64 as shipped), unless a
-    dK/dV-only Gluon variant is forced (a fused one, which cannot take them, falls back); inside it
-    (128 as shipped), the chooser's pick at the longest lengths. The Gluon kernels get the packed
+    Triton kernels at head dims outside dispatch.GLUON_PACKED_BACKWARD, unless a dK/dV-only Gluon
+    variant is forced (a fused one, which cannot take them, falls back); inside it, the chooser's pick
+    at the longest lengths. The Gluon kernels get the packed
     rows' stats ([1, Hq, total_q rounded up to a multiple of 4], TMA's alignment) and ``varlen``;
     at head dim 64 dQ then comes from the Triton dQ kernel on those stats, bit-equal to the Triton
     path's dQ."""
@@ -308,6 +308,7 @@ def test_which_backward_takes_packed_sequences(device, monkeypatch):
     monkeypatch.setattr(backward_hopper, "supported", lambda q, k, v, dout, variant: q.dim() == 4)
     monkeypatch.setattr(backward_hopper, "backward_hopper", stub_dkdv)
     monkeypatch.setattr(backward_hopper, "dq_hopper", stub_dq)
+    shipped = dispatch.GLUON_PACKED_BACKWARD
     for head_dim in (64, 128):
         q, k, v, cu_q, cu_k, max_q, max_k = packed_sequences([(20, 24), (0, 5), (35, 30)], (2, 1), head_dim,
                                                              torch.float16, device)
@@ -319,26 +320,27 @@ def test_which_backward_takes_packed_sequences(device, monkeypatch):
             taken.clear()
             return dispatch.backward(dout, q, k, v, out, lse, 0.125, True, varlen=vl, **kw)
 
+        # The Gluon kernels' launches: at head dim 64 dQ comes from the Triton dQ kernel.
+        gluon = [("dkdv", "dkdv")] + ([("dq", "dkdv")] if head_dim == 128 else [])
         dq_triton, _, _ = backward(variant="triton")
         assert taken == []
         backward()                             # unforced: Gluon at the head dims GLUON_PACKED_BACKWARD names
-        assert taken[:1] == ([("dkdv", "dkdv")] if head_dim == 128 else [])
+        assert taken == (gluon if head_dim in shipped else [])
         monkeypatch.setattr(dispatch, "GLUON_PACKED_BACKWARD", frozenset())
         backward()
         assert taken == []
         backward(variant="split")              # fused: dQ in the same pass, no packed sequences
         assert taken == []
         dq, _, _ = backward(variant="dkdv")
+        assert taken == gluon
         if head_dim == 64:                     # dQ from the Triton kernel on the Gluon path's stats
-            assert taken == [("dkdv", "dkdv")] and torch.equal(dq, dq_triton)
-        else:
-            assert taken == [("dkdv", "dkdv"), ("dq", "dkdv")]
+            assert torch.equal(dq, dq_triton)
         monkeypatch.setattr(dispatch, "GLUON_PACKED_BACKWARD", frozenset({64, 128}))
         backward()
-        assert taken[0] == ("dkdv", "dkdv")
+        assert taken == gluon
         backward(config=configs.backward_config(head_dim=head_dim, dtype=q.dtype, device=q.device))
         assert taken == []
-        monkeypatch.setattr(dispatch, "GLUON_PACKED_BACKWARD", frozenset({128}))
+        monkeypatch.setattr(dispatch, "GLUON_PACKED_BACKWARD", shipped)
 
 
 @pytest.mark.parametrize("variant,causal,head_dim,dtype,extra",

@@ -14,8 +14,8 @@ Kernel families:
   (``backward_variant``; with a window or packed sequences the dK/dV-only variants, packed
   sequences at the head dims of ``GLUON_PACKED_BACKWARD`` or when forced) or the Triton ones
   (``configs.backward_config``); short problems on a GPU take the single-launch backward where
-  ``single_launch_suits`` says so (the Triton kernels' programs in one launch, no preprocess; off
-  until measured, ``SINGLE_MAX_WORK``);
+  ``single_launch_suits`` says so (the Triton kernels' programs in one launch, no preprocess; up to
+  ``SINGLE_MAX_WORK``);
 * decode: the Gluon decode kernel or the Triton one (``configs.decode_config`` chooses both the
   kernel and the split count), then ``merge`` of the split partials;
 * merge (``merge_attn_states``): one kernel, ``merge``.
