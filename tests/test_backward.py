@@ -258,7 +258,8 @@ def _force_hopper_backward(monkeypatch, force_kernels, variant):
     return check
 
 
-KEPT_VARIANTS = {64: ("split", "split_atomic", None), 128: (None,)}      # not chosen, still tested (see above)
+# Not chosen, still tested (see above).
+KEPT_VARIANTS = {64: ("split", "split_atomic", "split_tma", None), 128: (None,)}
 
 
 def _tested(head_dim):
@@ -341,12 +342,13 @@ def test_hopper_backward_is_deterministic(force_kernels, device, monkeypatch, va
 
 
 @pytest.mark.skipif(not HOPPER, reason="the Gluon backward runs on sm_90 only")
+@pytest.mark.parametrize("variant", ["split_atomic", "split_tma"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_hopper_atomic_one_pass_repeats_within_bound(force_kernels, device, monkeypatch, causal):
-    """The fused form with atomic dQ (split_atomic): over 20 passes dK and dV are bit-identical (no atomics
-    in them) and dQ stays within the 3x rule's bound of the deterministic fused form's, with 33 key blocks
-    adding into every dQ block."""
-    check = _force_hopper_backward(monkeypatch, force_kernels, "split_atomic")
+def test_hopper_atomic_one_pass_repeats_within_bound(force_kernels, device, monkeypatch, variant, causal):
+    """The fused form with atomic dQ (split_atomic: per-element atomics; split_tma: TMA reduce-adds):
+    over 20 passes dK and dV are bit-identical (no atomics in them) and dQ stays within the 3x rule's
+    bound of the deterministic fused form's, with 33 key blocks adding into every dQ block."""
+    check = _force_hopper_backward(monkeypatch, force_kernels, variant)
     q, k, v = _inputs(2, 4096 + 13, 4096 + 13, 8, 2, 64, torch.float16, device)
     dout = torch.randn(q.shape, dtype=q.dtype, device=device)
     out = triflash.flash_attn_func(q, k, v, causal=causal)
@@ -420,6 +422,7 @@ def test_hopper_backward_chooser(monkeypatch):
     assert backward_hopper.computes_dq("split_atomic")
     assert all(backward_hopper.reproducible(v) for v in ("dkdv", "dkdv_long", "split"))
     assert not backward_hopper.reproducible("split_atomic")
+    assert backward_hopper.computes_dq("split_tma") and not backward_hopper.reproducible("split_tma")
     assert not backward_hopper.computes_dq("dkdv_long")
     assert backward_hopper.dq_on_gluon("dkdv", 128) and not backward_hopper.dq_on_gluon("dkdv", 64)
     assert backward_hopper.dq_on_gluon("dkdv_long", 64)
@@ -552,6 +555,14 @@ def test_hopper_launchers_pass_the_problem_sizes(monkeypatch):
                 assert kw["num_n_blocks"] == kv_blocks[name], (variant, name)
                 assert grid == (b_ * hk * kv_blocks[name],), (variant, name)
                 assert kw.get("PACKED", False) == (varlen is not None)
+                if backward_hopper.variant_config(variant, d)["tma_dq"]:
+                    # The writer's TMA reduce-adds: a [B * Hq, rows, D] view of a zeroed fp32 workspace
+                    # covering every query block, one [64, D] step tile a box.
+                    rows = -(-sq_ // 64) * 64
+                    work = kw["DQW"]
+                    assert work.shape == [b_ * hq, rows, d] and work.block_shape == [1, 64, d]
+                    assert work.strides == [rows * d, d, 1] and work.base.dtype == torch.float32
+                    assert work.base.is_contiguous() and not work.base.any()
                 if varlen is not None:         # packed: the stats by pointer too (plain loads)
                     assert kw["CU_SEQLENS_Q"] is cu_q and kw["CU_SEQLENS_K"] is cu_k
                     assert kw["LSE2"] is lse2 and kw["DELTA"] is delta

@@ -16,8 +16,8 @@ and dV need no reduction across CTAs) and per block computes
   through per-block turn counters and a writer partition, so the result is bit-reproducible without
   atomics (docs/hopper.md#deterministic-dq-in-one-pass). Not chosen (slower than ``dkdv``); kept as
   the deterministic one-pass design and still tested on the GPU. ``split_atomic``: the same pass with
-  the writer adding dQ by atomics, in no fixed order (docs/hopper.md#atomic-dq-in-one-pass; not
-  reproducible, forced only until timed).
+  the writer adding dQ by atomics, in no fixed order, and ``split_tma`` by TMA reduce-adds of whole
+  tiles (docs/hopper.md#atomic-dq-in-one-pass; not reproducible, forced only).
 
 Partitions: two consumer warpgroups (``_bwd_consumer``, 64 of the block's keys each), a producer warp
 (``_bwd_producer``: TMA loads of K/V once and of Q/dO per step into a ring), and in the fused form a
@@ -73,6 +73,7 @@ from .sm90_common import (
     seen_cols,
     sequences,
     shared_layout,
+    tma_reduce_add,
     tma_supported,
     zero_rows_past,
 )
@@ -105,9 +106,12 @@ VARIANTS = {
     # (dkdv is faster), kept as the base of a one-pass backward and tested on the GPU.
     "split": {64: _SPLIT},
     # The same pass with the writer adding dQ's partials through atomics, in no fixed order: no turns
-    # to wait for, not bit-reproducible (issue 27's fast path; docs/hopper.md#atomic-dq-in-one-pass).
-    # Forced only until timed on a GPU.
+    # to wait for, not bit-reproducible (docs/hopper.md#atomic-dq-in-one-pass). Forced only: slower
+    # than dkdv_long on the H100.
     "split_atomic": {64: dict(_SPLIT, atomic=True)},
+    # The same, the writer adding each consumer's partial with one TMA reduce-add from shared memory
+    # (cp.reduce.async.bulk.tensor; FlashAttention 3's arrangement) instead of per-element atomics.
+    "split_tma": {64: dict(_SPLIT, atomic=True, tma_dq=True)},
 }
 
 
@@ -140,6 +144,7 @@ def variant_config(variant: str, head_dim: int) -> dict:
     cfg = dict(VARIANTS[variant][head_dim])
     cfg["num_warps"] = 4
     cfg.setdefault("atomic", False)
+    cfg.setdefault("tma_dq", False)
     if cfg["dq"]:
         # Four warpgroups at launch: two consumers, the writer, and the producer's warp (Triton pads it
         # to a warpgroup), each thread with maxnreg registers: 128, the whole register file. setmaxnreg
@@ -162,7 +167,7 @@ def variant_config(variant: str, head_dim: int) -> dict:
 @aggregate
 class BwdConfig:
     """The compile-time configuration of a dK/dV launch (ATOMIC: the fused form's writer adds dQ
-    through atomics instead of in turn)."""
+    through atomics instead of in turn; TMA_DQ: by TMA reduce-adds of whole tiles)."""
     HEAD_DIM: gl.constexpr
     BLOCK_M: gl.constexpr
     BLOCK_N: gl.constexpr
@@ -172,11 +177,12 @@ class BwdConfig:
     NUM_WG: gl.constexpr
     DQ: gl.constexpr
     ATOMIC: gl.constexpr
+    TMA_DQ: gl.constexpr
 
     @gluon.constexpr_function
-    def __init__(self, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, DQ_BUFS, IS_CAUSAL, NUM_WG, DQ, ATOMIC):
+    def __init__(self, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, DQ_BUFS, IS_CAUSAL, NUM_WG, DQ, ATOMIC, TMA_DQ):
         constexprs(self, HEAD_DIM=HEAD_DIM, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, STAGES=STAGES, DQ_BUFS=DQ_BUFS,
-                   IS_CAUSAL=IS_CAUSAL, NUM_WG=NUM_WG, DQ=DQ, ATOMIC=ATOMIC)
+                   IS_CAUSAL=IS_CAUSAL, NUM_WG=NUM_WG, DQ=DQ, ATOMIC=ATOMIC, TMA_DQ=TMA_DQ)
 
 
 @aggregate
@@ -257,7 +263,8 @@ class BwdShared:
 class BwdIO:
     """What the partitions read and write in global memory: Q, K, V, dO, lse2 and delta through TMA
     descriptors (the producer), dK and dV by pointer and strides (the consumers), the dQ workspace and
-    its turn counters (the writer), the scales (qk_scale: log2(e) with softcap or ALiBi, whose scores
+    its turn counters (the writer; TMA_DQ: DQW is a descriptor over the workspace as [B * Hq, rows, D]),
+    the scales (qk_scale: log2(e) with softcap or ALiBi, whose scores
     are in natural units; sm_scale: dK's and dQ's factor), the score variants (``scores``) and, packed,
     lse2 and delta by pointer (``_load_stats``)."""
     q_desc: tma.tensor_descriptor
@@ -268,7 +275,7 @@ class BwdIO:
     delta_desc: tma.tensor_descriptor
     DK: gl.tensor
     DV: gl.tensor
-    DQW: gl.tensor
+    DQW: (gl.tensor, tma.tensor_descriptor)
     SEM: gl.tensor
     stride_dkb: SCALAR
     stride_dks: SCALAR
@@ -477,6 +484,8 @@ def _bwd_step(cfg, sh, WG: gl.constexpr, i, dk, dv, zero_st, zero_dq, k_smem, v_
         b = sh.dq.index(i)
         sh.dq.acquire(i)
         sh.dq.tile(b * cfg.NUM_WG + WG).store(dq)
+        if cfg.TMA_DQ:
+            fence_async_shared()             # the writer's TMA (the async proxy) reads what was stored
         gl.thread_barrier()
         mbarrier.arrive(sh.dq.ready.index(b), count=1)
     else:
@@ -702,7 +711,20 @@ def _bwd_writer(cfg, work, io, sh, THREADS: gl.constexpr):
     rows0 = gl.arange(0, CHUNK, layout=gl.SliceLayout(1, layout))
     dims = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, layout))
     offs = rows0[:, None] * HEAD_DIM + dims[None, :]
-    if cfg.ATOMIC:
+    if cfg.TMA_DQ:
+        # Each consumer's share goes into the (zeroed) workspace by one TMA reduce-add from shared
+        # memory (L2 adds it; no registers, no per-element atomics), in no fixed order; the slot is
+        # released once the reduces have read it.
+        for j in range(n_steps):
+            b = sh.dq.index(j)
+            m = m_first + m_step * (j // kv_group_size)
+            bh = off_b * num_heads_q + off_hk * kv_group_size + j % kv_group_size
+            sh.dq.wait(j)
+            for w in gl.static_range(NUM_WG):
+                tma_reduce_add(DQW, [bh, m * BLOCK_M, 0], sh.dq.tile(b * NUM_WG + w))
+            tma.store_wait(0)
+            sh.dq.release(b)
+    elif cfg.ATOMIC:
         # Each step's partial goes into the (zeroed) workspace by relaxed fp32 atomic adds, as soon as
         # the consumers hand it over: no turn, so the order of the additions, and the last bits of
         # dQ, vary from run to run.
@@ -763,6 +785,7 @@ def _attn_bwd_hopper_kernel(
     NUM_WG: gl.constexpr, WRITER_REGS_: gl.constexpr, PRODUCER_REGS_: gl.constexpr,
     CONSUMER_REGS_: gl.constexpr, DQ: gl.constexpr, SOFTCAP: gl.constexpr = False, ALIBI: gl.constexpr = False,
     HAS_LEFT: gl.constexpr = False, HAS_RIGHT: gl.constexpr = False, ATOMIC: gl.constexpr = False,
+    TMA_DQ: gl.constexpr = False,
     CU_SEQLENS_Q=None, CU_SEQLENS_K=None, LSE2=None, DELTA=None, PACKED: gl.constexpr = False,  # packed
 ):
     """Grid: batch x KV heads x key blocks (``_bwd_coords``). PACKED: packed sequences (``Packed``;
@@ -772,7 +795,7 @@ def _attn_bwd_hopper_kernel(
     gl.static_assert(DQ_BUFS >= 2, "the ordered writer takes two steps' partials per round")
     gl.static_assert(not (DQ and (HAS_LEFT or HAS_RIGHT)), "the fused form's dQ turns follow the causal walk")
     gl.static_assert(not (DQ and PACKED), "the fused form's dQ turns and workspace follow the dense layout")
-    cfg = BwdConfig(HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, DQ_BUFS, IS_CAUSAL, NUM_WG, DQ, ATOMIC)
+    cfg = BwdConfig(HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, DQ_BUFS, IS_CAUSAL, NUM_WG, DQ, ATOMIC, TMA_DQ)
     work = BwdWork(num_n_blocks, num_heads_q, num_heads_k, kv_group_size, seqlen_q, seqlen_k, num_m_blocks, batch,
                    heads_per_group, stats_rows, Window(window_left, window_right, HAS_LEFT, HAS_RIGHT),
                    Packed(CU_SEQLENS_Q, CU_SEQLENS_K, PACKED))
@@ -783,7 +806,10 @@ def _attn_bwd_hopper_kernel(
     kv_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
     q_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], dtype)
     ds_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype)
-    dq_smem_layout: gl.constexpr = gl.SwizzledSharedLayout(vec=4, per_phase=1, max_phase=8, order=[1, 0])
+    if TMA_DQ:
+        dq_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], gl.float32)
+    else:
+        dq_smem_layout: gl.constexpr = gl.SwizzledSharedLayout(vec=4, per_phase=1, max_phase=8, order=[1, 0])
     k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], kv_smem_layout)
     v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], kv_smem_layout)
     q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], q_smem_layout)
@@ -1189,6 +1215,17 @@ def _row_descriptor(t: torch.Tensor, rows: int) -> GluonTensorDescriptor:
     return desc
 
 
+def _workspace_descriptor(work: torch.Tensor, rows: int) -> GluonTensorDescriptor:
+    """3-D descriptor over the fp32 dQ workspace [B, Hq, R, D] as [B * Hq, R, D], moving [1, rows, D]
+    boxes (one step's tile), for the writer's TMA reduce-adds."""
+    b, h, r, d = work.shape
+    desc = object.__new__(GluonTensorDescriptor)
+    desc.base, desc.shape, desc.strides = work, [b * h, r, d], [r * d, d, 1]
+    desc.block_shape, desc.padding = [1, rows, d], "zero"
+    desc.layout = shared_layout((1, rows, d), gl.float32)
+    return desc
+
+
 def _check_stats(lse2, delta, rows_q: int, packed: dict):
     """Checks lse2 / delta against the rows the kernels read (``padded_rows`` of ``rows_q``: the query
     length, packed the total) and, for packed sequences, adds them to the launch's ``packed``
@@ -1247,6 +1284,8 @@ def backward_hopper(dout, q, k, v, lse2, delta, sm_scale: float, causal: bool, d
     _check_stats(lse2, delta, q.shape[1], packed)
     if batch * heads_k * num_n_blocks == 0:
         return dq, dk, dv                    # packed: no sequence has a key (dk, dv are empty)
+    # The writer adds dQ by pointer, or with TMA_DQ through a descriptor over the workspace.
+    dqw_arg = _workspace_descriptor(dq_work, block_m) if cfg["tma_dq"] else dq_work
     lse_desc = _row_descriptor(lse2, block_m)
     delta_desc = _row_descriptor(delta, block_m)
     # About one wave of CTAs per group of (batch, KV head) pairs (see _bwd_coords).
@@ -1259,7 +1298,7 @@ def backward_hopper(dout, q, k, v, lse2, delta, sm_scale: float, causal: bool, d
     launch.run(
         _attn_bwd_hopper_kernel, (batch * heads_k * num_n_blocks,),
         q_desc=q_desc, k_desc=k_desc, v_desc=v_desc, do_desc=do_desc, lse_desc=lse_desc, delta_desc=delta_desc,
-        DK=dk, DV=dv, DQW=dq_work, SEM=sem,
+        DK=dk, DV=dv, DQW=dqw_arg, SEM=sem,
         stride_dkb=dk.stride(0), stride_dks=dk.stride(1), stride_dkh=dk.stride(2),
         stride_dvb=dv.stride(0), stride_dvs=dv.stride(1), stride_dvh=dv.stride(2),
         num_n_blocks=num_n_blocks, num_heads_q=heads_q, num_heads_k=heads_k, kv_group_size=heads_q // heads_k,
@@ -1269,7 +1308,8 @@ def backward_hopper(dout, q, k, v, lse2, delta, sm_scale: float, causal: bool, d
         HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=BLOCK_N, STAGES=cfg["stages"], DQ_BUFS=cfg["dq_bufs"],
         IS_CAUSAL=causal, NUM_WG=NUM_WG,
         WRITER_REGS_=cfg["writer_regs"], PRODUCER_REGS_=PRODUCER_REGS, CONSUMER_REGS_=cfg["consumer_regs"],
-        DQ=cfg["dq"], ATOMIC=cfg["atomic"], num_warps=cfg["num_warps"], maxnreg=cfg["maxnreg"],
+        DQ=cfg["dq"], ATOMIC=cfg["atomic"], TMA_DQ=cfg["tma_dq"], num_warps=cfg["num_warps"],
+        maxnreg=cfg["maxnreg"],
     )
     if not cfg["dq"]:
         return dq, dk, dv

@@ -11,8 +11,10 @@ annotations at trace time, so they must be types, not strings.
 import functools
 
 import torch
+from triton._C.libtriton import ir
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language._core import builtin
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTensorDescriptor
 from triton.language.core import _aggregate as aggregate
@@ -646,6 +648,16 @@ def sequences(varlen, q: torch.Tensor, k: torch.Tensor, *others: torch.Tensor):
         return q.shape[0], q.shape[1], k.shape[1], tensors, {}
     return (varlen.batch, varlen.max_seqlen_q, varlen.max_seqlen_k, tuple(t.unsqueeze(0) for t in tensors),
             dict(CU_SEQLENS_Q=varlen.cu_seqlens_q, CU_SEQLENS_K=varlen.cu_seqlens_k, PACKED=True))
+
+
+@builtin
+def tma_reduce_add(tensor_desc, coord, src, _semantic=None):
+    """Global box of ``tensor_desc`` at ``coord`` += shared-memory tile ``src`` (TMA reduce-add,
+    ``cp.reduce.async.bulk.tensor``; L2 does the adds). Gluon 3.6 binds the op but exports no wrapper.
+    Completion is tracked like a TMA store's (``tma.store_wait``); the writing threads must
+    ``fence_async_shared`` between storing ``src`` and this."""
+    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+    _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle)
 
 
 @functools.cache
