@@ -264,7 +264,7 @@ KEPT_VARIANTS = {64: ("split", "split_atomic", "split_tma", None), 128: (None,)}
 
 def _tested(head_dim):
 
-    return dispatch.backward_candidates(head_dim) + KEPT_VARIANTS.get(head_dim, ())
+    return tuple(dict.fromkeys(dispatch.backward_candidates(head_dim) + KEPT_VARIANTS.get(head_dim, ())))
 
 
 def _hopper_variants(head_dims=(64, 128), reproducible=False):
@@ -434,10 +434,36 @@ def test_hopper_backward_chooser(monkeypatch):
     for d in (64, 128):
         names = dispatch.backward_candidates(d)
         assert all(d in backward_hopper.VARIANTS[n] for n in names)
-        picks = {pick(head_dim=d, causal=c, seqlen_q=sq, seqlen_k=sk, dtype=dt, device="cpu")
+        picks = {pick(head_dim=d, causal=c, seqlen_q=sq, seqlen_k=sk, dtype=dt, device="cpu", deterministic=det)
                  for c in (False, True) for sq in lengths for sk in lengths
-                 for dt in (torch.float16, torch.bfloat16)}
+                 for dt in (torch.float16, torch.bfloat16) for det in (False, True)}
         assert picks - {"triton"} == set(names)
+
+
+def test_not_deterministic_takes_the_one_pass_atomic_backward(monkeypatch):
+    """With a head dim in dispatch.GLUON_ATOMIC_BACKWARD, ``deterministic=False`` on a dense call
+    without a window takes the one-pass variant with atomic dQ; ``deterministic=True``, a window or
+    packed sequences (``one_pass=False``) and other head dims keep the deterministic kernels; the GPU
+    tests force it (a candidate). With the set empty (as shipped until measured), nothing changes."""
+    from triflash.kernels import backward_hopper, configs
+
+    monkeypatch.setattr(configs, "gluon_hopper_applies",
+                        lambda *, head_dim, dtype, device: head_dim in (64, 128))
+    pick = dispatch.backward_variant
+    kw = dict(dtype=torch.float16, device="cpu", causal=True, seqlen_q=4096, seqlen_k=4096)
+    shipped = dispatch.GLUON_ATOMIC_BACKWARD
+    for d in (64, 128):
+        assert (pick(head_dim=d, deterministic=False, **kw) == dispatch.ONE_PASS_ATOMIC) == (d in shipped)
+    monkeypatch.setattr(dispatch, "GLUON_ATOMIC_BACKWARD", frozenset({64}))
+    assert dispatch.ONE_PASS_ATOMIC in backward_hopper.VARIANTS
+    assert backward_hopper.computes_dq(dispatch.ONE_PASS_ATOMIC)
+    assert not backward_hopper.reproducible(dispatch.ONE_PASS_ATOMIC)
+    assert pick(head_dim=64, deterministic=False, **kw) == dispatch.ONE_PASS_ATOMIC
+    assert pick(head_dim=64, deterministic=True, **kw) == "dkdv_long"
+    assert pick(head_dim=64, deterministic=False, one_pass=False, **kw) == "dkdv_long"
+    assert pick(head_dim=128, deterministic=False, **kw) == "dkdv"
+    assert dispatch.backward_candidates(64) == ("dkdv", "dkdv_long", dispatch.ONE_PASS_ATOMIC)
+    assert dispatch.backward_candidates(128) == ("dkdv",)
 
 
 def test_preprocess_pads_rows(device):

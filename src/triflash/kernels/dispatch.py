@@ -279,6 +279,12 @@ GLUON_DQ_MIN_KEYS_D64 = 4096
 # ``deterministic=False`` permits them but the choosers keep the faster, deterministic kernels.
 # ``variant="atomic"`` / ``force(backward="atomic")`` still run them.
 ATOMIC_BY_DEFAULT = False
+# Head dims at which ``deterministic=False`` takes the one-pass Gluon backward whose dQ is added by
+# TMA reduce-adds (``ONE_PASS_ATOMIC``, docs/hopper.md#atomic-dq-in-one-pass) in place of ``dkdv`` /
+# ``dkdv_long``: dense calls without a window only (its dQ workspace follows the dense walk). Empty
+# until a GPU run has it faster.
+GLUON_ATOMIC_BACKWARD: frozenset[int] = frozenset()
+ONE_PASS_ATOMIC = "split_tma"
 
 
 # The single-launch backward takes a GPU problem of at most this much work: batch x query heads x
@@ -304,20 +310,25 @@ def single_launch_suits(*, batch: int, heads_q: int, seqlen_q: int, seqlen_k: in
 
 def backward_candidates(head_dim: int) -> tuple[str, ...]:
     """Every variant ``backward_variant`` can take at this head dim (the GPU tests force each)."""
-    return HOPPER_BACKWARD_VARIANTS.get(head_dim, ())
+    one_pass = (ONE_PASS_ATOMIC,) if head_dim in GLUON_ATOMIC_BACKWARD else ()
+    return HOPPER_BACKWARD_VARIANTS.get(head_dim, ()) + one_pass
 
 
 def backward_variant(*, head_dim: int, dtype, device, causal: bool, seqlen_q: int, seqlen_k: int,
-                     deterministic: bool = True) -> str:
+                     deterministic: bool = True, one_pass: bool = True) -> str:
     """The backward's kernels above the single launch's sizes (``single_launch_suits``, asked first):
     a Gluon variant, ``"triton"`` or ``"atomic"``. ``dkdv`` (dK and dV on the
     Gluon kernel; dQ on the Gluon dQ kernel at head dim 128, on the Triton one at 64) at head dims 64
     and 128; at 64 from ``GLUON_DQ_MIN_KEYS_D64`` keys ``dkdv_long`` (dQ on the Gluon kernel too).
-    Elsewhere the Triton kernels (``_portable_backward``). Measurements: docs/performance.md."""
+    Where ``deterministic`` is False, ``one_pass`` (a dense call without a window) and the head dim is
+    in ``GLUON_ATOMIC_BACKWARD``: ``ONE_PASS_ATOMIC``. Elsewhere the Triton kernels
+    (``_portable_backward``). Measurements: docs/performance.md."""
     if not configs.gluon_hopper_applies(head_dim=head_dim, dtype=dtype, device=device):
         return _portable_backward(None, deterministic)
     # Hopper (sm_90, fp16/bf16, head dim 64/128): the Gluon kernels, deterministic and on the H100
     # 1.46-1.85x faster than the atomic Triton ones, whatever ``deterministic`` says.
+    if not deterministic and one_pass and head_dim in GLUON_ATOMIC_BACKWARD:
+        return ONE_PASS_ATOMIC
     if head_dim == 64 and seqlen_k >= GLUON_DQ_MIN_KEYS_D64:
         return "dkdv_long"
     return "dkdv"
@@ -394,7 +405,8 @@ def backward(dout, q, k, v, out, lse, sm_scale: float, causal: bool, *, dlse=Non
     if (config is None and not single and (varlen is None or head_dim in GLUON_PACKED_BACKWARD or forced is not None)
             and (forced not in (None, TRITON, ATOMIC) or gluon_takes(scores, GLUON_BACKWARD_SCORES, head_dim))):
         variant = forced or backward_variant(head_dim=head_dim, dtype=q.dtype, device=q.device, causal=causal,
-                                             seqlen_q=max_q, seqlen_k=max_k, deterministic=deterministic)
+                                             seqlen_q=max_q, seqlen_k=max_k, deterministic=deterministic,
+                                             one_pass=window is None and varlen is None)
         if variant not in (TRITON, ATOMIC) and configs.gluon_available():
             from . import backward_hopper, sm90_common
 
