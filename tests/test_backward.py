@@ -263,7 +263,6 @@ KEPT_VARIANTS = {64: ("split", "split_atomic", "split_tma", None), 128: (None,)}
 
 
 def _tested(head_dim):
-
     return tuple(dict.fromkeys(dispatch.backward_candidates(head_dim) + KEPT_VARIANTS.get(head_dim, ())))
 
 
