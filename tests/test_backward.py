@@ -440,19 +440,21 @@ def test_hopper_backward_chooser(monkeypatch):
 
 
 def test_not_deterministic_takes_the_one_pass_atomic_backward(monkeypatch):
-    """With a head dim in dispatch.GLUON_ATOMIC_BACKWARD, ``deterministic=False`` on a dense call
-    without a window takes the one-pass variant with atomic dQ; ``deterministic=True``, a window or
-    packed sequences (``one_pass=False``) and other head dims keep the deterministic kernels; the GPU
-    tests force it (a candidate). With the set empty (as shipped until measured), nothing changes."""
+    """With a head dim in dispatch.GLUON_ATOMIC_BACKWARD and GLUON_ATOMIC_MIN_KEYS keys,
+    ``deterministic=False`` on a dense call without a window takes the one-pass variant with atomic dQ;
+    ``deterministic=True``, a window or packed sequences (``one_pass=False``), fewer keys and other head
+    dims keep the deterministic kernels; the GPU tests force it (a candidate)."""
     from triflash.kernels import backward_hopper, configs
 
     monkeypatch.setattr(configs, "gluon_hopper_applies",
                         lambda *, head_dim, dtype, device: head_dim in (64, 128))
     pick = dispatch.backward_variant
-    kw = dict(dtype=torch.float16, device="cpu", causal=True, seqlen_q=4096, seqlen_k=4096)
-    shipped = dispatch.GLUON_ATOMIC_BACKWARD
+    kw = dict(dtype=torch.float16, device="cpu", causal=True, seqlen_q=8192, seqlen_k=8192)
+    shipped, min_keys = dispatch.GLUON_ATOMIC_BACKWARD, dispatch.GLUON_ATOMIC_MIN_KEYS
     for d in (64, 128):
-        assert (pick(head_dim=d, deterministic=False, **kw) == dispatch.ONE_PASS_ATOMIC) == (d in shipped)
+        for sk in (min_keys - 1, min_keys, 4 * min_keys):
+            got = pick(head_dim=d, deterministic=False, **dict(kw, seqlen_k=sk))
+            assert (got == dispatch.ONE_PASS_ATOMIC) == (d in shipped and sk >= min_keys), (d, sk)
     monkeypatch.setattr(dispatch, "GLUON_ATOMIC_BACKWARD", frozenset({64}))
     assert dispatch.ONE_PASS_ATOMIC in backward_hopper.VARIANTS
     assert backward_hopper.computes_dq(dispatch.ONE_PASS_ATOMIC)
@@ -460,6 +462,7 @@ def test_not_deterministic_takes_the_one_pass_atomic_backward(monkeypatch):
     assert pick(head_dim=64, deterministic=False, **kw) == dispatch.ONE_PASS_ATOMIC
     assert pick(head_dim=64, deterministic=True, **kw) == "dkdv_long"
     assert pick(head_dim=64, deterministic=False, one_pass=False, **kw) == "dkdv_long"
+    assert pick(head_dim=64, deterministic=False, **dict(kw, seqlen_k=min_keys - 1)) == "dkdv_long"
     assert pick(head_dim=128, deterministic=False, **kw) == "dkdv"
     assert dispatch.backward_candidates(64) == ("dkdv", "dkdv_long", dispatch.ONE_PASS_ATOMIC)
     assert dispatch.backward_candidates(128) == ("dkdv",)

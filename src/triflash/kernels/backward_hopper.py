@@ -111,7 +111,9 @@ VARIANTS = {
     "split_atomic": {64: dict(_SPLIT, atomic=True)},
     # The same, the writer adding each consumer's partial with one TMA reduce-add from shared memory
     # (cp.reduce.async.bulk.tensor; FlashAttention 3's arrangement) instead of per-element atomics.
-    "split_tma": {64: dict(_SPLIT, atomic=True, tma_dq=True)},
+    # The writer holds a slot only until its reduces have read it, so three slots do (and free the
+    # shared memory for a third Q/dO stage).
+    "split_tma": {64: dict(_SPLIT, atomic=True, tma_dq=True, dq_bufs=3, stages=3)},
 }
 
 

@@ -281,9 +281,11 @@ GLUON_DQ_MIN_KEYS_D64 = 4096
 ATOMIC_BY_DEFAULT = False
 # Head dims at which ``deterministic=False`` takes the one-pass Gluon backward whose dQ is added by
 # TMA reduce-adds (``ONE_PASS_ATOMIC``, docs/hopper.md#atomic-dq-in-one-pass) in place of ``dkdv`` /
-# ``dkdv_long``: dense calls without a window only (its dQ workspace follows the dense walk). Empty
-# until a GPU run has it faster.
-GLUON_ATOMIC_BACKWARD: frozenset[int] = frozenset()
+# ``dkdv_long``, from ``GLUON_ATOMIC_MIN_KEYS`` keys: dense calls without a window only (its dQ
+# workspace follows the dense walk). On the H100 it was 0-6% faster than ``dkdv_long`` from 8k keys
+# and level (-2.5% to +1%) at 4k (docs/performance.md, The one-pass backward with TMA reduce-adds).
+GLUON_ATOMIC_BACKWARD: frozenset[int] = frozenset({64})
+GLUON_ATOMIC_MIN_KEYS = 8192
 ONE_PASS_ATOMIC = "split_tma"
 
 
@@ -320,14 +322,16 @@ def backward_variant(*, head_dim: int, dtype, device, causal: bool, seqlen_q: in
     a Gluon variant, ``"triton"`` or ``"atomic"``. ``dkdv`` (dK and dV on the
     Gluon kernel; dQ on the Gluon dQ kernel at head dim 128, on the Triton one at 64) at head dims 64
     and 128; at 64 from ``GLUON_DQ_MIN_KEYS_D64`` keys ``dkdv_long`` (dQ on the Gluon kernel too).
-    Where ``deterministic`` is False, ``one_pass`` (a dense call without a window) and the head dim is
-    in ``GLUON_ATOMIC_BACKWARD``: ``ONE_PASS_ATOMIC``. Elsewhere the Triton kernels
+    Where ``deterministic`` is False, ``one_pass`` (a dense call without a window), the head dim is
+    in ``GLUON_ATOMIC_BACKWARD`` and there are ``GLUON_ATOMIC_MIN_KEYS`` keys:
+    ``ONE_PASS_ATOMIC``. Elsewhere the Triton kernels
     (``_portable_backward``). Measurements: docs/performance.md."""
     if not configs.gluon_hopper_applies(head_dim=head_dim, dtype=dtype, device=device):
         return _portable_backward(None, deterministic)
     # Hopper (sm_90, fp16/bf16, head dim 64/128): the Gluon kernels, deterministic and on the H100
     # 1.46-1.85x faster than the atomic Triton ones, whatever ``deterministic`` says.
-    if not deterministic and one_pass and head_dim in GLUON_ATOMIC_BACKWARD:
+    if (not deterministic and one_pass and head_dim in GLUON_ATOMIC_BACKWARD
+            and seqlen_k >= GLUON_ATOMIC_MIN_KEYS):
         return ONE_PASS_ATOMIC
     if head_dim == 64 and seqlen_k >= GLUON_DQ_MIN_KEYS_D64:
         return "dkdv_long"
@@ -340,8 +344,8 @@ def _portable_backward(variant: str | None, deterministic: bool) -> str:
     inputs do not allow): a forced
     ``"atomic"`` or ``"triton"`` as given, else ``"triton"``, or ``"atomic"`` where ``deterministic``
     is False and ``ATOMIC_BY_DEFAULT`` (a forced Gluon variant that cannot run falls back to
-    ``"triton"``: deterministic, as every Gluon variant but ``split_atomic``). A forced variant wins
-    over ``deterministic``: forcing is for tests and benchmarks."""
+    ``"triton"``: deterministic, as every Gluon variant but ``split_atomic`` and ``split_tma``). A
+    forced variant wins over ``deterministic``: forcing is for tests and benchmarks."""
     if variant is None:
         return ATOMIC if ATOMIC_BY_DEFAULT and not deterministic else TRITON
     return ATOMIC if variant == ATOMIC else TRITON
