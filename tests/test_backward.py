@@ -258,7 +258,8 @@ def _force_hopper_backward(monkeypatch, force_kernels, variant):
     return check
 
 
-# Not chosen, still tested (see above).
+# Forced by the GPU tests besides the chooser's candidates: the fused forms it does not take (see
+# above), and split_tma, which it takes only where deterministic=False (and which stays tested if not).
 KEPT_VARIANTS = {64: ("split", "split_atomic", "split_tma", None), 128: (None,)}
 
 
@@ -410,6 +411,7 @@ def test_hopper_backward_chooser(monkeypatch):
     assert pick(head_dim=64, causal=True, seqlen_q=4096, seqlen_k=4096, **kw) == "triton"
     monkeypatch.setattr(configs, "gluon_hopper_applies",
                         lambda *, head_dim, dtype, device: head_dim in (64, 128))
+    monkeypatch.setattr(configs, "gluon_tma_reduce_available", lambda: True)
     for d in (64, 128):
         for sq, sk in ((4096, 4096), (1024, 1024), (1, 16384), (16384, 77), (4095, 4095), (8192, 8192),
                        (100, 4096)):
@@ -440,21 +442,32 @@ def test_hopper_backward_chooser(monkeypatch):
 
 
 def test_not_deterministic_takes_the_one_pass_atomic_backward(monkeypatch):
-    """With a head dim in dispatch.GLUON_ATOMIC_BACKWARD and GLUON_ATOMIC_MIN_KEYS keys,
-    ``deterministic=False`` on a dense call without a window takes the one-pass variant with atomic dQ;
-    ``deterministic=True``, a window or packed sequences (``one_pass=False``), fewer keys and other head
-    dims keep the deterministic kernels; the GPU tests force it (a candidate)."""
+    """With a head dim in dispatch.GLUON_ATOMIC_BACKWARD and GLUON_ATOMIC_MIN_KEYS queries and keys,
+    ``deterministic=False`` (``one_pass``: dense, no window, all three gradients) takes the one-pass
+    variant with atomic dQ; ``deterministic=True``, ``one_pass=False``, fewer queries or keys, other
+    head dims, a Triton without the TMA reduce-add or an empty set keep the deterministic kernels; the
+    GPU tests force it (a candidate, except for windows and packed sequences)."""
     from triflash.kernels import backward_hopper, configs
 
     monkeypatch.setattr(configs, "gluon_hopper_applies",
                         lambda *, head_dim, dtype, device: head_dim in (64, 128))
     pick = dispatch.backward_variant
+    monkeypatch.setattr(configs, "gluon_tma_reduce_available", lambda: True)
     kw = dict(dtype=torch.float16, device="cpu", causal=True, seqlen_q=8192, seqlen_k=8192)
     shipped, min_keys = dispatch.GLUON_ATOMIC_BACKWARD, dispatch.GLUON_ATOMIC_MIN_KEYS
+    assert shipped == {64}
     for d in (64, 128):
-        for sk in (min_keys - 1, min_keys, 4 * min_keys):
-            got = pick(head_dim=d, deterministic=False, **dict(kw, seqlen_k=sk))
-            assert (got == dispatch.ONE_PASS_ATOMIC) == (d in shipped and sk >= min_keys), (d, sk)
+        for sq, sk in ((min_keys, min_keys - 1), (min_keys - 1, min_keys), (min_keys, min_keys),
+                       (4 * min_keys, min_keys)):
+            got = pick(head_dim=d, deterministic=False, **dict(kw, seqlen_q=sq, seqlen_k=sk))
+            assert (got == dispatch.ONE_PASS_ATOMIC) == (d in shipped and min(sq, sk) >= min_keys), (d, sq, sk)
+    # Without Gluon's TMA reduce-add (another Triton), or with the set empty: the deterministic kernels.
+    monkeypatch.setattr(configs, "gluon_tma_reduce_available", lambda: False)
+    assert pick(head_dim=64, deterministic=False, **kw) == "dkdv_long"
+    monkeypatch.setattr(configs, "gluon_tma_reduce_available", lambda: True)
+    monkeypatch.setattr(dispatch, "GLUON_ATOMIC_BACKWARD", frozenset())
+    assert pick(head_dim=64, deterministic=False, **kw) == "dkdv_long"
+    assert dispatch.backward_candidates(64) == ("dkdv", "dkdv_long")
     monkeypatch.setattr(dispatch, "GLUON_ATOMIC_BACKWARD", frozenset({64}))
     assert dispatch.ONE_PASS_ATOMIC in backward_hopper.VARIANTS
     assert backward_hopper.computes_dq(dispatch.ONE_PASS_ATOMIC)
@@ -465,6 +478,7 @@ def test_not_deterministic_takes_the_one_pass_atomic_backward(monkeypatch):
     assert pick(head_dim=64, deterministic=False, **dict(kw, seqlen_k=min_keys - 1)) == "dkdv_long"
     assert pick(head_dim=128, deterministic=False, **kw) == "dkdv"
     assert dispatch.backward_candidates(64) == ("dkdv", "dkdv_long", dispatch.ONE_PASS_ATOMIC)
+    assert dispatch.backward_candidates(64, one_pass=False) == ("dkdv", "dkdv_long")
     assert dispatch.backward_candidates(128) == ("dkdv",)
 
 

@@ -144,3 +144,41 @@ def test_a_bad_value_is_refused(device, bad):
     q, k, v, cu = _packed(device)
     assert_raises_naming(TypeError, words, triflash.flash_attn_varlen_func, q, k, v, cu, cu, 23, 23,
                          deterministic=bad)
+
+
+@pytest.fixture
+def chooser(monkeypatch):
+    """(deterministic, one_pass) of each call of dispatch.backward_variant (call plans off); packed
+    sequences at the tests' head dim 16 ask it too (they ask only at GLUON_PACKED_BACKWARD's head dims)."""
+    calls = []
+    real = dispatch.backward_variant
+
+    def spy(**kwargs):
+        calls.append((kwargs["deterministic"], kwargs["one_pass"]))
+        return real(**kwargs)
+    monkeypatch.setattr(dispatch, "backward_variant", spy)
+    monkeypatch.setattr(dispatch, "GLUON_PACKED_BACKWARD", frozenset({16}))
+    monkeypatch.setattr(launch, "ENABLED", False)
+    return calls
+
+
+@pytest.mark.parametrize("case", ["dense", "global switch", "dk dv only", "dq only", "window", "varlen"])
+def test_the_one_pass_backward_is_asked_only_where_it_can_run(device, chooser, case):
+    """The one-pass backward (dQ by atomics in the dK/dV pass) handles dense calls without a window that
+    want all three gradients: the chooser is told so (``one_pass``), and told ``deterministic`` as the
+    call and torch's switch say."""
+    q, k, v = _dense(device)
+    if case == "dk dv only":
+        q = q.detach()
+    elif case == "dq only":
+        k, v = k.detach(), v.detach()
+    if case == "global switch":
+        torch.use_deterministic_algorithms(True)
+    if case == "varlen":
+        q, k, v, cu = _packed(device)
+        out = triflash.flash_attn_varlen_func(q, k, v, cu, cu, 23, 23, causal=True)
+    else:
+        out = triflash.flash_attn_func(q, k, v, causal=True, window_size=(8, 0) if case == "window" else (-1, -1))
+    out.float().sum().backward()
+    one_pass = case in ("dense", "global switch")
+    assert chooser == [(case == "global switch", one_pass)]

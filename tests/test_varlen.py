@@ -344,7 +344,7 @@ def test_which_backward_takes_packed_sequences(device, monkeypatch):
 
 
 @pytest.mark.parametrize("variant,causal,head_dim,dtype,extra",
-                         _hopper_cases(lambda d, dtype: dispatch.backward_candidates(d)))
+                         _hopper_cases(lambda d, dtype: dispatch.backward_candidates(d, one_pass=False)))
 def test_hopper_backward_on_packed_sequences(device, force_kernels, monkeypatch, variant, causal, head_dim, dtype,
                                              extra):
     """Each Gluon backward variant the chooser takes, forced, on packed sequences

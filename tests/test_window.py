@@ -155,7 +155,7 @@ def _hopper_cases():
         if not (HOPPER and configs.gluon_hopper_applies(head_dim=head_dim, dtype=dtype, device="cuda")):
             continue
         kinds = [("forward", g) for g in dispatch.forward_candidates(head_dim, dtype)]
-        kinds += [("backward", g) for g in dispatch.backward_candidates(head_dim)]
+        kinds += [("backward", g) for g in dispatch.backward_candidates(head_dim, one_pass=False)]
         for kind, gluon in kinds:
             shapes = [(*shape, False) for shape in HOPPER_SHAPES] + [(*shape, True) for shape in HOPPER_SHAPES[:2]]
             for sq, sk, window, causal, scores in shapes:

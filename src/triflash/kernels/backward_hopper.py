@@ -8,7 +8,8 @@ and dV need no reduction across CTAs) and per block computes
     S^T = K Q^T,  P^T = exp2(S^T * scale * log2(e) - lse2),  dP^T = V dO^T,  dS^T = P^T * (dP^T - delta)
     dV += P^T dO,  dK += dS^T Q,  and in the fused form dQ_m += dS K.
 
-* **dK and dV only** (variants ``dkdv``, ``dkdv_long``: what ``dispatch.backward_variant`` takes): dQ
+* **dK and dV only** (variants ``dkdv``, ``dkdv_long``: what ``dispatch.backward_variant`` takes for
+  deterministic calls, and for all at head dim 128, with windows and packed sequences): dQ
   comes from a kernel that keeps a query block and recomputes S and dP, the Gluon dQ kernel below
   (``_attn_bwd_dq_hopper_kernel``) or the portable Triton one (docs/hopper.md#backward-dk-and-dv-kernel,
   docs/hopper.md#backward-dq-kernel).
@@ -16,8 +17,9 @@ and dV need no reduction across CTAs) and per block computes
   through per-block turn counters and a writer partition, so the result is bit-reproducible without
   atomics (docs/hopper.md#deterministic-dq-in-one-pass). Not chosen (slower than ``dkdv``); kept as
   the deterministic one-pass design and still tested on the GPU. ``split_atomic``: the same pass with
-  the writer adding dQ by atomics, in no fixed order, and ``split_tma`` by TMA reduce-adds of whole
-  tiles (docs/hopper.md#atomic-dq-in-one-pass; not reproducible, forced only).
+  the writer adding dQ by per-element atomics, in no fixed order (forced only), and ``split_tma`` by
+  TMA reduce-adds of whole tiles: what ``deterministic=False`` takes at head dim 64 from 8k queries
+  and keys (docs/hopper.md#atomic-dq-in-one-pass; dQ not reproducible).
 
 Partitions: two consumer warpgroups (``_bwd_consumer``, 64 of the block's keys each), a producer warp
 (``_bwd_producer``: TMA loads of K/V once and of Q/dO per step into a ring), and in the fused form a
@@ -685,8 +687,10 @@ def _dq_partial(dq_smem, b, c, CHUNK: gl.constexpr, NUM_WG: gl.constexpr, layout
 def _bwd_writer(cfg, work, io, sh, THREADS: gl.constexpr):
     """Adds each step's dQ partial (the ``sh.dq`` ring, from the consumers) into workspace rows
     [m * BM, m * BM + BM) of its (batch, query head): ATOMIC, by atomic adds into a zeroed workspace,
-    one step at a time and in no fixed order (SEM is not read); else in key-block order. DQW is [B, Hq,
-    num_m_blocks * BM, D] fp32, SEM [B, Hq, num_m_blocks, SEM_STRIDE] int32.
+    one step at a time and in no fixed order (SEM is not read), per element or (TMA_DQ) one TMA
+    reduce-add per consumer's tile; else in key-block order. DQW is [B, Hq, num_m_blocks * BM, D] fp32
+    (TMA_DQ: a descriptor over it as [B * Hq, num_m_blocks * BM, D]), SEM [B, Hq, num_m_blocks,
+    SEM_STRIDE] int32.
 
     Two steps per round: both turns are awaited, both tiles loaded, summed, stored and released
     together, so one round trip to L2 (and one release) serves two steps. Their counters are different
@@ -719,11 +723,10 @@ def _bwd_writer(cfg, work, io, sh, THREADS: gl.constexpr):
         # released once the reduces have read it.
         for j in range(n_steps):
             b = sh.dq.index(j)
-            m = m_first + m_step * (j // kv_group_size)
-            bh = off_b * num_heads_q + off_hk * kv_group_size + j % kv_group_size
+            m, off_h = _step_block(j, m_first, m_step, off_hk, kv_group_size)
             sh.dq.wait(j)
             for w in gl.static_range(NUM_WG):
-                tma_reduce_add(DQW, [bh, m * BLOCK_M, 0], sh.dq.tile(b * NUM_WG + w))
+                tma_reduce_add(DQW, [off_b * num_heads_q + off_h, m * BLOCK_M, 0], sh.dq.tile(b * NUM_WG + w))
             tma.store_wait(0)
             sh.dq.release(b)
     elif cfg.ATOMIC:

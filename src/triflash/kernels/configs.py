@@ -284,6 +284,7 @@ def gluon_available() -> bool:
     for one). Where it does not, every call takes the portable Triton kernels, with one warning."""
     try:   # the names the Hopper kernel modules import
         from triton.experimental import gluon  # noqa: F401
+        from triton.experimental.gluon.language._core import builtin  # noqa: F401
         from triton.experimental.gluon.language.nvidia.hopper import (  # noqa: F401
             fence_async_shared,
             mbarrier,
@@ -302,6 +303,16 @@ def gluon_available() -> bool:
                       f"Triton 3.5 or later has it.", RuntimeWarning, stacklevel=2)
         return False
     return True
+
+
+@functools.cache
+def gluon_tma_reduce_available() -> bool:
+    """Whether this Triton's Gluon binds the TMA reduce-add (``sm90_common.tma_reduce_add``)."""
+    if not gluon_available():
+        return False
+    from triton._C.libtriton import gluon_ir
+
+    return hasattr(gluon_ir.GluonOpBuilder, "create_async_tma_reduce")
 
 
 def sm_count(device) -> int:

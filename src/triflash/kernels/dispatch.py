@@ -281,9 +281,10 @@ GLUON_DQ_MIN_KEYS_D64 = 4096
 ATOMIC_BY_DEFAULT = False
 # Head dims at which ``deterministic=False`` takes the one-pass Gluon backward whose dQ is added by
 # TMA reduce-adds (``ONE_PASS_ATOMIC``, docs/hopper.md#atomic-dq-in-one-pass) in place of ``dkdv`` /
-# ``dkdv_long``, from ``GLUON_ATOMIC_MIN_KEYS`` keys: dense calls without a window only (its dQ
-# workspace follows the dense walk). On the H100 it was 0-6% faster than ``dkdv_long`` from 8k keys
-# and level (-2.5% to +1%) at 4k (docs/performance.md, The one-pass backward with TMA reduce-adds).
+# ``dkdv_long``, from ``GLUON_ATOMIC_MIN_KEYS`` queries and keys (timed at Sq = Sk only): dense calls
+# without a window that want all three gradients (its dQ workspace follows the dense walk). On the
+# H100 it was 0-6% faster than ``dkdv_long`` from 8k keys and level (-2.5% to +1%) at 4k
+# (docs/performance.md, The one-pass backward with TMA reduce-adds).
 GLUON_ATOMIC_BACKWARD: frozenset[int] = frozenset({64})
 GLUON_ATOMIC_MIN_KEYS = 8192
 ONE_PASS_ATOMIC = "split_tma"
@@ -310,10 +311,17 @@ def single_launch_suits(*, batch: int, heads_q: int, seqlen_q: int, seqlen_k: in
     return (work // 2 if causal else work) <= SINGLE_MAX_WORK
 
 
-def backward_candidates(head_dim: int) -> tuple[str, ...]:
-    """Every variant ``backward_variant`` can take at this head dim (the GPU tests force each)."""
-    one_pass = (ONE_PASS_ATOMIC,) if head_dim in GLUON_ATOMIC_BACKWARD else ()
-    return HOPPER_BACKWARD_VARIANTS.get(head_dim, ()) + one_pass
+def backward_candidates(head_dim: int, one_pass: bool = True) -> tuple[str, ...]:
+    """Every variant ``backward_variant`` can take at this head dim (the GPU tests force each);
+    ``one_pass=False``: those it can take on a window or packed sequences (no one-pass variant)."""
+    fused = (ONE_PASS_ATOMIC,) if one_pass and head_dim in GLUON_ATOMIC_BACKWARD else ()
+    return HOPPER_BACKWARD_VARIANTS.get(head_dim, ()) + fused
+
+
+def one_pass_atomic_ready() -> bool:
+    """Whether this Triton's Gluon binds the TMA reduce-add that ``ONE_PASS_ATOMIC`` is built on (Triton
+    3.6 does; without it the chooser keeps the deterministic kernels)."""
+    return configs.gluon_tma_reduce_available()
 
 
 def backward_variant(*, head_dim: int, dtype, device, causal: bool, seqlen_q: int, seqlen_k: int,
@@ -322,16 +330,16 @@ def backward_variant(*, head_dim: int, dtype, device, causal: bool, seqlen_q: in
     a Gluon variant, ``"triton"`` or ``"atomic"``. ``dkdv`` (dK and dV on the
     Gluon kernel; dQ on the Gluon dQ kernel at head dim 128, on the Triton one at 64) at head dims 64
     and 128; at 64 from ``GLUON_DQ_MIN_KEYS_D64`` keys ``dkdv_long`` (dQ on the Gluon kernel too).
-    Where ``deterministic`` is False, ``one_pass`` (a dense call without a window), the head dim is
-    in ``GLUON_ATOMIC_BACKWARD`` and there are ``GLUON_ATOMIC_MIN_KEYS`` keys:
-    ``ONE_PASS_ATOMIC``. Elsewhere the Triton kernels
+    Where ``deterministic`` is False, ``one_pass`` (a dense call without a window that wants all
+    three gradients), the head dim is in ``GLUON_ATOMIC_BACKWARD`` and there are
+    ``GLUON_ATOMIC_MIN_KEYS`` queries and keys: ``ONE_PASS_ATOMIC`` (not deterministic). Elsewhere the Triton kernels
     (``_portable_backward``). Measurements: docs/performance.md."""
     if not configs.gluon_hopper_applies(head_dim=head_dim, dtype=dtype, device=device):
         return _portable_backward(None, deterministic)
-    # Hopper (sm_90, fp16/bf16, head dim 64/128): the Gluon kernels, deterministic and on the H100
-    # 1.46-1.85x faster than the atomic Triton ones, whatever ``deterministic`` says.
+    # Hopper (sm_90, fp16/bf16, head dim 64/128): the Gluon kernels, on the H100 1.46-1.85x faster
+    # than the portable atomic ones; deterministic, except the one-pass form deterministic=False takes.
     if (not deterministic and one_pass and head_dim in GLUON_ATOMIC_BACKWARD
-            and seqlen_k >= GLUON_ATOMIC_MIN_KEYS):
+            and min(seqlen_q, seqlen_k) >= GLUON_ATOMIC_MIN_KEYS and one_pass_atomic_ready()):
         return ONE_PASS_ATOMIC
     if head_dim == 64 and seqlen_k >= GLUON_DQ_MIN_KEYS_D64:
         return "dkdv_long"
@@ -344,7 +352,7 @@ def _portable_backward(variant: str | None, deterministic: bool) -> str:
     inputs do not allow): a forced
     ``"atomic"`` or ``"triton"`` as given, else ``"triton"``, or ``"atomic"`` where ``deterministic``
     is False and ``ATOMIC_BY_DEFAULT`` (a forced Gluon variant that cannot run falls back to
-    ``"triton"``: deterministic, as every Gluon variant but ``split_atomic`` and ``split_tma``). A
+    ``"triton"``: deterministic). A
     forced variant wins over ``deterministic``: forcing is for tests and benchmarks."""
     if variant is None:
         return ATOMIC if ATOMIC_BY_DEFAULT and not deterministic else TRITON
@@ -364,14 +372,15 @@ def backward(dout, q, k, v, out, lse, sm_scale: float, causal: bool, *, dlse=Non
     (a dK/dV-only Gluon variant takes dQ from the Gluon dQ kernel where
     ``backward_hopper.dq_on_gluon`` says so, else from the Triton one; ``"atomic"`` the Triton
     kernels with dQ added by the dK/dV kernel through atomics). ``deterministic=False`` lets the
-    choice take ``"atomic"`` where ``ATOMIC_BY_DEFAULT`` says it pays (nowhere yet; a forced variant
-    wins; a problem the single launch takes, ``single_launch_suits``, is deterministic either way).
-    ``varlen``: packed
-    sequences (q / out / dout [total_q, Hq, D], k / v [total_k, Hkv, D], lse / dlse [Hq, total_q]);
-    ``window`` as the forward's. Packed sequences run on the Triton kernels outside the head dims of
-    ``GLUON_PACKED_BACKWARD`` unless a Gluon variant is forced (the dK/dV-only variants), windows and
-    packed sequences on them under the fused variants (``split``, ``split_atomic``), and score variants (``scores``, the
-    forward's) outside ``GLUON_BACKWARD_SCORES`` unless a Gluon variant is forced; with sinks,
+    choice take the one-pass Gluon backward with atomic dQ (``backward_variant``'s ``ONE_PASS_ATOMIC``)
+    and ``"atomic"`` where ``ATOMIC_BY_DEFAULT`` says it pays (nowhere yet); a forced variant wins, and
+    a problem the single launch takes (``single_launch_suits``) is deterministic either way.
+    ``varlen``: packed sequences (q / out / dout [total_q, Hq, D], k / v [total_k, Hkv, D], lse / dlse
+    [Hq, total_q]); ``window`` as the forward's. Packed sequences run on the Triton kernels outside the
+    head dims of ``GLUON_PACKED_BACKWARD`` unless a Gluon variant is forced (the dK/dV-only variants);
+    windows and packed sequences run on them under the fused variants (``split``, ``split_atomic``,
+    ``split_tma``), and score variants (``scores``, the forward's) outside ``GLUON_BACKWARD_SCORES``
+    unless a Gluon variant is forced. With sinks,
     their gradient [Hq] float32 is written into ``dsink`` (allocated by the caller;
     ``backward.preprocess``)."""
     _check_backend(q, "backward")
@@ -406,18 +415,19 @@ def backward(dout, q, k, v, out, lse, sm_scale: float, causal: bool, *, dlse=Non
                   batch=batch, heads_q=heads_q, seqlen_q=seqlen_q, seqlen_k=seqlen_k, head_dim=head_dim,
                   causal=causal, device=q.device)))
     hopper = None
+    # The fused (one-pass) variants' dQ follows the dense causal walk: no window, no packed sequences.
+    dense_walk = window is None and varlen is None
     if (config is None and not single and (varlen is None or head_dim in GLUON_PACKED_BACKWARD or forced is not None)
             and (forced not in (None, TRITON, ATOMIC) or gluon_takes(scores, GLUON_BACKWARD_SCORES, head_dim))):
         variant = forced or backward_variant(head_dim=head_dim, dtype=q.dtype, device=q.device, causal=causal,
                                              seqlen_q=max_q, seqlen_k=max_k, deterministic=deterministic,
-                                             one_pass=window is None and varlen is None)
+                                             one_pass=dense_walk and need_dq and need_dkdv)
         if variant not in (TRITON, ATOMIC) and configs.gluon_available():
             from . import backward_hopper, sm90_common
 
             views = sm90_common.sequences(varlen, q, k, v, dout)[3]
-            # The fused variants' dQ turns follow the dense causal walk: no window, no packed sequences.
             if backward_hopper.supported(*views, variant) and (
-                    (window is None and varlen is None) or not backward_hopper.computes_dq(variant)):
+                    dense_walk or not backward_hopper.computes_dq(variant)):
                 hopper = variant
     if varlen is not None and (hopper is None or q.shape[0] == 0 or k.shape[0] == 0):
         if config is None:
