@@ -342,6 +342,36 @@ def test_hopper_backward_is_deterministic(force_kernels, device, monkeypatch, va
 
 
 @pytest.mark.skipif(not HOPPER, reason="the Gluon backward runs on sm_90 only")
+def test_not_deterministic_takes_the_one_pass_backward_unforced(device, monkeypatch):
+    """Unforced, with torch's deterministic switch off (the conftest turns it on for every test): head
+    dim 64 at 8k queries and keys takes the one-pass backward with TMA-reduced dQ
+    (dispatch.ONE_PASS_ATOMIC), within the 3x rule; deterministic=True takes the reproducible kernels."""
+    from triflash.kernels import backward_hopper, launch
+
+    ran = []
+    real = backward_hopper.backward_hopper
+
+    def recording(*args, **kwargs):
+        ran.append(kwargs.get("variant"))
+        return real(*args, **kwargs)
+    monkeypatch.setattr(backward_hopper, "backward_hopper", recording)
+    monkeypatch.setattr(launch, "ENABLED", False)
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(False)
+    try:
+        q, k, v = _inputs(1, 8192, 8192, 4, 2, 64, torch.float16, device)
+        dout = torch.randn_like(q)
+        grads = torch.autograd.grad(triflash.flash_attn_func(q, k, v, causal=True), (q, k, v), dout)
+        assert ran == [dispatch.ONE_PASS_ATOMIC]
+        assert_grads_3x(grads, q, k, v, dout, True, torch.float16)
+        ran.clear()
+        torch.autograd.grad(triflash.flash_attn_func(q, k, v, causal=True, deterministic=True), (q, k, v), dout)
+        assert ran == ["dkdv_long"]
+    finally:
+        torch.use_deterministic_algorithms(before)
+
+
+@pytest.mark.skipif(not HOPPER, reason="the Gluon backward runs on sm_90 only")
 @pytest.mark.parametrize("variant", ["split_atomic", "split_tma"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_hopper_atomic_one_pass_repeats_within_bound(force_kernels, device, monkeypatch, variant, causal):
