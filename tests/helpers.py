@@ -85,6 +85,19 @@ def assert_matches_reference(out, lse, q, k, v, causal=False, softmax_scale=None
     assert_2x_rule("lse", lse, ref_lse, same_lse, q.dtype, LSE_FLOOR, relative_floor=True)
 
 
+def record_calls(monkeypatch, owner, name, what):
+    """Wrap ``owner.name`` so that each call appends ``what(args, kwargs)`` to the returned list, then
+    runs the real function."""
+    calls = []
+    real = getattr(owner, name)
+
+    def recording(*args, **kwargs):
+        calls.append(what(args, kwargs))
+        return real(*args, **kwargs)
+    monkeypatch.setattr(owner, name, recording)
+    return calls
+
+
 def assert_raises_naming(exc, words, fn, *args, **kwargs):
     """fn(*args, **kwargs) raises ``exc``, and its message mentions every one of ``words`` (the
     argument's name, what was expected, what was received)."""

@@ -27,6 +27,7 @@ from helpers import (
     assert_within,
     grad_bounds,
     make_qkv,
+    record_calls,
 )
 
 import triflash
@@ -230,21 +231,10 @@ def _force_hopper_backward(monkeypatch, force_kernels, variant):
     Gluon dQ kernel where the variant's configuration takes it."""
     from triflash.kernels import backward_hopper
 
-    launches = {"backward_hopper": [], "dq_hopper": []}
-
-    def recorder(name):
-        real = getattr(backward_hopper, name)
-
-        def recording(*args, **kwargs):
-            launches[name].append((kwargs.get("variant"), q_head_dim(args)))
-            return real(*args, **kwargs)
-        monkeypatch.setattr(backward_hopper, name, recording)
-
-    def q_head_dim(args):
-        return args[1].shape[-1]                     # (dout, q, k, v, ...)
-
-    recorder("backward_hopper")
-    recorder("dq_hopper")
+    # (variant, q's head dim) of each launcher call; args are (dout, q, k, v, ...).
+    launches = {name: record_calls(monkeypatch, backward_hopper, name,
+                                   lambda args, kwargs: (kwargs.get("variant"), args[1].shape[-1]))
+                for name in ("backward_hopper", "dq_hopper")}
     force_kernels(backward=variant or "triton")
 
     def check(calls):
@@ -348,13 +338,7 @@ def test_not_deterministic_takes_the_one_pass_backward_unforced(device, monkeypa
     (dispatch.ONE_PASS_ATOMIC), within the 3x rule; deterministic=True takes the reproducible kernels."""
     from triflash.kernels import backward_hopper, launch
 
-    ran = []
-    real = backward_hopper.backward_hopper
-
-    def recording(*args, **kwargs):
-        ran.append(kwargs.get("variant"))
-        return real(*args, **kwargs)
-    monkeypatch.setattr(backward_hopper, "backward_hopper", recording)
+    ran = record_calls(monkeypatch, backward_hopper, "backward_hopper", lambda args, kwargs: kwargs.get("variant"))
     monkeypatch.setattr(launch, "ENABLED", False)
     before = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(False)

@@ -8,7 +8,7 @@ refused naming the argument.
 
 import pytest
 import torch
-from helpers import assert_raises_naming, packed_sequences
+from helpers import assert_raises_naming, packed_sequences, record_calls
 
 import triflash
 from triflash.kernels import dispatch, launch
@@ -19,15 +19,8 @@ F16 = torch.float16
 @pytest.fixture
 def seen(monkeypatch):
     """The ``deterministic`` each backward hands the chooser (call plans off: a replay skips it)."""
-    calls = []
-    real = dispatch.backward
-
-    def spy(*args, **kwargs):
-        calls.append(kwargs.get("deterministic"))
-        return real(*args, **kwargs)
-    monkeypatch.setattr(dispatch, "backward", spy)
     monkeypatch.setattr(launch, "ENABLED", False)
-    return calls
+    return record_calls(monkeypatch, dispatch, "backward", lambda args, kwargs: kwargs.get("deterministic"))
 
 
 @pytest.fixture(autouse=True)
@@ -150,16 +143,10 @@ def test_a_bad_value_is_refused(device, bad):
 def chooser(monkeypatch):
     """(deterministic, one_pass) of each call of dispatch.backward_variant (call plans off); packed
     sequences at the tests' head dim 16 ask it too (they ask only at GLUON_PACKED_BACKWARD's head dims)."""
-    calls = []
-    real = dispatch.backward_variant
-
-    def spy(**kwargs):
-        calls.append((kwargs["deterministic"], kwargs["one_pass"]))
-        return real(**kwargs)
-    monkeypatch.setattr(dispatch, "backward_variant", spy)
     monkeypatch.setattr(dispatch, "GLUON_PACKED_BACKWARD", frozenset({16}))
     monkeypatch.setattr(launch, "ENABLED", False)
-    return calls
+    return record_calls(monkeypatch, dispatch, "backward_variant",
+                        lambda args, kwargs: (kwargs["deterministic"], kwargs["one_pass"]))
 
 
 @pytest.mark.parametrize("case", ["dense", "global switch", "dk dv only", "dq only", "window", "varlen"])

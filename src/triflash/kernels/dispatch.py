@@ -318,12 +318,6 @@ def backward_candidates(head_dim: int, one_pass: bool = True) -> tuple[str, ...]
     return HOPPER_BACKWARD_VARIANTS.get(head_dim, ()) + fused
 
 
-def one_pass_atomic_ready() -> bool:
-    """Whether this Triton's Gluon binds the TMA reduce-add that ``ONE_PASS_ATOMIC`` is built on (Triton
-    3.6 does; without it the chooser keeps the deterministic kernels)."""
-    return configs.gluon_tma_reduce_available()
-
-
 def backward_variant(*, head_dim: int, dtype, device, causal: bool, seqlen_q: int, seqlen_k: int,
                      deterministic: bool = True, one_pass: bool = True) -> str:
     """The backward's kernels above the single launch's sizes (``single_launch_suits``, asked first):
@@ -332,14 +326,15 @@ def backward_variant(*, head_dim: int, dtype, device, causal: bool, seqlen_q: in
     and 128; at 64 from ``GLUON_DQ_MIN_KEYS_D64`` keys ``dkdv_long`` (dQ on the Gluon kernel too).
     Where ``deterministic`` is False, ``one_pass`` (a dense call without a window that wants all
     three gradients), the head dim is in ``GLUON_ATOMIC_BACKWARD`` and there are
-    ``GLUON_ATOMIC_MIN_KEYS`` queries and keys: ``ONE_PASS_ATOMIC`` (not deterministic). Elsewhere the Triton kernels
+    ``GLUON_ATOMIC_MIN_KEYS`` queries and keys, on a Triton whose Gluon has the TMA reduce-add it is
+    built on: ``ONE_PASS_ATOMIC`` (not deterministic). Elsewhere the Triton kernels
     (``_portable_backward``). Measurements: docs/performance.md."""
     if not configs.gluon_hopper_applies(head_dim=head_dim, dtype=dtype, device=device):
         return _portable_backward(None, deterministic)
     # Hopper (sm_90, fp16/bf16, head dim 64/128): the Gluon kernels, on the H100 1.46-1.85x faster
     # than the portable atomic ones; deterministic, except the one-pass form deterministic=False takes.
     if (not deterministic and one_pass and head_dim in GLUON_ATOMIC_BACKWARD
-            and min(seqlen_q, seqlen_k) >= GLUON_ATOMIC_MIN_KEYS and one_pass_atomic_ready()):
+            and min(seqlen_q, seqlen_k) >= GLUON_ATOMIC_MIN_KEYS and configs.gluon_tma_reduce_available()):
         return ONE_PASS_ATOMIC
     if head_dim == 64 and seqlen_k >= GLUON_DQ_MIN_KEYS_D64:
         return "dkdv_long"
@@ -352,8 +347,8 @@ def _portable_backward(variant: str | None, deterministic: bool) -> str:
     inputs do not allow): a forced
     ``"atomic"`` or ``"triton"`` as given, else ``"triton"``, or ``"atomic"`` where ``deterministic``
     is False and ``ATOMIC_BY_DEFAULT`` (a forced Gluon variant that cannot run falls back to
-    ``"triton"``: deterministic). A
-    forced variant wins over ``deterministic``: forcing is for tests and benchmarks."""
+    ``"triton"``: deterministic). A forced variant wins over ``deterministic``: forcing is for tests
+    and benchmarks."""
     if variant is None:
         return ATOMIC if ATOMIC_BY_DEFAULT and not deterministic else TRITON
     return ATOMIC if variant == ATOMIC else TRITON
