@@ -164,6 +164,31 @@ def test_rows_that_see_no_key(device):
     assert torch.equal(out, torch.zeros_like(out)) and bool(torch.isneginf(lse).all())
 
 
+@pytest.mark.parametrize("softmax_scale", [None, 2.0**-100])
+def test_slopes_that_mask_all_but_the_diagonal(device, force_kernels, softmax_scale):
+    """Very large slopes, and a tiny softmax_scale (the Hopper kernels keep ALiBi's scores in raw
+    units, the slope divided by softmax_scale, which overflows float32 then and is capped at its
+    largest value, ``ScoreArgs.tile``): every key but a row's own is masked in effect,
+    so each row's output is its own key's value, its lse that key's score, dv is dout (summed over
+    the query heads of a K/V head) and dq, dk are 0; never NaN. On sm_90 the Gluon kernels, forced."""
+    head_dim = 128 if HOPPER else 32
+    if HOPPER:
+        force_kernels(forward="pp_persist", backward="dkdv")
+    q, k, v = make_qkv(1, 70, 70, HEADS_Q, HEADS_KV, head_dim, torch.float16, device, requires_grad=True)
+    slopes = torch.full((HEADS_Q,), 1e30, device=device)
+    out, lse = triflash.flash_attn_func(q, k, v, softmax_scale=softmax_scale, alibi_slopes=slopes, return_lse=True)
+    group = HEADS_Q // HEADS_KV
+    assert torch.equal(out, v.detach().repeat_interleave(group, dim=2))
+    scale = softmax_scale if softmax_scale is not None else head_dim ** -0.5
+    own = (q.detach().double() * k.detach().double().repeat_interleave(group, dim=2)).sum(-1) * scale
+    torch.testing.assert_close(lse, own.transpose(1, 2).float(), rtol=1e-5, atol=1e-5 * (scale / 0.1))
+    dout = torch.randn_like(out)
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
+    torch.testing.assert_close(dv, dout.unflatten(2, (HEADS_KV, group)).sum(3))
+    for name, g in (("dq", dq), ("dk", dk)):
+        assert max_err(g, torch.zeros_like(g)) <= 1e-3, name
+
+
 def test_seeds_layout_gives_the_same_bits(device):
     q, k, v = make_qkv(2, 33, 47, HEADS_Q, HEADS_KV, 32, torch.float16, device)
     kwargs = _variant("all", device)

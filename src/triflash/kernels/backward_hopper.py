@@ -268,8 +268,8 @@ class BwdIO:
     """What the partitions read and write in global memory: Q, K, V, dO, lse2 and delta through TMA
     descriptors (the producer), dK and dV by pointer and strides (the consumers), the dQ workspace and
     its turn counters (the writer; TMA_DQ: DQW is a descriptor over the workspace as [B * Hq, rows, D]),
-    the scales (qk_scale: log2(e) with softcap or ALiBi, whose scores
-    are in natural units; sm_scale: dK's and dQ's factor), the score variants (``scores``) and, packed,
+    the scales (qk_scale: log2(e) with softcap, whose scores are in
+    natural units; sm_scale: dK's and dQ's factor), the score variants (``scores``) and, packed,
     lse2 and delta by pointer (``_load_stats``)."""
     q_desc: tma.tensor_descriptor
     k_desc: tma.tensor_descriptor
@@ -783,7 +783,7 @@ def _attn_bwd_hopper_kernel(
     stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh,
     num_n_blocks, num_heads_q, num_heads_k, kv_group_size, seqlen_q, seqlen_k, num_m_blocks,
     batch, heads_per_group, stats_rows, sm_scale, qk_scale,
-    score_scale, tanh_scale, softcap, ALIBI_SLOPES, stride_ab, stride_ah,   # score variants, else None
+    slope_scale, tanh_scale, softcap, ALIBI_SLOPES, stride_ab, stride_ah,   # score variants, else None
     window_left, window_right,                                              # a window, else None
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
     DQ_BUFS: gl.constexpr, IS_CAUSAL: gl.constexpr,
@@ -804,7 +804,7 @@ def _attn_bwd_hopper_kernel(
     work = BwdWork(num_n_blocks, num_heads_q, num_heads_k, kv_group_size, seqlen_q, seqlen_k, num_m_blocks, batch,
                    heads_per_group, stats_rows, Window(window_left, window_right, HAS_LEFT, HAS_RIGHT),
                    Packed(CU_SEQLENS_Q, CU_SEQLENS_K, PACKED))
-    scores = ScoreArgs(score_scale, tanh_scale, softcap, ALIBI_SLOPES, stride_ab, stride_ah, None, SOFTCAP, ALIBI,
+    scores = ScoreArgs(slope_scale, tanh_scale, softcap, ALIBI_SLOPES, stride_ab, stride_ah, None, SOFTCAP, ALIBI,
                        False)
     io = BwdIO(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, DK, DV, DQW, SEM, stride_dkb, stride_dks,
                stride_dkh, stride_dvb, stride_dvs, stride_dvh, sm_scale, qk_scale, scores, LSE2, DELTA)
@@ -1163,7 +1163,7 @@ def _attn_bwd_dq_hopper_kernel(
     q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, DQ,
     stride_dqb, stride_dqs, stride_dqh,
     num_heads_q, kv_group_size, seqlen_q, seqlen_k, num_m_blocks, stats_rows, sm_scale, qk_scale,
-    score_scale, tanh_scale, softcap, ALIBI_SLOPES, stride_ab, stride_ah,   # score variants, else None
+    slope_scale, tanh_scale, softcap, ALIBI_SLOPES, stride_ab, stride_ah,   # score variants, else None
     window_left, window_right,                                              # a window, else None
     HEAD_DIM: gl.constexpr, ROWS: gl.constexpr, NUM_WG: gl.constexpr, BLOCK_N: gl.constexpr,
     STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, PRODUCER_REGS_: gl.constexpr, CONSUMER_REGS_: gl.constexpr,
@@ -1177,7 +1177,7 @@ def _attn_bwd_dq_hopper_kernel(
     cfg = DqConfig(ROWS, NUM_WG, BLOCK_N, HEAD_DIM, STAGES, IS_CAUSAL)
     work = DqWork(num_heads_q, kv_group_size, seqlen_q, seqlen_k, num_m_blocks, stats_rows,
                   Window(window_left, window_right, HAS_LEFT, HAS_RIGHT), Packed(CU_SEQLENS_Q, CU_SEQLENS_K, PACKED))
-    scores = ScoreArgs(score_scale, tanh_scale, softcap, ALIBI_SLOPES, stride_ab, stride_ah, None, SOFTCAP, ALIBI,
+    scores = ScoreArgs(slope_scale, tanh_scale, softcap, ALIBI_SLOPES, stride_ab, stride_ah, None, SOFTCAP, ALIBI,
                        False)
     io = DqIO(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, DQ, stride_dqb, stride_dqs, stride_dqh,
               sm_scale, qk_scale, scores, LSE2, DELTA)

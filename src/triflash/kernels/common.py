@@ -304,7 +304,9 @@ def score_mod(qk, rows, cols, off, sm_scale, tanh_scale, softcap, slope, SOFTCAP
         t = qk
         s = qk * sm_scale
     if ALIBI:
-        s = s - slope * tl.abs(rows + off - cols).to(tl.float32)
+        # The distance in fp32, each side converted before broadcasting: exact (whole numbers below
+        # 2^24), and one add per score where an integer distance costs an abs and a conversion too.
+        s = s - slope * tl.abs((rows + off).to(tl.float32) - cols.to(tl.float32))
     return s, t
 
 

@@ -437,13 +437,41 @@ def seen_cols(cols, col_limit, col_start=None):
 
 
 @gluon.jit
+def exp2_poly(x):
+    """2^x for x <= 0 on the FMA and integer units instead of the MUFU (FlashAttention-4's trick
+    for an exp-bound softmax): x = j + f with j = round(x) and f in [-0.5, 0.5]; 2^f by a degree-3
+    polynomial (relative error below 7.5e-5, under fp16's and bf16's rounding of P), times 2^j
+    made from its exponent bits. Adding 1.5 * 2^23 + 127 to x leaves j + 127 in the low bits of
+    the sum, so a shift makes 2^j; below -127 (and at -inf, masked scores) that is 0, so p is
+    exactly 0 there, as the hardware exp2's is."""
+    x = gl.maximum(x, -127.0)
+    t = x + 12583039.0
+    f = x - (t - 12583039.0)
+    p = ((0.055171653628349304 * f + 0.24261115491390228) * f + 0.6932609677314758) * f + 0.9999280571937561
+    return p * (t.to(gl.int32, bitcast=True) << 23).to(gl.float32, bitcast=True)
+
+
+@gluon.jit
+def exp2_tile(x, EMU: gl.constexpr = False):
+    """2^x of a 2-D tile: the hardware exp2 (MUFU), or with EMU every other column's by ``exp2_poly``
+    (adjacent columns sit in one thread's registers, so the split and the join move no data)."""
+    if EMU:
+        xa, xb = x.reshape([x.shape[0], x.shape[1] // 2, 2]).split()
+        p = gl.join(gl.exp2(xa), exp2_poly(xb)).reshape([x.shape[0], x.shape[1]])
+        return gl.convert_layout(p, x.type.layout)
+    else:
+        return gl.exp2(x)
+
+
+@gluon.jit
 def softmax(s, m_i, l_i, col_limit, cols, qk_scale, MASK: gl.constexpr, SUM: gl.constexpr = True,
-            col_start=None):
+            col_start=None, EMU: gl.constexpr = False):
     """Fold one tile of raw scores s [ROWS, BN] into the running (m, l). Returns (p fp32, m_new,
     l_new, alpha). MASK: scores at columns >= col_limit (a per-row bound: the end of the keys, the
     causal diagonal or a window's right edge) become -inf, and with ``col_start`` (a window's left
     edge) those below it. Rows that have seen no key keep m = -inf, l = 0 and give p = 0, alpha = 1
-    (never NaN)."""
+    (never NaN). EMU: every other column's exp2 on the FMA units (``exp2_tile``), half the
+    MUFU's work (softcap's tanh takes the MUFU too)."""
     if MASK:
         if col_start is None:      # (written out: through seen_cols ptxas schedules the plain kernels differently)
             s = gl.where(cols[None, :] < col_limit[:, None], s, float("-inf"))
@@ -451,8 +479,11 @@ def softmax(s, m_i, l_i, col_limit, cols, qk_scale, MASK: gl.constexpr, SUM: gl.
             s = gl.where(seen_cols(cols, col_limit, col_start), s, float("-inf"))
     m_new = gl.maximum(m_i, gl.max(s, 1))
     m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-    # One FMA per score: s * qk_scale - m * qk_scale, then the hardware exp2.
-    p = gl.exp2(s * qk_scale - (m_safe * qk_scale)[:, None])
+    # One FMA per score: s * qk_scale - m * qk_scale, then the hardware exp2 (EMU: on half of them).
+    if EMU:
+        p = exp2_tile(s * qk_scale - (m_safe * qk_scale)[:, None], EMU)
+    else:
+        p = gl.exp2(s * qk_scale - (m_safe * qk_scale)[:, None])       # (inline: the plain kernels' code)
     alpha = gl.exp2(gl.where(m_new == float("-inf"), 0.0, (m_i - m_new) * qk_scale))
     if SUM:
         l_new = l_i * alpha + gl.sum(p, 1)
@@ -475,12 +506,13 @@ def finish_rows(m_i, l_i, sm_scale, o_layout: gl.constexpr):
 @aggregate
 class Scores:
     """The score variants of a consumer's tile ([Note: score variants] in common.py): ``apply`` turns
-    raw wgmma scores into natural-unit ones (SOFTCAP caps them, ALIBI adds the position bias); the
-    launch then passes the online softmax qk_scale = log2(e) and the epilogue a scale of 1. With
-    both flags off ``apply`` returns the scores as they are: the plain kernel. ``rows``: the tile's
-    query positions (row layout), ``off`` = seqlen_k - seqlen_q, ``slope``: the tile's (batch,
-    head) ALiBi slope; fields a flag does not use are None."""
-    sm_scale: SCALAR
+    raw wgmma scores into the ones the softmax takes. SOFTCAP caps them into natural units (the
+    launch then passes the online softmax qk_scale = log2(e) and the epilogue a scale of 1); ALIBI
+    subtracts the position bias, in the scores' units: natural with SOFTCAP, else raw, the slope then
+    divided by sm_scale (``ScoreArgs.tile``) so that the softmax and the epilogue take sm_scale as the
+    plain kernel does. With both flags off ``apply`` returns the scores as they are: the plain kernel.
+    ``rows``: the tile's query positions (row layout), ``off`` = seqlen_k - seqlen_q, ``slope``: the
+    tile's (batch, head) ALiBi slope in the scores' units; fields a flag does not use are None."""
     tanh_scale: SCALAR
     softcap: SCALAR
     slope: SCALAR
@@ -490,9 +522,9 @@ class Scores:
     ALIBI: gl.constexpr
 
     @gluon.constexpr_function
-    def __init__(self, sm_scale, tanh_scale, softcap, slope, rows, off, SOFTCAP, ALIBI):
-        constexprs(self, sm_scale=sm_scale, tanh_scale=tanh_scale, softcap=softcap, slope=slope, rows=rows,
-                   off=off, SOFTCAP=SOFTCAP, ALIBI=ALIBI)
+    def __init__(self, tanh_scale, softcap, slope, rows, off, SOFTCAP, ALIBI):
+        constexprs(self, tanh_scale=tanh_scale, softcap=softcap, slope=slope, rows=rows, off=off, SOFTCAP=SOFTCAP,
+                   ALIBI=ALIBI)
 
     @gluon.jit
     def apply(self, s, cols):
@@ -503,25 +535,28 @@ class Scores:
     def apply_grad(self, s, cols):
         """``apply``, and the factor the chain rule puts on dS: 1 - tanh^2 with SOFTCAP, else 1 (which
         a caller without SOFTCAP does not use). A backward's transposed tile [keys, queries] passes its
-        key positions as ``rows``, the query positions as ``cols`` and -off: |k - off - q| = |q + off - k|."""
+        key positions as ``rows``, the query positions as ``cols`` and -off: |k - off - q| = |q + off - k|.
+        ALiBi's distance is taken in fp32, the row and the column positions each converted before
+        they are broadcast: exact (whole numbers below 2^24), and an add per score where an integer
+        distance costs a subtract, an abs and a conversion per score."""
         g = gl.full_like(s, 1.0)
         if self.SOFTCAP:
             t = fast_tanh(s * self.tanh_scale)
             s = self.softcap * t
             g = 1.0 - t * t
-        elif self.ALIBI:
-            s = s * self.sm_scale
         if self.ALIBI:
-            s = s - self.slope * gl.abs(self.rows[:, None] + self.off - cols[None, :]).to(gl.float32)
+            d = (self.rows + self.off).to(gl.float32)[:, None] - cols.to(gl.float32)[None, :]
+            s = s - self.slope * gl.abs(d)
         return s, g
 
 
 @aggregate
 class ScoreArgs:
     """A launch's score-variant arguments ([Note: score variants] in common.py): the flags (each
-    compiled in only when set) and the values behind them, None where a flag is off (``sm_scale``:
-    ALIBI without SOFTCAP, which scales the raw scores itself). ``tile`` gives a tile's ``Scores``."""
-    sm_scale: SCALAR
+    compiled in only when set) and the values behind them, None where a flag is off (``slope_scale``:
+    ALIBI without SOFTCAP, 1 / sm_scale, the slope's factor into raw units). ``tile`` gives a tile's
+    ``Scores``."""
+    slope_scale: SCALAR
     tanh_scale: SCALAR
     softcap: SCALAR
     SLOPES: SCALAR
@@ -533,9 +568,9 @@ class ScoreArgs:
     HAS_SINKS: gl.constexpr
 
     @gluon.constexpr_function
-    def __init__(self, sm_scale, tanh_scale, softcap, SLOPES, stride_ab, stride_ah, SINKS, SOFTCAP, ALIBI,
+    def __init__(self, slope_scale, tanh_scale, softcap, SLOPES, stride_ab, stride_ah, SINKS, SOFTCAP, ALIBI,
                  HAS_SINKS):
-        constexprs(self, sm_scale=sm_scale, tanh_scale=tanh_scale, softcap=softcap, SLOPES=SLOPES,
+        constexprs(self, slope_scale=slope_scale, tanh_scale=tanh_scale, softcap=softcap, SLOPES=SLOPES,
                    stride_ab=stride_ab, stride_ah=stride_ah, SINKS=SINKS, SOFTCAP=SOFTCAP, ALIBI=ALIBI,
                    HAS_SINKS=HAS_SINKS)
 
@@ -545,9 +580,13 @@ class ScoreArgs:
         transposed tile: its key positions, and -off)."""
         if self.ALIBI:
             slope = gl.load(self.SLOPES + off_b * self.stride_ab + off_h * self.stride_ah)
-            return Scores(self.sm_scale, self.tanh_scale, self.softcap, slope, rows, off, self.SOFTCAP, self.ALIBI)
+            if not self.SOFTCAP:
+                # Raw units. A slope too large for them (inf) would give inf * 0 = NaN on the
+                # diagonal: capped at the largest float, which masks every other key as inf would.
+                slope = gl.minimum(slope * self.slope_scale, 3.4028234663852886e38)
+            return Scores(self.tanh_scale, self.softcap, slope, rows, off, self.SOFTCAP, self.ALIBI)
         else:
-            return Scores(self.sm_scale, self.tanh_scale, self.softcap, None, None, off, self.SOFTCAP, self.ALIBI)
+            return Scores(self.tanh_scale, self.softcap, None, None, off, self.SOFTCAP, self.ALIBI)
 
     @gluon.jit
     def sink(self, off_h):
@@ -624,14 +663,21 @@ def to_operand(p, dtype: gl.constexpr, p_layout: gl.constexpr):
     return gl.convert_layout(h, p_layout)
 
 
+def natural_units(scores) -> bool:
+    """Whether a Gluon kernel's scores are in natural units (softcap: ``Scores``), not raw ones."""
+    return scores.softcap > 0
+
+
 def score_launch_args(scores, sm_scale: float, sinks: bool) -> dict:
     """A Gluon launch's score-variant arguments (``ScoreArgs``' values and flags, None / False where
     unused, so the plain kernels get none) and the online softmax's ``qk_scale``: log2(e) where softcap
-    or ALiBi put the scores in natural units, else sm_scale * log2(e). ``sinks``: the kernel takes
-    SINKS / HAS_SINKS (the forward; the backward reads sinks only through the LSE)."""
+    puts the scores in natural units, else sm_scale * log2(e) (ALiBi alone: raw units, slope_scale =
+    1 / sm_scale). ``sinks``: the kernel takes SINKS / HAS_SINKS (the forward; the backward reads
+    sinks only through the LSE)."""
     args = scores.transform_kwargs(sm_scale)
-    args.update(qk_scale=LOG2E if scores.transforms else sm_scale * LOG2E,
-                score_scale=sm_scale if args["ALIBI"] and not args["SOFTCAP"] else None)
+    natural = natural_units(scores)
+    args.update(qk_scale=LOG2E if natural else sm_scale * LOG2E,
+                slope_scale=1.0 / sm_scale if args["ALIBI"] and not natural else None)
     if sinks:
         args.update(scores.sink_kwargs())
     return args
