@@ -805,7 +805,7 @@ def _attn_bwd_hopper_kernel(
                    heads_per_group, stats_rows, Window(window_left, window_right, HAS_LEFT, HAS_RIGHT),
                    Packed(CU_SEQLENS_Q, CU_SEQLENS_K, PACKED))
     scores = ScoreArgs(slope_scale, tanh_scale, softcap, ALIBI_SLOPES, stride_ab, stride_ah, None, SOFTCAP, ALIBI,
-                       False)
+                       False, HEAD_DIM)
     io = BwdIO(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, DK, DV, DQW, SEM, stride_dkb, stride_dks,
                stride_dkh, stride_dvb, stride_dvs, stride_dvh, sm_scale, qk_scale, scores, LSE2, DELTA)
     kv_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
@@ -1178,7 +1178,7 @@ def _attn_bwd_dq_hopper_kernel(
     work = DqWork(num_heads_q, kv_group_size, seqlen_q, seqlen_k, num_m_blocks, stats_rows,
                   Window(window_left, window_right, HAS_LEFT, HAS_RIGHT), Packed(CU_SEQLENS_Q, CU_SEQLENS_K, PACKED))
     scores = ScoreArgs(slope_scale, tanh_scale, softcap, ALIBI_SLOPES, stride_ab, stride_ah, None, SOFTCAP, ALIBI,
-                       False)
+                       False, HEAD_DIM)
     io = DqIO(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, DQ, stride_dqb, stride_dqs, stride_dqh,
               sm_scale, qk_scale, scores, LSE2, DELTA)
     kv_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)

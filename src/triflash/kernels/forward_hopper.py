@@ -723,7 +723,7 @@ def _attn_fwd_hopper_kernel(
                   Window(window_left, window_right, HAS_LEFT, HAS_RIGHT), Packed(CU_SEQLENS_Q, CU_SEQLENS_K, PACKED),
                   ROWS * NUM_WG, BLOCK_N, IS_CAUSAL, ORDER)
     scores = ScoreArgs(slope_scale, tanh_scale, softcap, ALIBI_SLOPES, stride_ab, stride_ah, SINKS, SOFTCAP, ALIBI,
-                       HAS_SINKS)
+                       HAS_SINKS, HEAD_DIM)
     io = FwdIO(q_desc, k_desc, v_desc, o_desc, LSE, sm_scale, qk_scale, scores, O, stride_ot, stride_oh, stride_lh)
 
     # -- shared memory: query and output tiles, the K/V ring, barriers --

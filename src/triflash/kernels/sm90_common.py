@@ -503,6 +503,15 @@ def finish_rows(m_i, l_i, sm_scale, o_layout: gl.constexpr):
     return lse, gl.convert_layout(1.0 / l_safe, gl.SliceLayout(1, o_layout))
 
 
+@gluon.constexpr_function
+def alibi_f32_distance(head_dim) -> bool:
+    """Whether the Gluon kernels form ALiBi's distance in fp32 (``Scores.apply_grad``): at head dim
+    64, where it took the forward from 0.416 to 0.375 ms and the dK/dV kernel from 5.5 to 1.4 ms
+    (spills cut by four); not at 128, where the integer form's forward is 5% faster (0.560 against
+    0.593 ms; H200, 4,16,4096 causal fp16, docs/performance.md#score-variants-on-hopper)."""
+    return int(getattr(head_dim, "value", head_dim)) == 64
+
+
 @aggregate
 class Scores:
     """The score variants of a consumer's tile ([Note: score variants] in common.py): ``apply`` turns
@@ -512,7 +521,8 @@ class Scores:
     divided by sm_scale (``ScoreArgs.tile``) so that the softmax and the epilogue take sm_scale as the
     plain kernel does. With both flags off ``apply`` returns the scores as they are: the plain kernel.
     ``rows``: the tile's query positions (row layout), ``off`` = seqlen_k - seqlen_q, ``slope``: the
-    tile's (batch, head) ALiBi slope in the scores' units; fields a flag does not use are None."""
+    tile's (batch, head) ALiBi slope in the scores' units; fields a flag does not use are None.
+    F32_DIST: how ALiBi's distance is formed (``apply_grad``)."""
     tanh_scale: SCALAR
     softcap: SCALAR
     slope: SCALAR
@@ -520,11 +530,12 @@ class Scores:
     off: SCALAR
     SOFTCAP: gl.constexpr
     ALIBI: gl.constexpr
+    F32_DIST: gl.constexpr
 
     @gluon.constexpr_function
-    def __init__(self, tanh_scale, softcap, slope, rows, off, SOFTCAP, ALIBI):
+    def __init__(self, tanh_scale, softcap, slope, rows, off, SOFTCAP, ALIBI, F32_DIST):
         constexprs(self, tanh_scale=tanh_scale, softcap=softcap, slope=slope, rows=rows, off=off, SOFTCAP=SOFTCAP,
-                   ALIBI=ALIBI)
+                   ALIBI=ALIBI, F32_DIST=F32_DIST)
 
     @gluon.jit
     def apply(self, s, cols):
@@ -536,17 +547,21 @@ class Scores:
         """``apply``, and the factor the chain rule puts on dS: 1 - tanh^2 with SOFTCAP, else 1 (which
         a caller without SOFTCAP does not use). A backward's transposed tile [keys, queries] passes its
         key positions as ``rows``, the query positions as ``cols`` and -off: |k - off - q| = |q + off - k|.
-        ALiBi's distance is taken in fp32, the row and the column positions each converted before
-        they are broadcast: exact (whole numbers below 2^24), and an add per score where an integer
-        distance costs a subtract, an abs and a conversion per score."""
+        ALiBi's distance, F32_DIST: in fp32, the row and the column positions each converted before
+        they are broadcast, one add per score (exact: whole numbers below 2^24); else an integer
+        subtract, abs and conversion per score. The two give the same floats; which is faster
+        depends on the kernel's registers (``alibi_f32_distance``)."""
         g = gl.full_like(s, 1.0)
         if self.SOFTCAP:
             t = fast_tanh(s * self.tanh_scale)
             s = self.softcap * t
             g = 1.0 - t * t
         if self.ALIBI:
-            d = (self.rows + self.off).to(gl.float32)[:, None] - cols.to(gl.float32)[None, :]
-            s = s - self.slope * gl.abs(d)
+            if self.F32_DIST:
+                d = gl.abs((self.rows + self.off).to(gl.float32)[:, None] - cols.to(gl.float32)[None, :])
+            else:
+                d = gl.abs(self.rows[:, None] + self.off - cols[None, :]).to(gl.float32)
+            s = s - self.slope * d
         return s, g
 
 
@@ -555,7 +570,7 @@ class ScoreArgs:
     """A launch's score-variant arguments ([Note: score variants] in common.py): the flags (each
     compiled in only when set) and the values behind them, None where a flag is off (``slope_scale``:
     ALIBI without SOFTCAP, 1 / sm_scale, the slope's factor into raw units). ``tile`` gives a tile's
-    ``Scores``."""
+    ``Scores``; F32_DIST: ``Scores.apply_grad``'s, ``alibi_f32_distance`` of the kernel's head dim."""
     slope_scale: SCALAR
     tanh_scale: SCALAR
     softcap: SCALAR
@@ -566,13 +581,14 @@ class ScoreArgs:
     SOFTCAP: gl.constexpr
     ALIBI: gl.constexpr
     HAS_SINKS: gl.constexpr
+    F32_DIST: gl.constexpr
 
     @gluon.constexpr_function
     def __init__(self, slope_scale, tanh_scale, softcap, SLOPES, stride_ab, stride_ah, SINKS, SOFTCAP, ALIBI,
-                 HAS_SINKS):
+                 HAS_SINKS, HEAD_DIM):
         constexprs(self, slope_scale=slope_scale, tanh_scale=tanh_scale, softcap=softcap, SLOPES=SLOPES,
                    stride_ab=stride_ab, stride_ah=stride_ah, SINKS=SINKS, SOFTCAP=SOFTCAP, ALIBI=ALIBI,
-                   HAS_SINKS=HAS_SINKS)
+                   HAS_SINKS=HAS_SINKS, F32_DIST=alibi_f32_distance(HEAD_DIM))
 
     @gluon.jit
     def tile(self, off_b, off_h, rows, off):
@@ -584,9 +600,9 @@ class ScoreArgs:
                 # Raw units. A slope too large for them (inf) would give inf * 0 = NaN on the
                 # diagonal: capped at the largest float, which masks every other key as inf would.
                 slope = gl.minimum(slope * self.slope_scale, 3.4028234663852886e38)
-            return Scores(self.tanh_scale, self.softcap, slope, rows, off, self.SOFTCAP, self.ALIBI)
+            return Scores(self.tanh_scale, self.softcap, slope, rows, off, self.SOFTCAP, self.ALIBI, self.F32_DIST)
         else:
-            return Scores(self.tanh_scale, self.softcap, None, None, off, self.SOFTCAP, self.ALIBI)
+            return Scores(self.tanh_scale, self.softcap, None, None, off, self.SOFTCAP, self.ALIBI, self.F32_DIST)
 
     @gluon.jit
     def sink(self, off_h):
