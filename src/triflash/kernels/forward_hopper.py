@@ -84,8 +84,6 @@ from .sm90_common import (
 #   pingpong: the num_wg warpgroups take turns issuing their wgmmas (round robin);
 #   persistent: one CTA per SM, looping over the (query block, batch, head) tiles;
 #   ltc: row sums on the tensor cores (fp16 only);
-#   emu: "always" or "softcap" (with softcap only): every other column's exp2 on the FMA units
-#   (``sm90_common.exp2_poly``) instead of the MUFU, which softcap's tanh also takes; None: none;
 #   skip: causal launches skip, per warpgroup, the tile's key blocks its rows do not see (default: on
 #   for three warpgroups in the split-loop schedule).
 # Variants tried and dropped (one-partition warpgroups, 64-key tiles, no overlap) are described in
@@ -115,7 +113,6 @@ def variant_config(variant: str, head_dim: int) -> dict:
     cfg = dict(VARIANTS[variant][head_dim])
     cfg.setdefault("persistent", False)
     cfg.setdefault("ltc", False)
-    cfg.setdefault("emu", None)
     num_wg = cfg["num_wg"]
     warps = 4                                             # one warpgroup per consumer partition
     cfg["rows"] = 16 * warps                              # query rows of one consumer partition
@@ -156,7 +153,6 @@ class FwdConfig:
     ORDER: gl.constexpr
     LTC: gl.constexpr
     SKIP: gl.constexpr
-    EMU: gl.constexpr
     WARPS: gl.constexpr
     SYNC: gl.constexpr
     dtype: gl.constexpr
@@ -171,10 +167,10 @@ class FwdConfig:
 
     @gluon.constexpr_function
     def __init__(self, HEAD_DIM, ROWS, NUM_WG, BLOCK_N, STAGES, IS_CAUSAL, OVERLAP, PINGPONG, ORDER, LTC, SKIP,
-                 dtype, EMU=False):
+                 dtype):
         constexprs(self, HEAD_DIM=HEAD_DIM, ROWS=ROWS, NUM_WG=NUM_WG, BLOCK_N=BLOCK_N, STAGES=STAGES,
                    IS_CAUSAL=IS_CAUSAL, OVERLAP=OVERLAP, PINGPONG=PINGPONG, ORDER=ORDER, LTC=LTC, SKIP=SKIP,
-                   dtype=dtype, EMU=EMU)
+                   dtype=dtype)
         warps = self.ROWS.value // 16
         s = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[warps, 1],
                                       instr_shape=[16, self.BLOCK_N.value, 16])
@@ -384,8 +380,7 @@ def _overlap_step(cfg, sh, WG: gl.constexpr, j, c, t, p, acc, l_acc, m_i, l_i, q
     s = _s_wait(cfg, s_tok, sh.k.empty_bar(st))
     cols = j * cfg.BLOCK_N + cols0
     s = mod.apply(s, cols)
-    p_new, m_i, l_i, alpha = softmax(s, m_i, l_i, col_limit, cols, qk_scale, MASK, not cfg.LTC, col_start,
-                                     cfg.EMU)
+    p_new, m_i, l_i, alpha = softmax(s, m_i, l_i, col_limit, cols, qk_scale, MASK, not cfg.LTC, col_start)
     p_new = to_operand(p_new, cfg.dtype, cfg.p_layout)
     acc, l_acc = _pv_finish(cfg, o_tok, l_tok, p, p_l, alpha, sh.v.empty_bar(pst))
     return p_new, acc, l_acc, m_i, l_i
@@ -542,10 +537,10 @@ def _consumer(cfg, WG: gl.constexpr, tiles, io, sh):
                             first_full = n_full > 0
                         if first_full:
                             p, m_i, l_i, alpha = softmax(s, m_i, l_i, col_limit, cols_first, qk_scale, False,
-                                                          not LTC, EMU=cfg.EMU)
+                                                          not LTC)
                         else:
                             p, m_i, l_i, alpha = softmax(s, m_i, l_i, col_limit, cols_first, qk_scale, True,
-                                                          not LTC, col_start, cfg.EMU)
+                                                          not LTC, col_start)
                         p = gl.convert_layout(p.to(dtype), cfg.p_layout)
                         # -- steps first+1 .. n-1: issue S_j and P_{j-1} V_{j-1}; softmax S_j under PV --
                         if cfg.OVERLAP >= 2:
@@ -586,10 +581,10 @@ def _consumer(cfg, WG: gl.constexpr, tiles, io, sh):
                                     unmasked = j < n_full
                                 if unmasked:
                                     p_new, m_i, l_i, alpha = softmax(s, m_i, l_i, col_limit, cols, qk_scale,
-                                                                      False, not LTC, EMU=cfg.EMU)
+                                                                      False, not LTC)
                                 else:
                                     p_new, m_i, l_i, alpha = softmax(s, m_i, l_i, col_limit, cols, qk_scale,
-                                                                      True, not LTC, col_start, cfg.EMU)
+                                                                      True, not LTC, col_start)
                                 p_new = gl.convert_layout(p_new.to(dtype), cfg.p_layout)
                                 acc, l_acc = _pv_finish(cfg, o_tok, l_tok, p, p_l, alpha, sh.v.empty_bar(pst))
                                 p = p_new
@@ -630,11 +625,10 @@ def _consumer(cfg, WG: gl.constexpr, tiles, io, sh):
                             else:
                                 unmasked = j < n_full
                             if unmasked:
-                                p, m_i, l_i, alpha = softmax(s, m_i, l_i, col_limit, cols, qk_scale, False,
-                                                              EMU=cfg.EMU)
+                                p, m_i, l_i, alpha = softmax(s, m_i, l_i, col_limit, cols, qk_scale, False)
                             else:
                                 p, m_i, l_i, alpha = softmax(s, m_i, l_i, col_limit, cols, qk_scale, True, True,
-                                                              col_start, cfg.EMU)
+                                                              col_start)
                             acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
                             p = gl.convert_layout(p.to(dtype), cfg.p_layout)
                             sh.v.wait_at(st, ph)
@@ -706,7 +700,7 @@ def _attn_fwd_hopper_kernel(
     HEAD_DIM: gl.constexpr, ROWS: gl.constexpr, NUM_WG: gl.constexpr, BLOCK_N: gl.constexpr,
     STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr,
     ORDER: gl.constexpr, PRODUCER_REGS_: gl.constexpr, CONSUMER_REGS_: gl.constexpr,
-    LTC: gl.constexpr, SKIP: gl.constexpr, EMU: gl.constexpr,
+    LTC: gl.constexpr, SKIP: gl.constexpr,
     SOFTCAP: gl.constexpr = False, ALIBI: gl.constexpr = False, HAS_SINKS: gl.constexpr = False,
     HAS_LEFT: gl.constexpr = False, HAS_RIGHT: gl.constexpr = False,
     CU_SEQLENS_Q=None, CU_SEQLENS_K=None, O=None, stride_ot=None, stride_oh=None, stride_lh=None,  # packed
@@ -717,8 +711,7 @@ def _attn_fwd_hopper_kernel(
     grid = num_items (not persistent) that is one item per program. PACKED: packed sequences
     (``Packed``), seqlen_q / seqlen_k the longest."""
     dtype: gl.constexpr = q_desc.dtype
-    cfg = FwdConfig(HEAD_DIM, ROWS, NUM_WG, BLOCK_N, STAGES, IS_CAUSAL, OVERLAP, PINGPONG, ORDER, LTC, SKIP, dtype,
-                    EMU)
+    cfg = FwdConfig(HEAD_DIM, ROWS, NUM_WG, BLOCK_N, STAGES, IS_CAUSAL, OVERLAP, PINGPONG, ORDER, LTC, SKIP, dtype)
     tiles = Tiles(num_items, section, num_m_blocks, num_heads_q, kv_group_size, seqlen_q, seqlen_k,
                   Window(window_left, window_right, HAS_LEFT, HAS_RIGHT), Packed(CU_SEQLENS_Q, CU_SEQLENS_K, PACKED),
                   ROWS * NUM_WG, BLOCK_N, IS_CAUSAL, ORDER)
@@ -933,7 +926,6 @@ def forward_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: 
         HEAD_DIM=head_dim, ROWS=cfg["rows"], NUM_WG=cfg["num_wg"], BLOCK_N=cfg["block_n"],
         STAGES=cfg["stages"], IS_CAUSAL=causal, OVERLAP=cfg["overlap"], PINGPONG=cfg["pingpong"],
         ORDER=ORDERS[order], LTC=cfg["ltc"], SKIP=cfg["skip"] and causal and window is None,
-        EMU=cfg["emu"] == "always" or (cfg["emu"] == "softcap" and scores.softcap > 0),
         **window_kernel_args(window), **packed,
         PRODUCER_REGS_=PRODUCER_REGS, CONSUMER_REGS_=cfg["consumer_regs"],
         num_warps=cfg["num_warps"], maxnreg=cfg["maxnreg"],

@@ -437,41 +437,13 @@ def seen_cols(cols, col_limit, col_start=None):
 
 
 @gluon.jit
-def exp2_poly(x):
-    """2^x for x <= 0 on the FMA and integer units instead of the MUFU (FlashAttention-4's trick
-    for an exp-bound softmax): x = j + f with j = round(x) and f in [-0.5, 0.5]; 2^f by a degree-3
-    polynomial (relative error below 7.5e-5, under fp16's and bf16's rounding of P), times 2^j
-    made from its exponent bits. Adding 1.5 * 2^23 + 127 to x leaves j + 127 in the low bits of
-    the sum, so a shift makes 2^j; below -127 (and at -inf, masked scores) that is 0, so p is
-    exactly 0 there, as the hardware exp2's is."""
-    x = gl.maximum(x, -127.0)
-    t = x + 12583039.0
-    f = x - (t - 12583039.0)
-    p = ((0.055171653628349304 * f + 0.24261115491390228) * f + 0.6932609677314758) * f + 0.9999280571937561
-    return p * (t.to(gl.int32, bitcast=True) << 23).to(gl.float32, bitcast=True)
-
-
-@gluon.jit
-def exp2_tile(x, EMU: gl.constexpr = False):
-    """2^x of a 2-D tile: the hardware exp2 (MUFU), or with EMU every other column's by ``exp2_poly``
-    (adjacent columns sit in one thread's registers, so the split and the join move no data)."""
-    if EMU:
-        xa, xb = x.reshape([x.shape[0], x.shape[1] // 2, 2]).split()
-        p = gl.join(gl.exp2(xa), exp2_poly(xb)).reshape([x.shape[0], x.shape[1]])
-        return gl.convert_layout(p, x.type.layout)
-    else:
-        return gl.exp2(x)
-
-
-@gluon.jit
 def softmax(s, m_i, l_i, col_limit, cols, qk_scale, MASK: gl.constexpr, SUM: gl.constexpr = True,
-            col_start=None, EMU: gl.constexpr = False):
+            col_start=None):
     """Fold one tile of raw scores s [ROWS, BN] into the running (m, l). Returns (p fp32, m_new,
     l_new, alpha). MASK: scores at columns >= col_limit (a per-row bound: the end of the keys, the
     causal diagonal or a window's right edge) become -inf, and with ``col_start`` (a window's left
     edge) those below it. Rows that have seen no key keep m = -inf, l = 0 and give p = 0, alpha = 1
-    (never NaN). EMU: every other column's exp2 on the FMA units (``exp2_tile``), half the
-    MUFU's work (softcap's tanh takes the MUFU too)."""
+    (never NaN)."""
     if MASK:
         if col_start is None:      # (written out: through seen_cols ptxas schedules the plain kernels differently)
             s = gl.where(cols[None, :] < col_limit[:, None], s, float("-inf"))
@@ -479,11 +451,8 @@ def softmax(s, m_i, l_i, col_limit, cols, qk_scale, MASK: gl.constexpr, SUM: gl.
             s = gl.where(seen_cols(cols, col_limit, col_start), s, float("-inf"))
     m_new = gl.maximum(m_i, gl.max(s, 1))
     m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-    # One FMA per score: s * qk_scale - m * qk_scale, then the hardware exp2 (EMU: on half of them).
-    if EMU:
-        p = exp2_tile(s * qk_scale - (m_safe * qk_scale)[:, None], EMU)
-    else:
-        p = gl.exp2(s * qk_scale - (m_safe * qk_scale)[:, None])       # (inline: the plain kernels' code)
+    # One FMA per score: s * qk_scale - m * qk_scale, then the hardware exp2.
+    p = gl.exp2(s * qk_scale - (m_safe * qk_scale)[:, None])
     alpha = gl.exp2(gl.where(m_new == float("-inf"), 0.0, (m_i - m_new) * qk_scale))
     if SUM:
         l_new = l_i * alpha + gl.sum(p, 1)
