@@ -168,9 +168,12 @@ def test_rows_that_see_no_key(device):
 def test_slopes_that_mask_all_but_the_diagonal(device, force_kernels, softmax_scale):
     """Very large slopes, and a tiny softmax_scale (the Hopper kernels keep ALiBi's scores in raw
     units, the slope divided by softmax_scale, which overflows float32 then and is capped at its
-    largest value, ``ScoreArgs.tile``): every key but a row's own is masked in effect,
-    so each row's output is its own key's value, its lse that key's score, dv is dout (summed over
-    the query heads of a K/V head) and dq, dk are 0; never NaN. On sm_90 the Gluon kernels, forced."""
+    largest value, ``ScoreArgs.tile``): every key but a row's own is masked in effect, so each row's
+    output is its own key's value, its lse that key's score, dv is dout (summed over the query heads
+    of a K/V head) and dq, dk are 0; never NaN. On sm_90 the Gluon kernels, forced. No 2x rule here:
+    PyTorch's same-dtype attention overflows fp16 on these slopes (inf * 0 on the diagonal), so the
+    answers are checked directly; lse within float32 rounding of the float64 score, and dq, dk within
+    1e-3 of 0 (their dS is dP - delta of one key: two fp32 sums of the same products)."""
     head_dim = 128 if HOPPER else 32
     if HOPPER:
         force_kernels(forward="pp_persist", backward="dkdv")
@@ -181,7 +184,7 @@ def test_slopes_that_mask_all_but_the_diagonal(device, force_kernels, softmax_sc
     assert torch.equal(out, v.detach().repeat_interleave(group, dim=2))
     scale = softmax_scale if softmax_scale is not None else head_dim ** -0.5
     own = (q.detach().double() * k.detach().double().repeat_interleave(group, dim=2)).sum(-1) * scale
-    torch.testing.assert_close(lse, own.transpose(1, 2).float(), rtol=1e-5, atol=1e-5 * (scale / 0.1))
+    torch.testing.assert_close(lse, own.transpose(1, 2).float(), rtol=1e-5, atol=1e-5 * scale)
     dout = torch.randn_like(out)
     dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
     torch.testing.assert_close(dv, dout.unflatten(2, (HEADS_KV, group)).sum(3))

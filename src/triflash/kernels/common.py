@@ -61,12 +61,6 @@ class ScoreVariant(NamedTuple):
         return frozenset(n for n, on in (("softcap", self.softcap > 0), ("alibi", self.alibi_slopes is not None),
                                          ("sinks", self.sinks is not None)) if on)
 
-    @property
-    def transforms(self) -> bool:
-        """Whether the scores themselves change (softcap, ALiBi): the backward's kernels need the
-        variant then; sinks alone change only the LSE, which the backward reads as it is."""
-        return self.softcap > 0 or self.alibi_slopes is not None
-
     def transform_kwargs(self, sm_scale: float) -> dict:
         """The launch keywords of softcap and ALiBi (every kernel family): tanh_scale = sm_scale /
         softcap, softcap, ALIBI_SLOPES and its batch / head strides ([Hq] slopes: batch stride 0), and
