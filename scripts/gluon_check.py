@@ -249,7 +249,39 @@ def _packed_backward(q, k, v, do, causal):
 
 def decode_cases(tiles):
     """The Gluon decode kernel (decode_hopper.py): each (block_n, stages) tile at head_dim 64 and
-    128, fp16 and bf16, over a contiguous cache and paged caches of 16 and 256 keys per page."""
+    128, fp16 and bf16, over a contiguous cache and paged caches of 16 and 256 keys per page; then
+    with a window and the score variants (fp16, paged)."""
+    yield from _decode_plain_cases(tiles)
+    yield from _decode_variant_cases(tiles)
+
+
+def _decode_variant_cases(tiles):
+    """A local window (causal, left 300), softcap + ALiBi + sinks with one split (the sink in the
+    kernel), ALiBi alone with three (raw units; the merge adds sinks then), and all of them."""
+    batch, sq, hq, hkv, page = 2, 4, 32, 8, 16
+    slopes = torch.rand(batch, hq)
+    sinks = torch.randn(hq)
+    every = ScoreVariant(5.0, slopes, sinks)
+    kinds = (("window", (300, 0), PLAIN_SCORES, 3), ("softcap+alibi+sinks", None, every, 1),
+             ("alibi", None, ScoreVariant(0.0, slopes), 3), ("window+all", (300, 0), every, 1))
+    for block_n, stages in tiles:
+        for d in (64, 128):
+            for name, window, scores, splits in kinds:
+                q = torch.randn(batch, sq, hq, d, dtype=torch.float16)
+                k = torch.randn(2048 // page, page, hkv, d, dtype=torch.float16)
+                v = torch.randn_like(k)
+                table = torch.arange(2048 // page, dtype=torch.int32).view(batch, -1)
+                seqlens = torch.full((batch,), 1000, dtype=torch.int32)
+                o = torch.empty(splits, batch, sq, hq, d)
+                lse = torch.empty(splits, batch, hq, sq)
+                label = f"decode N{block_n} s{stages} D{d} fp16 page16 {name}"
+                yield label, (lambda q=q, k=k, v=v, o=o, lse=lse, sl=seqlens, t=table, bn=block_n, st=stages, n=splits,
+                              w=window, sc=scores:
+                              DH.decode_hopper(q, k, v, o, lse, sl, t, 0, 0.1, w is not None, block_n=bn, stages=st,
+                                               num_splits=n, window=w, scores=sc))
+
+
+def _decode_plain_cases(tiles):
     for block_n, stages in tiles:
         for d in (64, 128):
             for dtype in (torch.float16, torch.bfloat16):

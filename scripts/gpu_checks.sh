@@ -9,9 +9,10 @@
 #   bash scripts/gpu_checks.sh rest  # decode, merge, SDPA routing, compile, validation, layouts
 #   bash scripts/gpu_checks.sh variants  # score variants (the Hopper kernels' too), atomic dQ, the
 #                                        # single-launch backward, deterministic=, call plans
-#   bash scripts/gpu_checks.sh pending   # what no GPU has run yet, first: the Gluon backward on packed
-#                                        # sequences, and the Gluon backward at Sq != Sk since its
-#                                        # launchers' argument order was fixed (about 4 minutes)
+#   bash scripts/gpu_checks.sh pending   # what no GPU has run yet, first: the Gluon decode kernel with
+#                                        # windows and score variants, ALiBi's distance per head dim and
+#                                        # its large-slope test, the one-pass backward (split_tma) under
+#                                        # every score variant and unforced
 #
 # Logs go to $OUT (the device tool's folder that comes back), a short summary to stdout. The hang
 # guard (tests/conftest.py) ends a test that runs past TRIFLASH_TEST_TIMEOUT seconds.
@@ -55,8 +56,9 @@ variants)
         tests/test_deterministic.py tests/test_launch.py
     ;;
 pending)
-    run pending_packed -n 16 tests/test_varlen.py -k hopper_backward
-    run pending_dense -n 16 tests/test_backward.py -k hopper
+    run pending_decode -n 8 tests/test_decode_hopper.py -k "windows_and_score_variants or switched_on"
+    run pending_variants -n 16 tests/test_variants.py -k "alibi or diagonal or split_tma"
+    run pending_one_pass -n 2 tests/test_backward.py -k "one_pass_backward_unforced"
     ;;
 *)
     echo "unknown part $part (fwd, bwd, rest, variants or pending)" >&2

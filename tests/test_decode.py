@@ -62,11 +62,11 @@ def make_cache(batch, capacity, heads_kv, head_dim, dtype, device, page_size, sp
 
 
 def check_against_references(out, lse, q, k_cache, v_cache, cache_seqlens, block_table, causal,
-                             dtype, k=None, v=None, softmax_scale=None, window_size=(-1, -1)):
+                             dtype, k=None, v=None, softmax_scale=None, window_size=(-1, -1), **variants):
     """out/lse vs the float64 reference (2x rule). k_cache/v_cache are the caches *before* the call
-    (the reference appends k/v itself)."""
+    (the reference appends k/v itself). ``variants``: softcap, alibi_slopes, sinks."""
     kwargs = dict(k=k, v=v, cache_seqlens=cache_seqlens, block_table=block_table,
-                  softmax_scale=softmax_scale, causal=causal, return_lse=True, window_size=window_size)
+                  softmax_scale=softmax_scale, causal=causal, return_lse=True, window_size=window_size, **variants)
     ref, ref_lse = kvcache_ref(q, k_cache, v_cache, **kwargs)
     same, same_lse = kvcache_ref(q, k_cache, v_cache, compute_dtype=None, **kwargs)
     assert out.shape == q.shape and out.dtype == q.dtype

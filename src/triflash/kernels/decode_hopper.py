@@ -17,6 +17,11 @@ are -inf, and the consumer zeroes those rows of the V tile before P V (0 * NaN i
 cores, and a cache from torch.empty may hold NaN there). Pages past a sequence's end are never looked
 up; their boxes read page 0, whose keys are all masked.
 
+Local windows take the key range of ``split_window_range`` (as the Triton kernel), walked masked,
+each row between its window's edges. The score variants ([Note: score variants] in common.py) go
+through ``sm90_common.Scores`` as in the forward, with one ALiBi slope per row (a tile's rows belong
+to GROUP query heads); a sink is folded into the epilogue with one split, by the merge with several.
+
 Supported: fp16/bf16, head_dim 64 or 128, TMA-compatible caches (``supported``), contiguous or paged
 with a power-of-two page size of at least 8. Everything else takes the Triton kernel.
 """
@@ -33,17 +38,22 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from . import launch
-from .block_ranges import causal_col_limit, split_key_range, split_program
-from .common import LOG2E, needs_int64_rows, on_input_device, partial_and_table_strides, rows_past_int32
+from .block_ranges import causal_col_limit, split_key_range, split_program, split_window_range, window_kernel_args
+from .common import PLAIN, ScoreVariant, needs_int64_rows, on_input_device, partial_and_table_strides, rows_past_int32
 from .configs import GLUON_DECODE_ROWS, cdiv, gluon_hopper_applies
 from .launch import tma_compatible
 from .sm90_common import (
     SCALAR,
     Ring,
+    ScoreArgs,
+    Window,
     aggregate,
     constexprs,
     descriptor,
     finish_rows,
+    fold_sink,
+    natural_units,
+    score_launch_args,
     softmax,
     to_operand,
     zero_tail,
@@ -89,8 +99,9 @@ class DecConfig:
 
 @aggregate
 class DecWork:
-    """How the launch cuts the work (``block_ranges.split_program``, ``split_key_range``): both
-    partitions derive their program's keys from these, so they walk the same blocks."""
+    """How the launch cuts the work (``block_ranges.split_program``, ``split_key_range``, or with a
+    local window ``split_window_range``): both partitions derive their program's keys from these, so
+    they walk the same blocks."""
     SEQLENS: gl.tensor
     stride_sl: SCALAR
     heads_kv: SCALAR
@@ -99,20 +110,30 @@ class DecWork:
     seqlen_new: SCALAR
     num_m_blocks: SCALAR
     num_splits: SCALAR
+    window: Window
 
     @gluon.constexpr_function
-    def __init__(self, SEQLENS, stride_sl, heads_kv, seqlen_q, seqlen_k, seqlen_new, num_m_blocks, num_splits):
+    def __init__(self, SEQLENS, stride_sl, heads_kv, seqlen_q, seqlen_k, seqlen_new, num_m_blocks, num_splits,
+                 window):
+        self.window = window
         constexprs(self, SEQLENS=SEQLENS, stride_sl=stride_sl, heads_kv=heads_kv, seqlen_q=seqlen_q,
                    seqlen_k=seqlen_k, seqlen_new=seqlen_new, num_m_blocks=num_m_blocks, num_splits=num_splits)
 
     @gluon.jit
     def program(self, cfg):
-        """(pid_m, split, off_hk, off_b, lo, mid, hi, causal_offset) of this program."""
+        """(pid_m, split, off_hk, off_b, lo, mid, hi, causal_offset) of this program: keys [lo, mid)
+        unmasked, [mid, hi) masked (with a window all of them: mid = lo)."""
         pid_m, split, off_hk, off_b, seqlen = split_program(
             self.SEQLENS, self.stride_sl, self.heads_kv, self.seqlen_k, self.seqlen_new, self.num_m_blocks,
             self.num_splits, cfg.HAS_SEQLENS)
-        lo, mid, hi, causal_offset = split_key_range(seqlen, split, self.num_splits, self.seqlen_q, cfg.BLOCK_N,
-                                                     cfg.IS_CAUSAL)
+        if self.window.ON:
+            lo, hi, causal_offset = split_window_range(seqlen, split, self.num_splits, self.seqlen_q,
+                                                       self.window.left, self.window.right, cfg.BLOCK_N,
+                                                       self.window.HAS_LEFT, self.window.HAS_RIGHT)
+            mid = lo
+        else:
+            lo, mid, hi, causal_offset = split_key_range(seqlen, split, self.num_splits, self.seqlen_q,
+                                                         cfg.BLOCK_N, cfg.IS_CAUSAL)
         return pid_m, split, off_hk, off_b, lo, mid, hi, causal_offset
 
 
@@ -134,7 +155,8 @@ class DecCache:
 @aggregate
 class DecIO:
     """The consumer's inputs and outputs: Q, and out / lse (a split's partials when num_splits > 1)
-    by pointer and strides, and the softmax scales."""
+    by pointer and strides, the softmax scales (``sm_scale`` the epilogue's: 1 when softcap puts the
+    scores in natural units) and the score variants (``ScoreArgs``)."""
     Q: gl.tensor
     O: gl.tensor
     LSE: gl.tensor
@@ -148,12 +170,14 @@ class DecIO:
     stride_ln: SCALAR
     stride_lb: SCALAR
     stride_lh: SCALAR
-    sm_scale: gl.tensor
+    sm_scale: SCALAR
     qk_scale: gl.tensor
+    scores: ScoreArgs
 
     @gluon.constexpr_function
     def __init__(self, Q, O, LSE, stride_qb, stride_qs, stride_qh, stride_on, stride_ob, stride_os, stride_oh,
-                 stride_ln, stride_lb, stride_lh, sm_scale, qk_scale):
+                 stride_ln, stride_lb, stride_lh, sm_scale, qk_scale, scores):
+        self.scores = scores
         constexprs(self, Q=Q, O=O, LSE=LSE, stride_qb=stride_qb, stride_qs=stride_qs, stride_qh=stride_qh,
                    stride_on=stride_on, stride_ob=stride_ob, stride_os=stride_os, stride_oh=stride_oh,
                    stride_ln=stride_ln, stride_lb=stride_lb, stride_lh=stride_lh, sm_scale=sm_scale, qk_scale=qk_scale)
@@ -221,10 +245,12 @@ def _zero_tail(v_smem, first, start, hi, HALVES: gl.constexpr, BLOCK_N: gl.const
 
 
 @gluon.jit
-def _consume(cfg, q_smem, k, v, c, lo, hi, acc0, acc1, m_i, l_i, s_zero, col_limit, qk_scale,
+def _consume(cfg, q_smem, k, v, c, lo, hi, acc0, acc1, m_i, l_i, s_zero, mod, col_limit, col_start, qk_scale,
              MASKED: gl.constexpr):
     """Fold key blocks [lo, hi) into (acc0, acc1, m, l); ``c`` counts blocks (ring slot and phase).
-    MASKED: scores at columns >= col_limit (per row) are -inf and V rows past ``hi`` are zeroed."""
+    ``mod``: the score variants (``Scores``; a no-op without). MASKED: scores at columns >= col_limit
+    (per row), and with ``col_start`` (a window's left edge) below it, are -inf, and V rows past
+    ``hi`` are zeroed."""
     dtype: gl.constexpr = q_smem.dtype
     BLOCK_N: gl.constexpr = cfg.BLOCK_N
     HALVES: gl.constexpr = cfg.HALVES
@@ -240,7 +266,8 @@ def _consume(cfg, q_smem, k, v, c, lo, hi, acc0, acc1, m_i, l_i, s_zero, col_lim
                                 is_async=True)
         sc = warpgroup_mma_wait(0, deps=(tok,))
         k.release(s)
-        p, m_i, l_i, alpha = softmax(sc, m_i, l_i, col_limit, start + cols0, qk_scale, MASKED)
+        sc = mod.apply(sc, start + cols0)
+        p, m_i, l_i, alpha = softmax(sc, m_i, l_i, col_limit, start + cols0, qk_scale, MASKED, col_start=col_start)
         alpha_o = gl.convert_layout(alpha, gl.SliceLayout(1, cfg.o_layout))[:, None]
         p_op = to_operand(p, dtype, cfg.p_layout)
         v.wait_at(s, phase)
@@ -283,24 +310,38 @@ def _consumer(cfg, work, io, q_smem, k, v):
     fence_async_shared()
     gl.thread_barrier()
 
-    # Per-row bound of the masked loop: the range's end, and (causal) the row's diagonal.
+    # Per-row bounds of the masked loop: the range's end, and the row's diagonal (causal) or its
+    # window's edges. Row r is query position r // GROUP of head hk * GROUP + r % GROUP.
     rows = pid_m * ROWS + gl.arange(0, ROWS, layout=row_layout)
-    if cfg.IS_CAUSAL:
-        col_limit = gl.minimum(causal_col_limit(rows // GROUP, causal_offset), hi)
+    positions = rows // GROUP
+    heads = off_hk * GROUP + rows % GROUP
+    col_start = None
+    if work.window.ON:
+        col_limit = work.window.col_limit(positions, causal_offset, hi)
+        if work.window.HAS_LEFT:
+            col_start = work.window.col_start(positions, causal_offset, -seqlen_q)
+    elif cfg.IS_CAUSAL:
+        col_limit = gl.minimum(causal_col_limit(positions, causal_offset), hi)
     else:
         col_limit = gl.full([ROWS], 0, gl.int32, row_layout) + hi
+    mod = io.scores.rows_of_heads(off_b, heads, positions, causal_offset)      # score variants (else a no-op)
     s_zero = gl.zeros([ROWS, cfg.BLOCK_N], gl.float32, cfg.s_layout)
     acc0 = gl.zeros([ROWS, HALF], gl.float32, o_layout)
     acc1 = gl.zeros([ROWS, HALF], gl.float32, o_layout)
     m_i = gl.full([ROWS], float("-inf"), gl.float32, row_layout)
     l_i = gl.zeros([ROWS], gl.float32, row_layout)
     c = 0
-    c, acc0, acc1, m_i, l_i = _consume(cfg, q_smem, k, v, c, lo, mid, acc0, acc1, m_i, l_i, s_zero, col_limit,
-                                       io.qk_scale, False)
-    c, acc0, acc1, m_i, l_i = _consume(cfg, q_smem, k, v, c, mid, hi, acc0, acc1, m_i, l_i, s_zero, col_limit,
-                                       io.qk_scale, True)
+    c, acc0, acc1, m_i, l_i = _consume(cfg, q_smem, k, v, c, lo, mid, acc0, acc1, m_i, l_i, s_zero, mod, col_limit,
+                                       col_start, io.qk_scale, False)
+    c, acc0, acc1, m_i, l_i = _consume(cfg, q_smem, k, v, c, mid, hi, acc0, acc1, m_i, l_i, s_zero, mod, col_limit,
+                                       col_start, io.qk_scale, True)
 
-    # -- epilogue: out = acc / l, lse = m * sm_scale + ln(l); no visible key: 0 and -inf --
+    # -- epilogue: out = acc / l, lse = m * sm_scale + ln(l); no visible key: 0 and -inf (with a
+    # sink, one split: 0 and the sink; several splits: the merge adds it) --
+    if io.scores.HAS_SINKS:
+        sink = io.scores.sink(heads)
+        acc1, _, _ = fold_sink(acc1, m_i, l_i, sink, io.sm_scale, io.qk_scale, o_layout)   # the same alpha
+        acc0, m_i, l_i = fold_sink(acc0, m_i, l_i, sink, io.sm_scale, io.qk_scale, o_layout)
     lse, inv_l = finish_rows(m_i, l_i, io.sm_scale, o_layout)
     inv_l = inv_l[:, None]
     o_r = pid_m * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, o_layout))
@@ -319,7 +360,8 @@ def _consumer(cfg, work, io, q_smem, k, v):
 
 # Lengths and counts that change from one decode step to the next are not specialised (as in
 # decode.py): a generation loop would otherwise recompile as they grow.
-@gluon.jit(do_not_specialize=["seqlen_q", "seqlen_k", "seqlen_new", "num_m_blocks", "num_splits"])
+@gluon.jit(do_not_specialize=["seqlen_q", "seqlen_k", "seqlen_new", "num_m_blocks", "num_splits", "window_left",
+                              "window_right"])
 def _decode_hopper_kernel(
     Q, k_desc, v_desc, O, LSE, SEQLENS, BLOCK_TABLE,
     stride_qb, stride_qs, stride_qh,
@@ -328,16 +370,23 @@ def _decode_hopper_kernel(
     stride_sl, stride_btb, stride_btp,
     heads_kv, seqlen_q, seqlen_k, seqlen_new, num_m_blocks, num_splits,
     sm_scale, qk_scale,
+    slope_scale, tanh_scale, softcap, ALIBI_SLOPES, stride_ab, stride_ah, SINKS,   # score variants, else None
+    window_left, window_right,                                                     # a window, else None
     GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, BOX: gl.constexpr,
     PAGE_SIZE: gl.constexpr, PAGED: gl.constexpr, HAS_SEQLENS: gl.constexpr, IS_CAUSAL: gl.constexpr,
     STAGES: gl.constexpr, PRODUCER_REGS_: gl.constexpr,
+    SOFTCAP: gl.constexpr = False, ALIBI: gl.constexpr = False, HAS_SINKS: gl.constexpr = False,
+    HAS_LEFT: gl.constexpr = False, HAS_RIGHT: gl.constexpr = False,
 ):
     HALVES: gl.constexpr = HEAD_DIM // HALF
     dtype: gl.constexpr = k_desc.dtype
     cfg = DecConfig(GROUP, BLOCK_N, BOX, PAGE_SIZE, PAGED, HAS_SEQLENS, IS_CAUSAL, STAGES, HALVES)
-    work = DecWork(SEQLENS, stride_sl, heads_kv, seqlen_q, seqlen_k, seqlen_new, num_m_blocks, num_splits)
+    work = DecWork(SEQLENS, stride_sl, heads_kv, seqlen_q, seqlen_k, seqlen_new, num_m_blocks, num_splits,
+                   Window(window_left, window_right, HAS_LEFT, HAS_RIGHT))
+    scores = ScoreArgs(slope_scale, tanh_scale, softcap, ALIBI_SLOPES, stride_ab, stride_ah, SINKS, SOFTCAP, ALIBI,
+                       HAS_SINKS, HEAD_DIM)
     io = DecIO(Q, O, LSE, stride_qb, stride_qs, stride_qh, stride_on, stride_ob, stride_os, stride_oh,
-               stride_ln, stride_lb, stride_lh, sm_scale, qk_scale)
+               stride_ln, stride_lb, stride_lh, sm_scale, qk_scale, scores)
     cache = DecCache(k_desc, v_desc, BLOCK_TABLE, stride_btb, stride_btp)
     tile_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HALF], dtype)
     q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, HALF], dtype)
@@ -397,10 +446,12 @@ def programs_per_sm(head_dim: int, block_n: int, stages: int) -> int:
 def decode_hopper(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   o_part: torch.Tensor, l_part: torch.Tensor, cache_seqlens: torch.Tensor | None,
                   block_table: torch.Tensor | None, seqlen_new: int, sm_scale: float, causal: bool, *,
-                  block_n: int, stages: int, num_splits: int):
+                  block_n: int, stages: int, num_splits: int, window: tuple[int, int] | None = None,
+                  scores: ScoreVariant = PLAIN):
     """Launch on inputs dispatch.decode has prepared: o_part [N, B, Sq, Hq, D] and l_part
     [N, B, Hq, Sq] (N = num_splits; with N = 1 the final out and lse seen with a leading axis).
-    ``supported`` must hold."""
+    ``supported`` must hold. ``window``: ``block_ranges.window_bounds``' (left, right), or None;
+    ``scores``: the score variants (the sink is added here only with one split)."""
     batch, seqlen_q, heads_q, head_dim = q.shape
     heads_kv = k_cache.shape[2]
     group = heads_q // heads_kv
@@ -421,7 +472,9 @@ def decode_hopper(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         stride_qb=q.stride(0), stride_qs=q.stride(1), stride_qh=q.stride(2),
         **partial_and_table_strides(o_part, l_part, cache_seqlens, block_table),
         heads_kv=heads_kv, seqlen_q=seqlen_q, seqlen_k=k_cache.shape[1], seqlen_new=seqlen_new,
-        num_m_blocks=num_m_blocks, num_splits=num_splits, sm_scale=sm_scale, qk_scale=sm_scale * LOG2E,
+        num_m_blocks=num_m_blocks, num_splits=num_splits,
+        sm_scale=1.0 if natural_units(scores) else sm_scale, **score_launch_args(scores, sm_scale, sinks=False),
+        **scores.sink_kwargs(in_kernel=num_splits == 1), **window_kernel_args(window),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_N=block_n, BOX=box, PAGE_SIZE=page_size, PAGED=paged,
         HAS_SEQLENS=has_seqlens, IS_CAUSAL=causal, STAGES=stages, PRODUCER_REGS_=DECODE_PRODUCER_REGS,
         num_warps=4, **({} if maxnreg is None else {"maxnreg": maxnreg}),

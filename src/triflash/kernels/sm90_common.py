@@ -199,16 +199,27 @@ class Window:
         keys before col_limit[i] and (HAS_LEFT) from ``col_start`` on. (Gluon functions cannot return
         None inside a tuple: the left edge has its own method, called under HAS_LEFT.)"""
         _, full_lo, full_hi, _ = self.key_blocks(row0, seqlen_k - causal_offset, seqlen_k, ROWS, BLOCK_N)
-        if self.HAS_RIGHT:
-            col_limit = gl.minimum(rows + (causal_offset + self.right + 1), seqlen_k)
-        else:
-            col_limit = gl.full_like(rows, 0) + seqlen_k
-        return full_lo, full_hi, col_limit
+        return full_lo, full_hi, self.col_limit(rows, causal_offset, seqlen_k)
 
     @gluon.jit
-    def col_start(self, rows, causal_offset):
-        """The first key each row of ``rows`` sees (HAS_LEFT only)."""
-        return rows + (causal_offset - self.left)
+    def col_limit(self, rows, causal_offset, end):
+        """One past the last key each row of ``rows`` sees: its right edge + 1 (HAS_RIGHT), at most
+        ``end``."""
+        if self.HAS_RIGHT:
+            return gl.minimum(rows + (causal_offset + self.right + 1), end)
+        else:
+            return gl.full_like(rows, 0) + end
+
+    @gluon.jit
+    def col_start(self, rows, causal_offset, floor=None):
+        """The first key each row of ``rows`` sees (HAS_LEFT only). ``floor`` (the decode kernel: minus
+        its query count): the offset taken in int64 and kept at or above it, so a bound near 2^31 (a
+        decode cache whose lengths are not checked) cannot wrap; below it every row's edge is before
+        key 0 anyway."""
+        if floor is None:
+            return rows + (causal_offset - self.left)
+        else:
+            return rows + gl.maximum(causal_offset.to(gl.int64) - self.left, floor).to(gl.int32)
 
 
 @aggregate
@@ -475,9 +486,9 @@ def finish_rows(m_i, l_i, sm_scale, o_layout: gl.constexpr):
 @gluon.constexpr_function
 def alibi_f32_distance(head_dim) -> bool:
     """Whether the Gluon kernels form ALiBi's distance in fp32 (``Scores.apply_grad``): at head dim
-    64, where it took the forward from 0.416 to 0.375 ms and the dK/dV kernel from 5.5 to 1.4 ms
-    (spills cut by four); not at 128, where the integer form's forward is 5% faster (0.560 against
-    0.593 ms; H200, 4,16,4096 causal fp16, docs/performance.md#score-variants-on-hopper)."""
+    64, where it measured faster in the forward and cut the dK/dV kernel's spills by four; not at
+    128, where the integer form's forward measured faster (docs/performance.md, "ALiBi: the distance
+    in fp32, raw units")."""
     return int(getattr(head_dim, "value", head_dim)) == 64
 
 
@@ -490,8 +501,9 @@ class Scores:
     divided by sm_scale (``ScoreArgs.tile``) so that the softmax and the epilogue take sm_scale as the
     plain kernel does. With both flags off ``apply`` returns the scores as they are: the plain kernel.
     ``rows``: the tile's query positions (row layout), ``off`` = seqlen_k - seqlen_q, ``slope``: the
-    tile's (batch, head) ALiBi slope in the scores' units; fields a flag does not use are None.
-    F32_DIST: how ALiBi's distance is formed (``apply_grad``)."""
+    tile's (batch, head) ALiBi slope in the scores' units, or [ROWS, 1] slopes, one per row
+    (``ScoreArgs.rows_of_heads``); fields a flag does not use are None. F32_DIST: how ALiBi's
+    distance is formed (``apply_grad``)."""
     tanh_scale: SCALAR
     softcap: SCALAR
     slope: SCALAR
@@ -574,8 +586,22 @@ class ScoreArgs:
             return Scores(self.tanh_scale, self.softcap, None, None, off, self.SOFTCAP, self.ALIBI, self.F32_DIST)
 
     @gluon.jit
+    def rows_of_heads(self, off_b, heads, rows, off):
+        """The ``Scores`` of a tile whose rows belong to several query heads (the decode kernel packs a
+        KV head's query heads into one tile): row i is query position rows[i] of head heads[i], so
+        each row gets its own head's slope."""
+        if self.ALIBI:
+            slope = gl.load(self.SLOPES + off_b * self.stride_ab + heads * self.stride_ah)
+            if not self.SOFTCAP:
+                slope = gl.minimum(slope * self.slope_scale, 3.4028234663852886e38)   # as in ``tile``
+            return Scores(self.tanh_scale, self.softcap, slope[:, None], rows, off, self.SOFTCAP, self.ALIBI,
+                          self.F32_DIST)
+        else:
+            return Scores(self.tanh_scale, self.softcap, None, None, off, self.SOFTCAP, self.ALIBI, self.F32_DIST)
+
+    @gluon.jit
     def sink(self, off_h):
-        """Query head off_h's sink logit (HAS_SINKS)."""
+        """Query head off_h's sink logit (HAS_SINKS); a tensor of heads gives each one's."""
         return gl.load(self.SINKS + off_h)
 
 
