@@ -623,7 +623,7 @@ def test_version_fp32_and_progress_clock(capsys):
 
 def test_window_workloads_count_the_visible_scores(capsys):
     """--window LEFT,RIGHT: the workloads carry it, TFLOP/s count exactly the visible score entries
-    (brute force over the mask), a causal workload refuses a right bound > 0, decode/host refuse it."""
+    (brute force over the mask), a causal workload refuses a right bound > 0, host refuses it."""
     from triflash.reference import causal_visible
 
     args = cli.parse_args(["--window", "3,0", "--seqlen", "40", "--causal", "yes", "--mode", "bwd"])
@@ -641,8 +641,32 @@ def test_window_workloads_count_the_visible_scores(capsys):
         cli.parse_args(["--window", "3", "--causal", "no"])
     assert "argument --window: expected LEFT,RIGHT" in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        cli.parse_args(["--window", "3,0", "--mode", "decode"])
-    assert "--window is for fwd/bwd/fwdbwd; got --mode decode" in capsys.readouterr().err
+        cli.parse_args(["--window", "3,0", "--mode", "host"])
+    assert "--window is for fwd/bwd/fwdbwd/decode; got --mode host" in capsys.readouterr().err
+
+
+def test_decode_window_workloads_count_the_keys_read():
+    """--mode decode --window LEFT,RIGHT: each point carries the window, and its GB/s counts the
+    left + 1 keys the query token sees (the whole context when the window holds more)."""
+    args = cli.parse_args(["--window", "100,0", "--mode", "decode", "--batch", "2", "--seqlen", "1024", "64",
+                           "--heads", "4", "--heads-kv", "2", "--headdim", "64"])
+    short, long_ = sorted(args.workloads, key=lambda w: w.seqlen_k)
+    assert long_.window == (100, 0) and "window=100,0" in long_.label()
+    assert long_.kv_bytes == 2 * 2 * 101 * 2 * 64 * 2
+    assert short.kv_bytes == 2 * 2 * 64 * 2 * 64 * 2
+
+
+def test_decode_window_providers_checked_and_refused(device):
+    """With a window, triflash's contiguous and paged decode providers are checked against the windowed
+    reference (and pass); SDPA, which takes no window, is reported unavailable."""
+    wl = W.Workload("decode", 2, 4, 2, 1, 40, 16, "fp16", False, window=(5, 0))
+    results = by_provider(run_all([wl], [TriflashKVCache(paged=False), TriflashKVCache(paged=True),
+                                         SdpaDecode("math")], FakeTimer(0.01), device, progress=lambda s: None))
+    for name in ("triflash", "triflash-paged"):
+        assert results[name].status == "ok", (name, results[name].detail)
+    assert results["sdpa-math"].status == "unavailable" and "window" in results["sdpa-math"].detail
+    plain = make_decode_case(W.Workload("decode", 2, 4, 2, 1, 40, 16, "fp16", False), device)
+    assert not torch.allclose(make_decode_case(wl, device).expected[0].ref, plain.expected[0].ref)
 
 
 @pytest.mark.parametrize("mode", ["fwd", "bwd"])

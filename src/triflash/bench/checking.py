@@ -311,6 +311,8 @@ def make_decode_case(wl: Workload, device) -> DecodeCase:
     seqlens = torch.full((wl.batch,), wl.seqlen_k, dtype=torch.int32, device=device)
     variants = make_variants(wl, device)
     kwargs = variants.reference_kwargs() if variants is not None else {}
+    if wl.window is not None:
+        kwargs["window_size"] = wl.window
     ref = kvcache_ref(q, k, v, cache_seqlens=wl.seqlen_k, compute_dtype=reference_dtype(device), **kwargs)
     same = kvcache_ref(q, k, v, cache_seqlens=wl.seqlen_k, compute_dtype=None, **kwargs)
     return DecodeCase(wl, q, k, v, seqlens, [expected("out", ref, same, dtype)], variants)

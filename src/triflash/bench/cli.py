@@ -107,8 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
     shapes.add_argument("--dtype", choices=list(W.DTYPES), default="fp16", help="(default: fp16)")
     shapes.add_argument("--window", type=_window, metavar="LEFT,RIGHT",
                         help="local (sliding-window) attention: keys within LEFT before and RIGHT after each "
-                             "query's diagonal, -1 for no bound (fwd/bwd/fwdbwd; TFLOP/s count the visible "
-                             "scores). Providers without windows are listed as unavailable")
+                             "query's diagonal, -1 for no bound (fwd/bwd/fwdbwd: TFLOP/s count the visible "
+                             "scores; decode: GB/s count the LEFT + 1 keys read). Providers without windows are "
+                             "listed as unavailable")
     shapes.add_argument("--varlen", type=_varlen, nargs="+", metavar="SPEC",
                         help="packed sequences of different lengths, one workload per SPEC (fwd/bwd/fwdbwd; "
                              "instead of --seqlen and --batch): TOTAL:MIN-MAX[:SEED] draws lengths uniformly "
@@ -146,8 +147,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.sweep and args.mode in ("decode", "host"):
         parser.error(f"--sweep is for fwd/bwd/fwdbwd; {args.mode} runs its own shapes")
-    if args.window is not None and args.mode in ("decode", "host"):
-        parser.error(f"--window is for fwd/bwd/fwdbwd; got --mode {args.mode}")
+    if args.window is not None and args.mode == "host":
+        parser.error("--window is for fwd/bwd/fwdbwd/decode; got --mode host")
     if args.varlen is not None:
         if args.mode in ("decode", "host"):
             parser.error(f"--varlen is for fwd/bwd/fwdbwd; got --mode {args.mode}")
@@ -166,7 +167,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         elif args.mode == "decode":
             args.workloads = W.decode_workloads(args.dtype, batch=args.batch, heads=args.heads,
                                                 heads_kv=args.heads_kv, contexts=args.seqlen,
-                                                head_dims=args.headdim, variants=variants)
+                                                head_dims=args.headdim, window=args.window, variants=variants)
         else:
             args.workloads = W.dense_workloads(args.mode, args.dtype, args.causal_flags, sweep=args.sweep,
                                                batch=args.batch, heads=args.heads, heads_kv=args.heads_kv,

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from .checking import DecodeCase
-from .providers import TRIFLASH_VARIANTS, Prepared, Provider, Sdpa, fa4_variant_checks, first
+from .providers import TRIFLASH_VARIANTS, FlashAttn4, Prepared, Provider, Sdpa, fa4_variant_checks, first
 
 
 class _CacheProvider(Provider):
@@ -25,14 +25,17 @@ class _CacheProvider(Provider):
 
     def prepare(self, case: DecodeCase, requires_grad: bool = False) -> Prepared:
         self.score_kwargs = self.variant_kwargs(case.variants)
+        self.call_kwargs = {**self.window_kwargs(), **self.score_kwargs}
         return Prepared(case.args(self.paged))
 
 
 class TriflashKVCache(_CacheProvider):
     """``triflash.flash_attn_with_kvcache``: q [B, 1, Hq, D], cache_seqlens [B], block_table [B, pages]
-    int32 when paged; the split count is the library's own choice. Takes the score variants."""
+    int32 when paged; the split count is the library's own choice. Takes the score variants and a
+    window."""
 
     VARIANTS = TRIFLASH_VARIANTS
+    windows = True
 
     def __init__(self, paged: bool):
         super().__init__(paged, "triflash", "triflash.flash_attn_with_kvcache")
@@ -44,7 +47,7 @@ class TriflashKVCache(_CacheProvider):
 
     def run(self, q, k_cache, v_cache, cache_seqlens, block_table):
         return first(self.fn(q, k_cache, v_cache, cache_seqlens=cache_seqlens, block_table=block_table,
-                             num_splits=0, **self.score_kwargs))
+                             num_splits=0, **self.call_kwargs))
 
 
 class SdpaDecode(Sdpa):
@@ -64,10 +67,12 @@ class SdpaDecode(Sdpa):
 
 class FlashAttn4Decode(_CacheProvider):
     """FlashAttention 4 (``flash_attn.cute.flash_attn_varlen_func``) with ``seqused_k``, and
-    ``page_table`` when paged. num_splits=0 lets it choose split-KV. Soft-capping and (sm90+) sinks
-    as in ``providers.FlashAttn4``."""
+    ``page_table`` when paged. num_splits=0 lets it choose split-KV. Soft-capping, (sm90+) sinks and
+    windows as in ``providers.FlashAttn4``."""
 
     VARIANTS = {"softcap": "softcap", "sinks": "learnable_sink"}
+    windows = True
+    window_kwargs = FlashAttn4.window_kwargs
 
     def __init__(self, paged: bool):
         super().__init__(paged, "fa4", "flash_attn.cute.flash_attn_varlen_func")
@@ -85,7 +90,7 @@ class FlashAttn4Decode(_CacheProvider):
 
     def run(self, q, k, v, seqused_k, page_table):
         return first(self.fn(q, k, v, seqused_k=seqused_k, page_table=page_table, num_splits=0,
-                             **self.score_kwargs))
+                             **self.call_kwargs))
 
 
 def decode_providers() -> list[Provider]:

@@ -46,7 +46,8 @@ FLOP_CONVENTION = (
     "sequences. TFLOP/s = FLOPs / median time.")
 BYTES_CONVENTION = (
     "Decode GB/s = K/V bytes read / median time = 2·B·context·Hkv·D·(bytes per element) / time "
-    "(the query, output and page table are not counted). Every decode provider is timed twice: as "
+    "(the query, output and page table are not counted; with a window, the keys it holds: "
+    "min(context, left + 1) in place of context). Every decode provider is timed twice: as "
     "CUDA-graph replays of one call (graph us, as a serving engine runs decode steps; GB/s is from "
     "these) and as eager calls (eager us, as a plain generate loop runs them, host time included).")
 
@@ -164,9 +165,12 @@ class Workload:
 
     @property
     def kv_bytes(self) -> int:
-        """Bytes of K and V that one call must read."""
+        """Bytes of K and V that one call must read (decode: with a window, the keys it holds)."""
         element_bytes = torch.finfo(self.torch_dtype).bits // 8
-        return 2 * self.batch * self.seqlen_k * self.heads_kv * self.head_dim * element_bytes
+        keys = self.seqlen_k
+        if self.window is not None and self.window[0] >= 0:
+            keys = min(keys, self.window[0] + self.seqlen_q)
+        return 2 * self.batch * keys * self.heads_kv * self.head_dim * element_bytes
 
     def varlen_label(self) -> str:
         """``varlen 14 seqs 512-4096, 32768 tokens`` ("" for a dense batch)."""
@@ -182,9 +186,9 @@ class Workload:
     def label(self) -> str:
         """Short description for the progress line, e.g. ``S=2048 D=64 causal``."""
         variants = f" {self.variants_label()}" if self.variants else ""
-        if self.mode == "decode":
-            return f"B={self.batch} context={self.seqlen_k} D={self.head_dim}{variants}"
         window = f" window={self.window[0]},{self.window[1]}" if self.window is not None else ""
+        if self.mode == "decode":
+            return f"B={self.batch} context={self.seqlen_k} D={self.head_dim}{window}{variants}"
         shape = self.varlen_label() if self.seqlens is not None else f"S={self.seqlen_q}"
         return f"{shape} D={self.head_dim} {'causal' if self.causal else 'non-causal'}{window}{variants}"
 
@@ -233,12 +237,13 @@ def host_workloads(dtype: str, causal_flags, *, batch=None, heads=None, heads_kv
 
 
 def decode_workloads(dtype: str, *, batch=None, heads=None, heads_kv=None, contexts=None,
-                     head_dims=None, variants=None) -> list[Workload]:
-    """The decode grid: every batch size x every context length (explicit values win)."""
+                     head_dims=None, window=None, variants=None) -> list[Workload]:
+    """The decode grid: every batch size x every context length (explicit values win); ``window``:
+    each query token sees its last left + 1 keys (the right bound has nothing to its right)."""
     batches = (batch,) if batch else DECODE_BATCHES
     heads = heads or DECODE_SHAPE["heads"]
     heads_kv = heads_kv or DECODE_SHAPE["heads_kv"]
-    return [_workload("decode", b, heads, heads_kv, 1, context, head_dim, dtype, False, **(variants or {}))
+    return [_workload("decode", b, heads, heads_kv, 1, context, head_dim, dtype, False, window, **(variants or {}))
             for head_dim in (head_dims or (DECODE_SHAPE["head_dim"],))
             for b in batches
             for context in (contexts or DECODE_CONTEXTS)]
