@@ -192,6 +192,24 @@ def test_slopes_that_mask_all_but_the_diagonal(device, force_kernels, softmax_sc
         assert max_err(g, torch.zeros_like(g)) <= 1e-3, name
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
+def test_a_softcap_far_below_the_scale(device, dtype):
+    """softcap = 2^-126 (the smallest allowed) with softmax_scale 4: scale / softcap overflows float32.
+    Every capped score is within 2^-126 of 0, so attention is uniform over the keys a row sees, for
+    zero query rows (a zero raw score: inf * 0 = NaN if the kernels took the overflowed scale) as for
+    the others; forward and backward against the float64 reference, never NaN."""
+    q, k, v = make_qkv(1, 37, 50, HEADS_Q, HEADS_KV, 32, dtype, device, requires_grad=True)
+    with torch.no_grad():
+        q[:, ::3] = 0.0                                  # zero query rows: raw scores exactly 0
+    kwargs = dict(softmax_scale=4.0, softcap=2.0 ** -126)
+    out, lse = triflash.flash_attn_func(q, k, v, causal=True, return_lse=True, **kwargs)
+    _check_forward(out, lse, q.detach(), k.detach(), v.detach(), causal=True, **kwargs)
+    dout, dlse = torch.randn_like(out), torch.randn_like(lse)
+    grads = torch.autograd.grad((out, lse), (q, k, v), (dout, dlse))
+    assert not any(torch.isnan(g).any() for g in grads)
+    assert_grads_3x(grads, q.detach(), k.detach(), v.detach(), dout, True, dtype, dlse, 4.0, softcap=2.0 ** -126)
+
+
 def test_seeds_layout_gives_the_same_bits(device):
     q, k, v = make_qkv(2, 33, 47, HEADS_Q, HEADS_KV, 32, torch.float16, device)
     kwargs = _variant("all", device)

@@ -64,11 +64,15 @@ class ScoreVariant(NamedTuple):
     def transform_kwargs(self, sm_scale: float) -> dict:
         """The launch keywords of softcap and ALiBi (every kernel family): tanh_scale = sm_scale /
         softcap, softcap, ALIBI_SLOPES and its batch / head strides ([Hq] slopes: batch stride 0), and
-        the SOFTCAP / ALIBI flags; None / False where off."""
+        the SOFTCAP / ALIBI flags; None / False where off. tanh_scale is capped at float32's largest
+        value: past it the kernels' float32 copy would be inf, and a zero score (a zero query row)
+        inf * 0 = NaN; capped, a zero score gives tanh 0 and any other +-1, as the true scale does
+        (the gradients take sm_scale, not tanh_scale)."""
         capped = self.softcap > 0
         a = self.alibi_slopes
         strides = (None, None) if a is None else (0, a.stride(0)) if a.dim() == 1 else (a.stride(0), a.stride(1))
-        return dict(tanh_scale=sm_scale / self.softcap if capped else None, softcap=self.softcap if capped else None,
+        return dict(tanh_scale=min(sm_scale / self.softcap, FLOAT32_MAX) if capped else None,
+                    softcap=self.softcap if capped else None,
                     ALIBI_SLOPES=a, stride_ab=strides[0], stride_ah=strides[1], SOFTCAP=capped, ALIBI=a is not None)
 
     def sink_kwargs(self, in_kernel: bool = True) -> dict:
@@ -131,6 +135,7 @@ def unit_stride(vec: torch.Tensor | None) -> torch.Tensor | None:
 
 
 LOG2E = math.log2(math.e)   # host side: qk_scale = sm_scale * LOG2E, rounded once to fp32
+FLOAT32_MAX = 3.4028234663852886e38          # float32's largest finite value
 # The same constants inside kernels.
 LOG2E_K = tl.constexpr(LOG2E)
 LN2_K = tl.constexpr(math.log(2.0))
