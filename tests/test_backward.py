@@ -41,6 +41,10 @@ def _cases():
     else:
         grid = []
         for i, ((sq, sk), causal) in enumerate(itertools.product(SEQLENS, [False, True])):
+            if sq * sk > 100_000 and not causal:
+                # 1k x 1k takes the interpreter 1.5-2.5 minutes: the long accumulation is checked once
+                # here (causal: the unmasked blocks and the diagonal); every case meets it on the GPU.
+                continue
             grid.append(((sq, sk), HEAD_DIMS[i % len(HEAD_DIMS)], causal, DTYPES[(i // 2 + i) % len(DTYPES)],
                          HEADS[i % len(HEADS)]))
     for (sq, sk), d, causal, dtype, heads in grid:
