@@ -13,6 +13,7 @@ import torch
 from triton.testing import do_bench
 
 import triflash
+from triflash.bench.runner import as_cuda_graph
 from triflash.kernels import decode_hopper, dispatch, launch
 
 
@@ -29,18 +30,12 @@ def caches(batch, ctx, hkv, d, page):
 
 
 def timed(fn):
-    """(eager µs, graph µs) of ``fn``, medians."""
+    """(eager µs, graph µs) of ``fn``, medians (the graph captured as ``triflash bench`` does)."""
     eager = do_bench(fn, warmup=25, rep=200, return_mode="median") * 1e3
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return eager, do_bench(graph.replay, warmup=25, rep=200, return_mode="median") * 1e3
+    replay, note = as_cuda_graph(fn, "cuda")
+    if replay is fn:
+        raise RuntimeError(note)
+    return eager, do_bench(replay, warmup=25, rep=200, return_mode="median") * 1e3
 
 
 def main():

@@ -24,8 +24,7 @@ class _CacheProvider(Provider):
                                           else ", contiguous cache")
 
     def prepare(self, case: DecodeCase, requires_grad: bool = False) -> Prepared:
-        self.score_kwargs = self.variant_kwargs(case.variants)
-        self.call_kwargs = {**self.window_kwargs(), **self.score_kwargs}
+        self.take_keywords(case)
         return Prepared(case.args(self.paged))
 
 

@@ -116,7 +116,6 @@ class Provider:
     fn = None
     varlen_fn = None
     packing = None          # (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) for varlen_fn, else None
-    score_kwargs: dict = {}     # the score variants as the library's keywords (set in prepare)
     call_kwargs: dict = {}      # the window's and the variants' keywords of every timed call (set in prepare)
 
     def load(self) -> None:
@@ -131,9 +130,7 @@ class Provider:
 
     def prepare(self, case, requires_grad: bool) -> Prepared:
         """Convert the case's canonical inputs to this provider's layout (copies happen here)."""
-        self.score_kwargs = self.variant_kwargs(case.variants)
-        # Built once here, not in every timed call (host mode times the call itself).
-        self.call_kwargs = {**self.window_kwargs(), **self.score_kwargs}
+        self.take_keywords(case)
         if getattr(case, "cu_seqlens", None) is not None:
             longest = case.workload.seqlen_q
             self.packing = (case.cu_seqlens, case.cu_seqlens, longest, longest)
@@ -154,6 +151,11 @@ class Provider:
             return first(self.varlen_fn(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q,
                                         max_seqlen_k=max_k, causal=causal, **self.call_kwargs))
         return first(self.fn(q, k, v, causal=causal, **self.call_kwargs))
+
+    def take_keywords(self, case) -> None:
+        """Every timed call's keywords (``call_kwargs``): the window's and the case's score variants',
+        built once here, not in each call (host mode times the call itself)."""
+        self.call_kwargs = {**self.window_kwargs(), **self.variant_kwargs(case.variants)}
 
     def window_kwargs(self) -> dict:
         """The window in FlashAttention's ``window_size`` convention (nothing without one)."""
@@ -200,7 +202,7 @@ class Provider:
                                   + " (another version of the library?)")
         self.window = wl.window
         self.packing = None
-        self.score_kwargs = {}
+        self.call_kwargs = {}
 
     def entry_point(self, wl: Workload):
         """The library function ``run`` will call on ``wl`` (its signature is checked in ``bind``)."""
@@ -349,7 +351,6 @@ class Sdpa(Provider):
     def prepare(self, case, requires_grad):
         if not case.packed:
             return super().prepare(case, requires_grad)
-        self.score_kwargs = {}
         offsets = case.cu_seqlens.to(torch.int64)
         lengths = case.workload.seqlens
         try:
