@@ -324,7 +324,7 @@ def _consumer(cfg, work, io, q_smem, k, v):
         col_limit = gl.minimum(causal_col_limit(positions, causal_offset), hi)
     else:
         col_limit = gl.full([ROWS], 0, gl.int32, row_layout) + hi
-    mod = io.scores.rows_of_heads(off_b, heads, positions, causal_offset)      # score variants (else a no-op)
+    mod = io.scores.tile(off_b, heads, positions, causal_offset, PER_ROW=True)   # score variants (else a no-op)
     s_zero = gl.zeros([ROWS, cfg.BLOCK_N], gl.float32, cfg.s_layout)
     acc0 = gl.zeros([ROWS, HALF], gl.float32, o_layout)
     acc1 = gl.zeros([ROWS, HALF], gl.float32, o_layout)

@@ -27,7 +27,7 @@ from .block_ranges import (
     window_key_range,
     window_query_range,
 )
-from .common import LOG2E
+from .common import FLOAT32_MAX, LOG2E
 from .launch import tma_compatible
 
 # Tile orders of the persistent loop (``tile_coords``; forward_hopper.tile_order picks one).
@@ -41,6 +41,7 @@ GL_DTYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}
 # The type of an aggregate field holding a scalar kernel argument: a runtime value, or the constant a
 # launch specialised it to (an int argument equal to 1 that is not in do_not_specialize).
 SCALAR = (gl.tensor, gl.constexpr)
+FLOAT32_MAX_K = gl.constexpr(FLOAT32_MAX)
 SMEM = gl.shared_memory_descriptor
 
 
@@ -502,7 +503,7 @@ class Scores:
     plain kernel does. With both flags off ``apply`` returns the scores as they are: the plain kernel.
     ``rows``: the tile's query positions (row layout), ``off`` = seqlen_k - seqlen_q, ``slope``: the
     tile's (batch, head) ALiBi slope in the scores' units, or [ROWS, 1] slopes, one per row
-    (``ScoreArgs.rows_of_heads``); fields a flag does not use are None. F32_DIST: how ALiBi's
+    (``ScoreArgs.tile`` with PER_ROW); fields a flag does not use are None. F32_DIST: how ALiBi's
     distance is formed (``apply_grad``)."""
     tanh_scale: SCALAR
     softcap: SCALAR
@@ -572,30 +573,20 @@ class ScoreArgs:
                    HAS_SINKS=HAS_SINKS, F32_DIST=alibi_f32_distance(HEAD_DIM))
 
     @gluon.jit
-    def tile(self, off_b, off_h, rows, off):
+    def tile(self, off_b, off_h, rows, off, PER_ROW: gl.constexpr = False):
         """The ``Scores`` of batch off_b, query head off_h, query positions ``rows`` (a backward's
-        transposed tile: its key positions, and -off)."""
+        transposed tile: its key positions, and -off). PER_ROW: the tile's rows belong to several
+        query heads (the decode kernel packs a KV head's query heads into one tile), ``off_h`` holds
+        each row's, and each row gets its own head's slope."""
         if self.ALIBI:
             slope = gl.load(self.SLOPES + off_b * self.stride_ab + off_h * self.stride_ah)
             if not self.SOFTCAP:
                 # Raw units. A slope too large for them (inf) would give inf * 0 = NaN on the
                 # diagonal: capped at the largest float, which masks every other key as inf would.
-                slope = gl.minimum(slope * self.slope_scale, 3.4028234663852886e38)
+                slope = gl.minimum(slope * self.slope_scale, FLOAT32_MAX_K)
+            if PER_ROW:
+                slope = slope[:, None]
             return Scores(self.tanh_scale, self.softcap, slope, rows, off, self.SOFTCAP, self.ALIBI, self.F32_DIST)
-        else:
-            return Scores(self.tanh_scale, self.softcap, None, None, off, self.SOFTCAP, self.ALIBI, self.F32_DIST)
-
-    @gluon.jit
-    def rows_of_heads(self, off_b, heads, rows, off):
-        """The ``Scores`` of a tile whose rows belong to several query heads (the decode kernel packs a
-        KV head's query heads into one tile): row i is query position rows[i] of head heads[i], so
-        each row gets its own head's slope."""
-        if self.ALIBI:
-            slope = gl.load(self.SLOPES + off_b * self.stride_ab + heads * self.stride_ah)
-            if not self.SOFTCAP:
-                slope = gl.minimum(slope * self.slope_scale, 3.4028234663852886e38)   # as in ``tile``
-            return Scores(self.tanh_scale, self.softcap, slope[:, None], rows, off, self.SOFTCAP, self.ALIBI,
-                          self.F32_DIST)
         else:
             return Scores(self.tanh_scale, self.softcap, None, None, off, self.SOFTCAP, self.ALIBI, self.F32_DIST)
 
