@@ -6,7 +6,7 @@ Two layouts, one kernel:
 * ``attention``: the seeds' (and SDPA's) [batch, heads, seqlen, head_dim].
 
 and packed sequences of different lengths, ``flash_attn_varlen_func`` ([total, heads, head_dim] with
-cu_seqlens offsets, FlashAttention's varlen layout), on the same Triton kernels.
+cu_seqlens offsets, FlashAttention's varlen layout), on the same kernels (``kernels.dispatch`` picks).
 
 Both go through ``triflash.autograd``: the custom op where torch.compile, tracing or a dispatch mode
 must see one, an autograd.Function for eager autograd, and the bare implementation for an eager call
@@ -161,13 +161,14 @@ def flash_attn_func(q, k, v, *options, softmax_scale=None, causal=False, return_
             row's softmax denominator with no value: out_i = sum_j e^{s_ij} v_j / (sum_j e^{s_ij} +
             e^{sink_h}). Differentiable (it trains). The returned lse includes the sink; a row that
             sees no key gets out = 0 and lse = sink.
-            On H100/H200 (head dim 64/128) the forward with sinks or ALiBi runs on the Hopper kernels;
-            softcap's forward, the backward and decode with any variant on the portable Triton kernels.
+            On H100/H200 (head dim 64/128) the variants run on the Hopper kernels, forward and
+            backward, except softcap's forward and ALiBi's backward at head dim 64 (the portable
+            Triton kernels, as fast there).
         deterministic: the backward gives bit-identical gradients from run to run (dQ summed in a
             fixed order). False (default) permits one that adds dQ's parts with atomics, whose order,
-            and so the last bits, vary between runs, where that is faster (nowhere yet: every backward
-            that runs today is deterministic); ``torch.use_deterministic_algorithms(True)`` makes
-            every backward deterministic whatever this says. The forward always is.
+            and so dQ's last bits, vary between runs, where that is faster (on H100/H200: head dim 64,
+            8k or more queries and keys, no window, not packed); ``torch.use_deterministic_algorithms
+            (True)`` makes every backward deterministic whatever this says. The forward always is.
 
     Returns:
         out [batch, seqlen_q, heads_q, head_dim] in q's dtype; with ``return_lse``, (out, lse) where
@@ -332,8 +333,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     FlashAttention), and offsets that break these rules are undefined behaviour (rows past a
     too-small max_seqlen are never written). ``triflash.api.CHECK_CU_SEQLENS = True`` checks them on
     the host on every call (one synchronisation; skipped under torch.compile and CUDA graph
-    capture). The Triton kernel runs every GPU (on Hopper, not
-    yet the Gluon fast path of ``flash_attn_func``).
+    capture). On H100/H200 the Hopper kernels take packed sequences at head dim 128 (forward and
+    backward) and the forward at 64 where ``flash_attn_func``'s rule would; elsewhere the Triton kernels.
     """
     key = None
     if not torch.compiler.is_compiling():      # traced calls: no keys (data_ptr is opaque)
