@@ -30,7 +30,7 @@ Score variants (``scores``: softcap, ALiBi, attention sinks; [Note: score varian
 the Gluon forward and backward where those apply and ``GLUON_FORWARD_SCORES`` /
 ``GLUON_BACKWARD_SCORES`` list them for the head dim (a forced Gluon variant takes any), and elsewhere
 on the portable Triton kernels. Both decode kernels take them (and windows); the chooser gives them
-the Gluon one only when ``GLUON_DECODE_VARIANTS`` is on.
+the Gluon one by the plain rule while ``GLUON_DECODE_VARIANTS`` is on (the Triton one when off).
 ``force()`` makes the choice for calls made through the public functions (tests and benchmarks), without
 replacing any function.
 The measurements behind each rule: docs/performance.md and docs/performance-notes.md.
@@ -504,11 +504,9 @@ def backward(dout, q, k, v, out, lse, sm_scale: float, causal: bool, *, dlse=Non
 # Decode
 # --------------------------------------------------------------------------------------------------
 
-# Windows and score variants on the Gluon decode kernel where the chooser takes it: compiled for
-# sm_90 (no spills; the plain kernels' SASS unchanged) but not yet run on a GPU, so until
-# tests/test_decode_hopper.py's cases pass there they take the Triton kernel (a forced
-# ``DecodeConfig(kernel="gluon")`` runs them).
-GLUON_DECODE_VARIANTS = False
+# Windows and score variants on the Gluon decode kernel where the chooser takes it (off: the Triton
+# kernel for them). Timed against the Triton kernel: docs/performance.md#decode-with-windows-and-score-variants.
+GLUON_DECODE_VARIANTS = True
 
 
 @on_input_device
