@@ -9,10 +9,11 @@
 #   bash scripts/gpu_checks.sh rest  # decode, merge, SDPA routing, compile, validation, layouts
 #   bash scripts/gpu_checks.sh variants  # score variants (the Hopper kernels' too), atomic dQ, the
 #                                        # single-launch backward, deterministic=, call plans
-#   bash scripts/gpu_checks.sh pending   # what no GPU has run yet, first: the Gluon decode kernel with
-#                                        # windows and score variants, ALiBi's distance per head dim and
-#                                        # its large-slope test, the one-pass backward (split_tma) under
-#                                        # every score variant and unforced
+#   bash scripts/gpu_checks.sh pending   # the latest additions' tests (passed on an H100, 2026-12-07):
+#                                        # the Gluon decode kernel with windows and score variants,
+#                                        # ALiBi's distance per head dim and its large-slope test, the
+#                                        # one-pass backward (split_tma) under every score variant and
+#                                        # unforced
 #
 # Logs go to $OUT (the device tool's folder that comes back), a short summary to stdout. The hang
 # guard (tests/conftest.py) ends a test that runs past TRIFLASH_TEST_TIMEOUT seconds.
